@@ -1,0 +1,65 @@
+"""Compose a recipe, check it, plan it, and launch it through nemo-run.
+
+    python launch/run.py model=llama3_70b precision=fp8_current trainer.max_steps=50
+    python launch/run.py model=llama3_8b model.num_layers=4 dryrun=true
+    python launch/run.py -m precision=bf16,fp8_current
+
+Groups (conf/): model, precision, gpu, executor, data. `--cfg job` prints the composed config, `--help` the options.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from recipes.config import Config, ConfigError, save_config  # noqa: E402
+from recipes.hydra_schema import check_override_keys, register_schema  # noqa: E402
+from recipes.launcher import launch  # noqa: E402
+from recipes.plan import describe, make_plan, resolve  # noqa: E402
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+def run_dir(cfg: DictConfig) -> Path:
+    """The run's directory: run.dir for a single run; one folder per job under the sweep dir for -m."""
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return Path(hydra_cfg.sweep.dir, hydra_cfg.sweep.subdir).resolve()
+    return Path(cfg.run.dir).resolve()
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def main(dict_cfg: DictConfig) -> None:
+    directory = run_dir(dict_cfg)
+    dict_cfg.run.dir = str(directory)
+    cfg: Config = resolve(OmegaConf.to_object(dict_cfg))
+    config_path = directory / "config.yaml"
+    try:
+        plan = make_plan(cfg, config_path)
+    except ConfigError as error:
+        sys.exit(f"error: {error}")
+    print(describe(plan), flush=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, config_path)
+    if cfg.dryrun:
+        print(f"dry run: nothing launched; the resolved config is {config_path}, and the command above runs it")
+        return
+    status = launch(plan, config_path)
+    if status:
+        sys.exit(status)
+
+
+if __name__ == "__main__":
+    register_schema()
+    try:
+        check_override_keys([arg for arg in sys.argv[1:] if not arg.startswith("-") and "=" in arg])
+    except ConfigError as error:
+        sys.exit(f"error: {error}")
+    main()

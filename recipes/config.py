@@ -1,0 +1,238 @@
+"""The run configuration: one typed schema shared by Hydra (at compose time) and the engines (at run time).
+
+Hydra composes `conf/` into these dataclasses (see `recipes.hydra_schema`), so a typo, an unknown key or a wrong
+type fails before anything launches. The launcher writes the resolved result to `<run dir>/config.yaml`; an
+engine reads it back with `load_config`, which needs only PyYAML, so a GPU job needs neither Hydra nor nemo-run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class Normalization(str, enum.Enum):
+    rmsnorm = "rmsnorm"  # Llama 3
+    layernorm1p = "layernorm1p"  # Nemotron-4: LayerNorm whose gamma is stored zero-centred (weight + 1)
+
+
+class Activation(str, enum.Enum):
+    swiglu = "swiglu"  # gated: silu(x W_gate) * (x W_up)
+    squared_relu = "squared_relu"  # not gated: relu(x W_up) ** 2
+
+
+class Recipe(str, enum.Enum):
+    """Scaling recipes, named as megatron-core's `fp8_recipe` names them (bf16 = no FP8)."""
+
+    bf16 = "bf16"
+    delayed = "delayed"
+    tensorwise = "tensorwise"
+    blockwise = "blockwise"
+    mxfp8 = "mxfp8"
+
+
+class Fp8Format(str, enum.Enum):
+    hybrid = "hybrid"  # E4M3 forward (activations, weights), E5M2 backward (gradients)
+    e4m3 = "e4m3"  # E4M3 everywhere
+
+
+class AmaxComputeAlgo(str, enum.Enum):
+    max = "max"
+    most_recent = "most_recent"
+
+
+class DataKind(str, enum.Enum):
+    indexed = "indexed"  # a Megatron indexed dataset (.bin/.idx); the bundled text corpus when no path is given
+    mock = "mock"  # uniformly random tokens: for throughput, not for loss curves
+
+
+@dataclass
+class RopeScaling:
+    """Llama 3.1 frequency-dependent RoPE scaling."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    name: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int  # head dimension
+    vocab_size: int
+    seq_length: int
+    normalization: Normalization = Normalization.rmsnorm
+    activation: Activation = Activation.swiglu
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    rotary_percent: float = 1.0  # fraction of each head's dimensions that RoPE rotates
+    rope_scaling: Optional[RopeScaling] = None
+    init_std: float = 0.02
+
+
+@dataclass
+class PrecisionConfig:
+    name: str
+    recipe: Recipe = Recipe.bf16
+    fp8_format: Optional[Fp8Format] = None  # required for every recipe but bf16
+    fp8_wgrad: bool = True  # False: the wgrad GEMM runs in BF16
+    amax_history_len: int = 1024  # delayed scaling only
+    amax_compute_algo: AmaxComputeAlgo = AmaxComputeAlgo.max  # delayed scaling only
+    margin: int = 0  # scale = fp8_max / amax / 2**margin
+    num_layers_at_start_in_bf16: int = 0
+    num_layers_at_end_in_bf16: int = 0
+    fp8_param_gather: bool = False  # all-gather FP8 weights (sharded engines only)
+    emulate: bool = False  # allow a recipe without native kernels on this GPU to run emulated (labelled as such)
+
+
+@dataclass
+class GpuConfig:
+    name: str  # h100, h200, b200, gb200, cpu, or auto (detect at launch)
+    arch: str  # hopper, blackwell, cpu
+    compute_capability: Optional[float] = None
+    peak_tflops_bf16: Optional[float] = None  # dense datasheet peak per GPU; None where no peak is published
+    peak_tflops_fp8: Optional[float] = None
+    memory_gb: Optional[float] = None  # datasheet memory per GPU
+    gpus_per_node: int = 1
+
+
+@dataclass
+class ExecutorConfig:
+    name: str = "local"
+    gpus: int = 1  # processes per node: one per GPU (or CPU processes on a CPU-only machine)
+    nodes: int = 1
+    nemo_run_home: str = "${run.root}/nemo_run"  # where nemo-run keeps its experiment records
+
+
+@dataclass
+class DataConfig:
+    name: str
+    kind: DataKind = DataKind.indexed
+    path: Optional[str] = None  # Megatron indexed dataset prefix (PREFIX.bin/.idx); None: the bundled corpus
+    cache_dir: str = "~/.cache/fp8-recipes"
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 100
+    micro_batch_size: int = 4
+    global_batch_size: int = 8  # per optimizer step, over all processes (gradient accumulation fills the rest)
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 1234
+    compile: Optional[bool] = None  # None: compile on GPU, not on CPU
+    log_interval: int = 10
+
+
+@dataclass
+class RunConfig:
+    root: str = "runs"
+    name: str = "${model.name}-${precision.name}"
+    dir: str = "${run.root}/${now:%Y%m%d-%H%M%S}-${run.name}"
+
+
+@dataclass
+class Config:
+    model: ModelConfig
+    precision: PrecisionConfig
+    gpu: GpuConfig
+    executor: ExecutorConfig
+    data: DataConfig
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    engine: str = "torch"
+    dryrun: bool = False
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the fix."""
+
+
+# ---- reading and writing the resolved config (plain YAML, no Hydra) ----
+
+
+def to_dict(cfg: Any) -> dict:
+    """Plain, YAML-safe dict of a config dataclass (enums as their values)."""
+
+    def plain(value: Any) -> Any:
+        if dataclasses.is_dataclass(value):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, enum.Enum):
+            return value.value
+        return value
+
+    return plain(cfg)
+
+
+def from_dict(cls: type, data: dict, where: str = "") -> Any:
+    """Build dataclass `cls` from a plain dict, rejecting unknown keys and values of the wrong type."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in '{where or 'config'}'; valid keys: {sorted(known)}")
+    values = {name: _coerce(hints[name], value, f"{where}.{name}".lstrip(".")) for name, value in data.items()}
+    return cls(**values)
+
+
+def _coerce(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _coerce(inner, value, where)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"'{where}' must be a mapping, got {value!r}")
+        return from_dict(hint, value, where)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            raise ConfigError(f"'{where}' = {value!r}; valid values: {[m.value for m in hint]}") from None
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and not (isinstance(value, hint) and not (hint is int and isinstance(value, bool))):
+        raise ConfigError(f"'{where}' must be {hint.__name__}, got {value!r}")
+    return value
+
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+def load_option(group: str, name: str) -> Any:
+    """One option of a conf/ group (conf/GROUP/NAME.yaml) as its dataclass, for tools that do not compose."""
+    path = CONF_DIR / group / f"{name}.yaml"
+    if not path.is_file():
+        options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        raise ConfigError(f"no option '{name}' in conf/{group}; available: {', '.join(options)}")
+    schema = typing.get_type_hints(Config)[group]
+    return from_dict(schema, yaml.safe_load(path.read_text()), group)
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def load_config(path: Path | str) -> Config:
+    return from_dict(Config, yaml.safe_load(Path(path).read_text()))

@@ -1,0 +1,152 @@
+"""The PyTorch engine: train a model from a resolved config file.
+
+    python -m recipes.engine.torch_engine RUN_DIR/config.yaml        (or under torchrun for several processes)
+
+Reads only the resolved YAML written by `launch/run.py` (no Hydra, no nemo-run); the run directory is the
+folder holding that file, and the metrics are written there. Builds the model from
+conf/model, swaps its block linears for FP8 ones as the precision asks, trains with AdamW under BF16 autocast,
+and writes `metrics.jsonl` and `summary.json` into the run directory. Several processes train data-parallel
+(DDP; NCCL on GPUs, Gloo on CPUs), each reading its own slice of every global batch.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from recipes.config import Config, load_config
+from recipes.data import make_dataset
+from recipes.engine.console import print_step, print_summary
+from recipes.engine.training import NonFiniteError, build_optimizer, compile_blocks, learning_rate, optimizer_step
+from recipes.fp8 import convert_to_fp8
+from recipes.metrics import MetricsWriter, StepMetrics, step_metrics, summarize, write_summary
+from recipes.models.transformer import Transformer
+from recipes.provenance import provenance
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world_size, device
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def build_model(cfg: Config, device: torch.device) -> nn.Module:
+    generator = torch.Generator(device).manual_seed(cfg.trainer.seed)
+    with torch.device(device):
+        model = Transformer(cfg.model)
+    model.init_weights(generator)
+    convert_to_fp8(model.layers, cfg.precision)
+    should_compile = cfg.trainer.compile if cfg.trainer.compile is not None else device.type == "cuda"
+    if should_compile:
+        compile_blocks(model.layers)
+    return model
+
+
+class MicroBatches:
+    """Reads the micro-batches of this process: rank r takes its slice of every global batch, in order."""
+
+    def __init__(self, cfg: Config, rank: int, world_size: int, device: torch.device):
+        self.dataset = make_dataset(cfg.data, cfg.model.seq_length, cfg.model.vocab_size, cfg.trainer.seed)
+        self.mbs, self.gbs = cfg.trainer.micro_batch_size, cfg.trainer.global_batch_size
+        self.rank, self.world_size, self.device = rank, world_size, device
+
+    def get(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        first = (step - 1) * self.gbs + (micro * self.world_size + self.rank) * self.mbs
+        rows = torch.stack([torch.from_numpy(self.dataset[first + j]) for j in range(self.mbs)])
+        rows = rows.to(self.device, non_blocking=True)
+        return rows[:, :-1], rows[:, 1:]
+
+
+def train(cfg: Config, run_dir: Path) -> dict:
+    rank, world_size, device = setup_distributed()
+    is_logger = rank == 0
+    model = build_model(cfg, device)
+    if world_size > 1:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = build_optimizer(model, cfg.trainer, device)
+    batches = MicroBatches(cfg, rank, world_size, device)
+    accumulation = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * world_size)
+    writer = MetricsWriter(run_dir) if is_logger else None
+    history: list[StepMetrics] = []
+
+    def step_loss(step: int):
+        def micro_batch_loss(micro: int) -> torch.Tensor:
+            tokens, labels = batches.get(step, micro)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                logits = model(tokens)
+            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+        return micro_batch_loss
+
+    try:
+        for step in range(1, cfg.trainer.max_steps + 1):
+            lr = learning_rate(step, cfg.trainer)
+            start = time.perf_counter()
+            try:
+                loss, grad_norm = optimizer_step(
+                    step_loss(step), accumulation, model, optimizer, lr, cfg.trainer.grad_clip
+                )
+            except NonFiniteError as error:
+                if writer:
+                    writer.write(step_metrics(cfg, step, error.loss, error.grad_norm, lr, float("nan"), world_size, peak_memory_gib(device)))
+                raise NonFiniteError(error.loss, error.grad_norm) from None
+            if world_size > 1:
+                dist.all_reduce(loss)  # a sum: Gloo has no average
+                loss /= world_size
+            loss_value, grad_norm_value = loss.item(), grad_norm.item()
+            elapsed = time.perf_counter() - start
+            metrics = step_metrics(cfg, step, loss_value, grad_norm_value, lr, elapsed, world_size, peak_memory_gib(device))
+            history.append(metrics)
+            if writer:
+                writer.write(metrics)
+                if step == 1 or step % cfg.trainer.log_interval == 0 or step == cfg.trainer.max_steps:
+                    print_step(metrics, cfg.trainer.max_steps)
+    finally:
+        if writer:
+            writer.close()
+    summary = summarize(cfg, history, world_size, provenance())
+    if is_logger:
+        write_summary(run_dir, summary)
+        print_summary(summary, run_dir)
+    if world_size > 1:
+        dist.destroy_process_group()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m recipes.engine.torch_engine RUN_DIR/config.yaml", file=sys.stderr)
+        return 2
+    config_path = Path(args[0])
+    cfg = load_config(config_path)
+    try:
+        train(cfg, run_dir=config_path.parent)
+    except NonFiniteError as error:
+        print(f"error: training stopped: {error} (precision={cfg.precision.name})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The pieces of an optimizer step that the engine and the benchmarks share."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+
+from recipes.config import TrainerConfig
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm is inf or NaN: the step is not applied and training stops."""
+
+    def __init__(self, loss: float, grad_norm: float):
+        super().__init__(f"loss {loss} / gradient norm {grad_norm} is not finite")
+        self.loss, self.grad_norm = loss, grad_norm
+
+
+def compile_blocks(layers: nn.ModuleList) -> None:
+    """Compile each transformer block in place: identical blocks share one compiled graph, and parameter names
+    (hence checkpoints) stay those of the eager model."""
+    for layer in layers:
+        layer.compile()
+
+
+def build_optimizer(model: nn.Module, trainer: TrainerConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW on the FP32 master weights; no weight decay on norms (1-D parameters), as Megatron does."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": trainer.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(
+        groups, lr=trainer.lr, betas=(trainer.adam_beta1, trainer.adam_beta2), eps=trainer.adam_eps, fused=fused
+    )
+
+
+def learning_rate(step: int, trainer: TrainerConfig) -> float:
+    """Linear warm-up to `lr` over `warmup_steps`, then cosine decay to `min_lr` at `max_steps` (step is 1-based)."""
+    if step <= trainer.warmup_steps:
+        return trainer.lr * step / max(1, trainer.warmup_steps)
+    progress = (step - trainer.warmup_steps) / max(1, trainer.max_steps - trainer.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return trainer.min_lr + (trainer.lr - trainer.min_lr) * cosine
+
+
+def optimizer_step(
+    micro_batch_loss: Callable[[int], torch.Tensor],
+    num_micro_batches: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr: float,
+    grad_clip: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of each micro-batch (gradients accumulate), clip, one optimizer step.
+
+    Returns the mean loss and the gradient norm before clipping. Raises NonFiniteError, before the weights are
+    touched, when either is inf or NaN (one host sync per step). Under DDP gradients are all-reduced only
+    after the last micro-batch.
+    """
+    total = torch.zeros((), device=next(model.parameters()).device)
+    no_sync = getattr(model, "no_sync", contextlib.nullcontext)
+    for micro in range(num_micro_batches):
+        with no_sync() if micro < num_micro_batches - 1 else contextlib.nullcontext():
+            loss = micro_batch_loss(micro) / num_micro_batches
+            loss.backward()
+        total += loss.detach()
+    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
+    if not bool(torch.isfinite(total) & torch.isfinite(grad_norm)):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteError(total.item(), grad_norm.item())
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, grad_norm

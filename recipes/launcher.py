@@ -1,0 +1,44 @@
+"""Hand a planned run to nemo-run: the local machine (LocalExecutor; torchrun for several processes).
+
+The task is the engine module with one argument, the resolved config file; every other setting travels inside
+that file, so no user value is ever spliced into a command line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from recipes.config import ConfigError
+from recipes.plan import ENGINE_MODULE, Plan
+from recipes.provenance import REPO_ROOT
+
+
+def launch(plan: Plan, config_path: Path) -> int:
+    """Run the job through nemo-run, stream its output, and return 0 when it succeeded."""
+    import nemo_run as run  # imported here: planning and dry runs do not need it
+
+    cfg = plan.cfg
+    if cfg.executor.name != "local":
+        raise ConfigError(f"executor={cfg.executor.name} is not available yet; use executor=local")
+    # torchrun must come from this interpreter's environment, whatever PATH the user's shell had.
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    executor = run.LocalExecutor(
+        ntasks_per_node=cfg.executor.gpus,
+        launcher="torchrun" if plan.processes > 1 else None,
+        env_vars={"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+                  "LOGLEVEL": "WARNING", "PYTHONUNBUFFERED": "1"},
+    )
+    task = run.Script(path=ENGINE_MODULE[cfg.engine], m=True, entrypoint=sys.executable, args=[str(config_path)])
+    base_dir = Path(cfg.executor.nemo_run_home).expanduser().resolve()
+    with run.Experiment(cfg.run.name, executor=executor, base_dir=str(base_dir), log_level="WARN") as experiment:
+        experiment.add(task, name="train")
+        experiment.run(sequential=True, tail_logs=True, detach=False)
+    status = experiment.status(return_dict=True) or {}
+    states = {name: str(job.get("status")) for name, job in status.items()}
+    failed = {name: state for name, state in states.items() if state != "SUCCEEDED"}
+    if failed:
+        print(f"error: job(s) did not succeed: {failed}; logs under {base_dir}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,129 @@
+"""Per-step training metrics: what is counted, how, and where it is written.
+
+Model FLOPs per token follow Megatron-LM's `num_floating_point_operations` for a dense GQA transformer, so our
+TFLOP/s are comparable with Megatron's and NVIDIA's published figures:
+
+    per layer:  6 * [ h * (q + 2 * kv)          QKV projection
+                    + q * h                     output projection
+                    + m * h * f ]               MLP (m = 3 for SwiGLU, 2 for squared ReLU)
+              + 6 * q * s                       QK^T and (QK^T)V, half of each counted (causal mask)
+    plus        6 * h * V                       output layer (logits)
+
+with h hidden, f ffn, q = heads * head_dim, kv = groups * head_dim, s sequence length, V vocabulary. The factor 6
+is 2 FLOPs per multiply-add times 3 GEMMs (fprop, dgrad, wgrad). Recomputation is not counted (model FLOPs).
+
+MFU divides model TFLOP/s by the GPU's dense BF16 datasheet peak for every recipe, FP8 included, so MFU ratios
+between recipes equal their speedups. On a CPU there is no published peak and MFU is null.
+
+Steady state: `summary.json` holds medians over the steps after the first `warmup_steps(n)` of n steps
+(10%, at least 1: the first step includes compilation and allocator warm-up).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+from recipes.config import Activation, Config, ModelConfig
+
+
+def flops_per_token(model: ModelConfig, include_output_layer: bool = True) -> float:
+    h, f, s = model.hidden_size, model.ffn_hidden_size, model.seq_length
+    q = model.num_attention_heads * model.kv_channels
+    kv = model.num_query_groups * model.kv_channels
+    mlp_matrices = 3 if model.activation == Activation.swiglu else 2
+    per_layer = 6 * (h * (q + 2 * kv) + q * h + mlp_matrices * h * f) + 6 * q * s
+    logits = 6 * h * model.vocab_size if include_output_layer else 0
+    return float(model.num_layers * per_layer + logits)
+
+
+def warmup_steps(num_steps: int) -> int:
+    return max(1, num_steps // 10)
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    model_tflops_per_gpu: float
+    mfu: Optional[float]
+    peak_memory_gib: float
+
+
+def step_metrics(
+    cfg: Config, step: int, loss: float, grad_norm: float, lr: float, step_time_s: float, world_size: int, peak_memory_gib: float
+) -> StepMetrics:
+    tokens_per_gpu = cfg.trainer.global_batch_size * cfg.model.seq_length / world_size
+    tflops = tokens_per_gpu * flops_per_token(cfg.model) / step_time_s / 1e12
+    peak = cfg.gpu.peak_tflops_bf16
+    return StepMetrics(
+        step=step,
+        loss=loss,
+        grad_norm=grad_norm,
+        lr=lr,
+        step_time_s=step_time_s,
+        tokens_per_s_per_gpu=tokens_per_gpu / step_time_s,
+        model_tflops_per_gpu=tflops,
+        mfu=tflops / peak if peak else None,
+        peak_memory_gib=peak_memory_gib,
+    )
+
+
+class MetricsWriter:
+    """Appends one JSON line per step to `<run dir>/metrics.jsonl`, flushed so a crash loses nothing written."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+
+    def write(self, metrics: StepMetrics) -> None:
+        self._file.write(json.dumps(asdict(metrics)) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def summarize(cfg: Config, history: list[StepMetrics], world_size: int, extra: dict) -> dict:
+    """Steady-state medians (after warm-up) and the run's identity, for `<run dir>/summary.json`."""
+    skip = warmup_steps(len(history))
+    steady = history[skip:] or history
+
+    def median(field: str) -> Optional[float]:
+        values = [getattr(m, field) for m in steady if getattr(m, field) is not None]
+        return statistics.median(values) if values else None
+
+    return {
+        "model": cfg.model.name,
+        "precision": cfg.precision.name,
+        "recipe": cfg.precision.recipe.value,
+        "gpu": cfg.gpu.name,
+        "engine": cfg.engine,
+        "world_size": world_size,
+        "nodes": cfg.executor.nodes,
+        "num_layers": cfg.model.num_layers,
+        "seq_length": cfg.model.seq_length,
+        "micro_batch_size": cfg.trainer.micro_batch_size,
+        "global_batch_size": cfg.trainer.global_batch_size,
+        "steps": len(history),
+        "warmup_steps_excluded": skip,
+        "median_step_time_s": median("step_time_s"),
+        "tokens_per_s_per_gpu": median("tokens_per_s_per_gpu"),
+        "model_tflops_per_gpu": median("model_tflops_per_gpu"),
+        "mfu": median("mfu"),
+        "peak_memory_gib": max(m.peak_memory_gib for m in history),
+        "final_loss": history[-1].loss,
+        "emulated": cfg.precision.emulate,
+        **extra,
+    }
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,0 +1,180 @@
+"""Decoder-only transformers: Llama 3 / 3.1 and Nemotron-4, as megatron-core lays them out.
+
+    tokens -> embedding -> N x [x + attention(norm(x)); x + mlp(norm(x))] -> norm -> output layer -> logits
+
+Llama 3: RMSNorm, grouped-query attention with RoPE (base 500000, optional 3.1 frequency scaling), SwiGLU MLP.
+Nemotron-4: LayerNorm with zero-centred gamma ("layernorm1p"), RoPE on half of each head (base 10000),
+squared-ReLU MLP. Neither has biases in its linear layers; embeddings and output layer are untied.
+
+As in megatron-core, Q, K and V come from one fused linear layer (`qkv`) and the gated MLP's gate and up
+projections from one (`fc1`): fewer, larger GEMMs, and in FP8 one quantization of each input instead of several.
+
+Parameters are kept in FP32 (they are the optimizer's master weights); the residual stream and every GEMM run in
+`activation_dtype` (BF16). Each nn.Linear inside the blocks is a GEMM that `recipes.fp8.convert_to_fp8` may swap.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recipes.config import Activation, ModelConfig, Normalization, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight).to(x.dtype)
+
+
+class LayerNorm1p(nn.Module):
+    """LayerNorm whose stored gamma is centred on zero: the scale applied is (1 + weight)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.layer_norm(x.float(), x.shape[-1:], self.weight + 1, self.bias, self.eps)
+        return normed.to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    norm = {Normalization.rmsnorm: RMSNorm, Normalization.layernorm1p: LayerNorm1p}[cfg.normalization]
+    return norm(cfg.hidden_size, cfg.norm_eps)
+
+
+def rope_inverse_frequencies(rotary_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    if scaling is None:
+        return inv_freq.float()
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, interpolated)
+    return torch.where(wavelen < high_freq_wavelen, inv_freq, scaled).float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the first `rotary_dim` dimensions of each head (rotate-half layout, as Megatron and HF do)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.rotary_dim = int(cfg.kv_channels * cfg.rotary_percent)
+        inv_freq = rope_inverse_frequencies(self.rotary_dim, cfg.rope_base, cfg.rope_scaling)
+        angles = torch.outer(torch.arange(cfg.seq_length, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # (seq, rotary_dim)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (batch, heads, seq, head_dim)."""
+        seq = x.shape[-2]
+        rot, passthrough = x[..., : self.rotary_dim].float(), x[..., self.rotary_dim :]
+        first, second = rot.chunk(2, dim=-1)
+        rotated = torch.cat([-second, first], dim=-1)
+        rot = rot * self.cos[:seq] + rotated * self.sin[:seq]
+        return torch.cat([rot.to(x.dtype), passthrough], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.heads, self.groups, self.head_dim = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+        self.qkv = nn.Linear(cfg.hidden_size, (self.heads + 2 * self.groups) * self.head_dim, bias=False)
+        self.out = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        qkv = self.qkv(x).view(batch, seq, self.heads + 2 * self.groups, self.head_dim).transpose(1, 2)
+        q, k, v = qkv.split([self.heads, self.groups, self.groups], dim=1)
+        q, k = self.rotary(q), self.rotary(k)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.groups != self.heads)
+        return self.out(y.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gated = cfg.activation == Activation.swiglu
+        fc1_out = 2 * cfg.ffn_hidden_size if self.gated else cfg.ffn_hidden_size
+        self.fc1 = nn.Linear(cfg.hidden_size, fc1_out, bias=False)
+        self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.relu(h).square()
+        return self.fc2(h)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.attention_norm = make_norm(cfg)
+        self.attention = Attention(cfg, rotary)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, activation_dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.cfg = cfg
+        self.activation_dtype = activation_dtype
+        self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, rotary) for _ in range(cfg.num_layers))
+        self.final_norm = make_norm(cfg)
+        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens).to(self.activation_dtype)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.final_norm(x))
+
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        init_weights(self, self.cfg, generator)
+
+
+@torch.no_grad()
+def init_weights(module: nn.Module, cfg: ModelConfig, generator: torch.Generator | None = None) -> None:
+    """Megatron's init: N(0, std) everywhere, output projections of each block scaled by 1/sqrt(2 * layers)."""
+    residual_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+    for name, param in module.named_parameters():
+        if name.endswith(("norm.weight", "norm.bias")):
+            continue  # norms keep their identity initialisation
+        is_residual_projection = name.endswith(("attention.out.weight", "mlp.fc2.weight"))
+        param.normal_(0.0, residual_std if is_residual_projection else cfg.init_std, generator=generator)
+
+
+def count_parameters(cfg: ModelConfig) -> int:
+    """Exact parameter count, from the model itself built on the meta device (no memory is allocated)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,220 @@
+"""Preflight: resolve what the config leaves open, reject what cannot run, and say what will run.
+
+Everything here happens before launch, so a bad combination fails with a message naming the fix instead of a
+stack trace from inside an engine, and a recipe is never silently replaced by another precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from recipes.config import Config, ConfigError, ModelConfig, Recipe, load_option
+from recipes.fp8 import check_recipe_implemented
+from recipes.models.transformer import count_parameters
+
+ENGINE_MODULE = {"torch": "recipes.engine.torch_engine"}
+
+# Substrings of torch.cuda.get_device_name() -> conf/gpu option; "gb200" before "b200" (it contains it).
+KNOWN_GPUS = (("gb200", "gb200"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"))
+
+
+def detect_gpu() -> str:
+    """The conf/gpu option of the local device: cpu without CUDA; an unknown GPU is an error, not a guess."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    device_name = torch.cuda.get_device_name()
+    for token, option in KNOWN_GPUS:
+        if token in device_name.lower():
+            return option
+    raise ConfigError(
+        f"gpu=auto found '{device_name}', which has no file in conf/gpu; pass gpu=<one of "
+        f"{', '.join(option for _, option in KNOWN_GPUS)}, cpu> or add conf/gpu/<name>.yaml with its peaks"
+    )
+
+
+def resolve(cfg: Config) -> Config:
+    """Fill in what is decided at launch: the detected GPU for gpu=auto."""
+    if cfg.gpu.name == "auto":
+        cfg = dataclasses.replace(cfg, gpu=load_option("gpu", detect_gpu()))
+    return cfg
+
+
+def world_size(cfg: Config) -> int:
+    return cfg.executor.gpus * cfg.executor.nodes
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError for the first thing that cannot run."""
+    _validate_launch(cfg)
+    _validate_model(cfg.model)
+    _validate_precision(cfg)
+    _validate_batch(cfg)
+
+
+def _validate_launch(cfg: Config) -> None:
+    if cfg.engine not in ENGINE_MODULE:
+        raise ConfigError(f"engine={cfg.engine} is not available; valid engines: {', '.join(ENGINE_MODULE)}")
+    if cfg.executor.name == "local" and cfg.executor.nodes != 1:
+        raise ConfigError(f"executor=local runs on this machine only: set executor.nodes=1 (got {cfg.executor.nodes})")
+    if cfg.executor.gpus < 1:
+        raise ConfigError(f"executor.gpus must be at least 1 (got {cfg.executor.gpus})")
+    if cfg.executor.name == "local" and cfg.gpu.arch != "cpu" and not cfg.dryrun:
+        available = torch.cuda.device_count()
+        if cfg.executor.gpus > available:
+            raise ConfigError(f"executor.gpus={cfg.executor.gpus} but this machine has {available} GPU(s)")
+
+
+def _validate_model(model: ModelConfig) -> None:
+    if model.num_attention_heads % model.num_query_groups:
+        raise ConfigError(
+            f"model.num_attention_heads={model.num_attention_heads} must be a multiple of "
+            f"model.num_query_groups={model.num_query_groups}"
+        )
+    rotary_dim = model.kv_channels * model.rotary_percent
+    if rotary_dim != int(rotary_dim) or int(rotary_dim) % 2:
+        raise ConfigError(f"model.kv_channels * model.rotary_percent = {rotary_dim} must be an even integer")
+    if model.num_layers < 1:
+        raise ConfigError(f"model.num_layers must be at least 1 (got {model.num_layers})")
+
+
+def _validate_precision(cfg: Config) -> None:
+    precision, gpu = cfg.precision, cfg.gpu
+    if precision.recipe == Recipe.bf16:
+        return
+    if precision.fp8_format is None:
+        raise ConfigError(f"precision={precision.name}: set precision.fp8_format (hybrid or e4m3)")
+    if precision.recipe == Recipe.mxfp8 and gpu.arch != "blackwell" and not precision.emulate:
+        raise ConfigError(
+            f"precision=mxfp8 runs natively only on Blackwell GPUs (b200, gb200); gpu={gpu.name} is {gpu.arch}. "
+            "Choose fp8_current or fp8_blockwise, or set precision.emulate=true to emulate it (slow; labelled)."
+        )
+    if precision.recipe == Recipe.blockwise and gpu.arch not in ("hopper", "blackwell") and not precision.emulate:
+        raise ConfigError(
+            f"precision=fp8_blockwise needs a Hopper or Blackwell GPU; gpu={gpu.name} is {gpu.arch}. "
+            "Set precision.emulate=true to emulate it."
+        )
+    check_recipe_implemented(precision)
+    bf16_layers = precision.num_layers_at_start_in_bf16 + precision.num_layers_at_end_in_bf16
+    if bf16_layers > cfg.model.num_layers:
+        raise ConfigError(
+            f"precision keeps {bf16_layers} layers in BF16 but model.num_layers={cfg.model.num_layers}"
+        )
+    model = cfg.model
+    gemm_dims = {
+        "hidden_size": model.hidden_size,
+        "ffn_hidden_size": model.ffn_hidden_size,
+        "num_attention_heads * kv_channels": model.num_attention_heads * model.kv_channels,
+        "num_query_groups * kv_channels": model.num_query_groups * model.kv_channels,
+        "micro_batch_size * seq_length": cfg.trainer.micro_batch_size * model.seq_length,
+    }
+    for name, value in gemm_dims.items():
+        if value % 16:
+            raise ConfigError(f"FP8 GEMMs need dimensions divisible by 16: {name} = {value}")
+
+
+def _validate_batch(cfg: Config) -> None:
+    trainer, dp = cfg.trainer, world_size(cfg)
+    per_step = trainer.micro_batch_size * dp
+    if trainer.global_batch_size % per_step:
+        fixed = max(per_step, round(trainer.global_batch_size / per_step) * per_step)
+        raise ConfigError(
+            f"trainer.global_batch_size={trainer.global_batch_size} must be a multiple of micro_batch_size x "
+            f"data-parallel size = {trainer.micro_batch_size} x {dp} = {per_step}; "
+            f"e.g. trainer.global_batch_size={fixed}"
+        )
+    if trainer.max_steps < 1:
+        raise ConfigError(f"trainer.max_steps must be at least 1 (got {trainer.max_steps})")
+
+
+@dataclass
+class MemoryEstimate:
+    """Per-GPU bytes for one data-parallel replica holding the whole model (the torch engine has no sharding yet)."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+
+def estimate_memory(cfg: Config, parameters: int) -> MemoryEstimate:
+    """FP32 master weights and gradients, two FP32 Adam moments, and the tensors saved for the backward.
+
+    Saved per token and layer (approximate; compilation can recompute some): the two norm inputs and the
+    residual (3h), Q, K, V (q + 2kv), attention output and its softmax statistics (2q), fc1 output and the
+    activation (fc1 + f); inputs of the four GEMMs are saved once more in FP8 (1 byte) by the FP8 recipes.
+    Plus the logits, in BF16 and as FP32 for the loss (6 bytes per vocabulary entry).
+    """
+    m = cfg.model
+    q, kv = m.num_attention_heads * m.kv_channels, m.num_query_groups * m.kv_channels
+    fc1 = 2 * m.ffn_hidden_size if m.activation.value == "swiglu" else m.ffn_hidden_size
+    per_token_layer = 2 * (3 * m.hidden_size + q + 2 * kv + 2 * q + fc1 + m.ffn_hidden_size)
+    if cfg.precision.recipe != Recipe.bf16:
+        per_token_layer += 2 * m.hidden_size + q + m.ffn_hidden_size
+    tokens = cfg.trainer.micro_batch_size * m.seq_length
+    activations = tokens * (m.num_layers * per_token_layer + 6 * m.vocab_size)
+    return MemoryEstimate(4.0 * parameters, 4.0 * parameters, 8.0 * parameters, float(activations))
+
+
+@dataclass
+class Plan:
+    cfg: Config
+    parameters: int
+    memory: MemoryEstimate
+    command: list[str]
+
+    @property
+    def processes(self) -> int:
+        return world_size(self.cfg)
+
+
+def engine_command(cfg: Config, config_path: Path) -> list[str]:
+    module = ENGINE_MODULE[cfg.engine]
+    if world_size(cfg) > 1:
+        return ["torchrun", f"--nproc-per-node={cfg.executor.gpus}", f"--nnodes={cfg.executor.nodes}", "-m", module, str(config_path)]
+    return [sys.executable, "-m", module, str(config_path)]
+
+
+def make_plan(cfg: Config, config_path: Path) -> Plan:
+    validate(cfg)
+    parameters = count_parameters(cfg.model)
+    return Plan(cfg, parameters, estimate_memory(cfg, parameters), engine_command(cfg, config_path))
+
+
+def describe(plan: Plan) -> str:
+    cfg, mem = plan.cfg, plan.memory
+    t = cfg.trainer
+    accumulation = t.global_batch_size // (t.micro_batch_size * plan.processes)
+    gib = 2**30
+    capacity = f" of {cfg.gpu.memory_gb:.0f} GB" if cfg.gpu.memory_gb else ""
+    over = (
+        "  <- does not fit: use fewer layers (model.num_layers=N) or a smaller trainer.micro_batch_size"
+        if cfg.gpu.memory_gb and mem.total > cfg.gpu.memory_gb * 1e9
+        else ""
+    )
+    lines = [
+        f"model       {cfg.model.name}: {plan.parameters:,} parameters, {cfg.model.num_layers} layers, "
+        f"hidden {cfg.model.hidden_size}, seq {cfg.model.seq_length}",
+        f"precision   {cfg.precision.name} (recipe {cfg.precision.recipe.value}"
+        + (f", format {cfg.precision.fp8_format.value}" if cfg.precision.fp8_format else "")
+        + (", emulated" if cfg.precision.emulate else "")
+        + ")",
+        f"gpu         {cfg.gpu.name} ({cfg.gpu.arch}), {plan.processes} process(es) on {cfg.executor.nodes} node(s), "
+        f"executor {cfg.executor.name}, engine {cfg.engine}",
+        f"batch       micro {t.micro_batch_size} x {plan.processes} processes x {accumulation} accumulation = "
+        f"global {t.global_batch_size} sequences; {t.max_steps} steps, lr {t.lr} (warm-up {t.warmup_steps}, cosine to {t.min_lr})",
+        f"data        {cfg.data.name} ({cfg.data.kind.value}" + (f", {cfg.data.path}" if cfg.data.path else "") + ")",
+        f"memory/GPU  ~{mem.total / gib:,.1f} GiB{capacity} (weights {mem.weights / gib:,.1f}, grads "
+        f"{mem.gradients / gib:,.1f}, Adam {mem.optimizer / gib:,.1f}, activations {mem.activations / gib:,.1f}){over}",
+        f"run dir     {cfg.run.dir}",
+        f"command     {' '.join(plan.command)}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,251 @@
+"""From command-line inputs to runs: run directories, nemo-run experiments (any folder tree), raw log files.
+
+- A folder with a metrics.jsonl is a run directory of this project (config.yaml and summary.json beside it);
+  log files inside it are not read again.
+- Any other folder (a nemo-run experiment, a folder of Slurm logs) is searched for run directories and for log
+  files (*.out, *.err, *.log, *.txt).
+- A *.jsonl file is a metrics file; any other file is a log.
+- Slurm logs `log-<name>_<jobid>_<restart>.out|.err` of one job name in one folder are one run: a requeued or
+  resubmitted job writes a new file and redoes the steps since its checkpoint; files are read in (job id,
+  restart) order and for a step logged more than once the newest file wins.
+- A nemo-run task keeps its command in `<task>/configs/<task>_config.yaml`; when an argument of that command is a
+  resolved config.yaml with a metrics.jsonl beside it (this project's engines), that folder is the task's run
+  directory, read instead of the task's console logs.
+- stdout.log and stderr.log of one folder (nemo-run's local executor) are one run, named after its folders; where
+  the folder also holds combined.log (both streams), only that is read.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from recipes.report import metadata
+from recipes.report.parse import FileRead, read_log, read_metrics_jsonl
+from recipes.report.records import Run, merge_steps
+
+LOG_SUFFIXES = {".out", ".err", ".log", ".txt"}
+SLURM_LOG = re.compile(r"^log-(?P<name>.+)_(?P<job>\d+)_(?P<restart>\d+)\.(?P<stream>out|err)$")
+LOCAL_LOG = re.compile(r"^(?P<stream>combined|stdout|stderr)\.log$")  # nemo-run local: <task>/<app>/<role>/<n>/
+ENGINE_OF_FORMAT = {"megatron": "megatron", "nemo2": "nemo"}
+
+
+class InputError(ValueError):
+    """An input that does not exist or cannot be read: a usage error."""
+
+
+@dataclass
+class Source:
+    kind: str  # "run_dir" (a folder with metrics.jsonl), "jsonl" (a metrics file), "logs"
+    paths: list[Path]  # the run folder, the metrics file, or the log files in the order they were written
+    name: str  # the run's default name; file-name tokens are read from it
+    root: Path  # a log's resolved config is searched for from its folder up to here
+
+
+def find_sources(inputs: list[str], base: Path) -> list[Source]:
+    """Inputs (paths relative to base, or absolute) -> sources. Raises InputError."""
+    run_dirs: list[tuple[Path, Path]] = []  # (folder, root)
+    jsonl_files: list[Path] = []
+    log_files: list[tuple[Path, Path]] = []
+    tasks_with_run_dirs: set[Path] = set()
+    for given in inputs:
+        path = (base / given).resolve() if not os.path.isabs(given) else Path(given).resolve()
+        if not path.exists():
+            raise InputError(f"{given}: no such file or directory")
+        if path.is_dir() and (path / "metrics.jsonl").is_file():
+            run_dirs.append((path, path))
+        elif path.is_dir():
+            for folder, subfolders, files in os.walk(path):
+                subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+                folder_path = Path(folder)
+                if "metrics.jsonl" in files:
+                    run_dirs.append((folder_path, path))
+                    subfolders[:] = []
+                    continue
+                log_files += [(folder_path / f, path) for f in sorted(files) if Path(f).suffix in LOG_SUFFIXES]
+                if folder_path.name == "configs":
+                    found = _nemo_run_run_dirs(folder_path, files)
+                    run_dirs += [(run_dir, run_dir) for run_dir in found]
+                    if found:
+                        tasks_with_run_dirs.add(folder_path.parent)
+        elif path.suffix == ".jsonl":
+            jsonl_files.append(path)
+        elif not os.access(path, os.R_OK):
+            raise InputError(f"{given}: not readable")
+        else:
+            log_files.append((path, path.parent))
+
+    sources: list[Source] = []
+    seen: set[Path] = set()
+    for folder, root in run_dirs:
+        if folder not in seen:
+            seen.add(folder)
+            sources.append(Source("run_dir", [folder], folder.name, root))
+    for path in jsonl_files:
+        if path.parent not in seen and path not in seen:
+            seen.add(path)
+            sources.append(Source("jsonl", [path], path.parent.name, path.parent))
+    unique_logs = []
+    for path, root in log_files:
+        if path not in seen and not tasks_with_run_dirs.intersection(path.parents):
+            seen.add(path)
+            unique_logs.append((path, root))
+    return sources + _group_logs(unique_logs)
+
+
+def _nemo_run_run_dirs(configs: Path, files: list[str]) -> list[Path]:
+    found = []
+    for name in sorted(f for f in files if f.endswith("_config.yaml")):
+        try:
+            task = yaml.safe_load((configs / name).read_text(errors="replace"))
+        except (OSError, yaml.YAMLError):
+            continue
+        args = task.get("args") if isinstance(task, dict) else None
+        for arg in args if isinstance(args, list) else []:
+            config = Path(str(arg))
+            if config.name == "config.yaml" and config.is_absolute() and (config.parent / "metrics.jsonl").is_file():
+                found.append(config.parent.resolve())
+    return found
+
+
+def _group_logs(files: list[tuple[Path, Path]]) -> list[Source]:
+    groups: dict[tuple[Path, str], list[tuple[tuple, Path, Path]]] = {}
+    singles: list[Source] = []
+    for path, root in files:
+        match = SLURM_LOG.match(path.name)
+        if match:
+            order = (int(match["job"]), int(match["restart"]), match["stream"] == "err")
+            groups.setdefault((path.parent, match["name"]), []).append((order, path, root))
+        elif LOCAL_LOG.match(path.name):
+            if path.name != "combined.log" and (path.parent / "combined.log").is_file():
+                continue  # combined.log holds both streams
+            name = "-".join(path.parent.relative_to(root).parts) if root in path.parents else path.parent.name
+            order = (0, 0, path.name.startswith("stderr"))
+            groups.setdefault((path.parent, name or path.parent.name), []).append((order, path, root))
+        else:
+            singles.append(Source("logs", [path], path.stem, root))
+    for (_, name), members in groups.items():
+        members.sort(key=lambda member: member[0])
+        paths = [p for _, p, _ in members]
+        run_name = f"log-{name}_{members[0][0][0]}" if SLURM_LOG.match(paths[0].name) else name
+        singles.append(Source("logs", paths, run_name, members[0][2]))
+    return singles
+
+
+def display_path(path: Path, base: Path) -> str:
+    try:
+        return os.path.relpath(path, base)
+    except ValueError:
+        return str(path)
+
+
+# ---- reading one source into a Run ----
+
+
+def read_source(
+    source: Source, labels: list[tuple[str, dict[str, Any]]], base: Path
+) -> tuple[Optional[Run], list[str]]:
+    """A Run with merged metadata, or None (with notes saying why) when the source holds no usable record."""
+    config, summary = {}, {}
+    if source.kind == "logs":
+        reads = [read_log(path, display_path(path, base)) for path in source.paths]
+        config_dir = _config_dir(source.paths[0].parent, source.root)
+    else:
+        metrics = source.paths[0] / "metrics.jsonl" if source.kind == "run_dir" else source.paths[0]
+        reads = [read_metrics_jsonl(metrics, display_path(metrics, base))]
+        config_dir = metrics.parent
+    notes = [note for read in reads for note in read.notes]
+    if config_dir is not None:
+        config, more = _load(config_dir / "config.yaml", base, yaml.safe_load)
+        summary, even_more = _load(config_dir / "summary.json", base, json.loads)
+        notes += more + even_more
+
+    steps, repeats = merge_steps([read.steps for read in reads])
+    if not steps:
+        return None, notes
+    formats = [read.format for read in reads if read.format]
+    fmt = max(set(formats), key=formats.count)
+    if repeats:
+        notes.append(f"{source.name}: {repeats} step record(s) logged again after a restart: the last one kept")
+
+    header = _first_header(reads)
+    file_meta, file_notes = metadata.from_file_name(source.name)
+    layers = [
+        ("label", _label_values(source, labels, base)),
+        ("config", metadata.from_config(config, summary)),
+        ("header", metadata.from_header(header, [s.global_batch_size for s in steps if s.global_batch_size])),
+        ("file name", file_meta),
+        ("log format", {"engine": ENGINE_OF_FORMAT.get(fmt)}),
+    ]
+    meta, origin = metadata.merge(layers)
+    provenance = {key: summary[key] for key in ("commit", "versions", "device") if key in summary}
+    run = Run(
+        name=meta.get("name") or source.name,
+        format=fmt,
+        paths=source.paths,
+        steps=steps,
+        meta=meta,
+        meta_origin=origin,
+        provenance=provenance,
+        notes=notes + file_notes,
+    )
+    return run, []
+
+
+def _first_header(reads: list[FileRead]) -> dict[str, Any]:
+    header: dict[str, Any] = {}
+    for read in reads:
+        for key, value in read.header.items():
+            header.setdefault(key, value)
+    return header
+
+
+def _config_dir(folder: Path, root: Path) -> Optional[Path]:
+    """The nearest folder from a log's folder up to the input's root that holds a config.yaml."""
+    while True:
+        if (folder / "config.yaml").is_file():
+            return folder
+        if folder == root or folder.parent == folder or root not in folder.parents:
+            return None
+        folder = folder.parent
+
+
+def _load(path: Path, base: Path, loader) -> tuple[dict, list[str]]:
+    if not path.is_file():
+        return {}, []
+    try:
+        data = loader(path.read_text(errors="replace"))
+    except (ValueError, yaml.YAMLError) as error:
+        return {}, [f"{display_path(path, base)}: not read ({type(error).__name__}); its metadata is unknown"]
+    if not isinstance(data, dict):
+        return {}, [f"{display_path(path, base)}: not a mapping; its metadata is unknown"]
+    return data, []
+
+
+def _label_values(source: Source, labels: list[tuple[str, dict[str, Any]]], base: Path) -> dict[str, Any]:
+    """Values of every --label whose FILE matches this source; a later --label overrides an earlier one."""
+    values: dict[str, Any] = {}
+    for pattern, label in labels:
+        if label_matches(pattern, source, base):
+            values.update(label)
+    return values
+
+
+def label_matches(pattern: str, source: Source, base: Path) -> bool:
+    """FILE names a source's file or folder, or a folder above it: by path (relative to base or absolute), by
+    name, or as a glob pattern over either."""
+    target = (base / pattern).resolve() if not os.path.isabs(pattern) else Path(pattern).resolve()
+    names = [source.name]
+    for path in source.paths:
+        if path == target or target in path.parents:
+            return True
+        names.append(path.name)
+        names += [name for folder in (path, *path.parents) for name in (str(folder), display_path(folder, base))]
+    return any(fnmatch.fnmatchcase(name, pattern) for name in names)

@@ -1,0 +1,312 @@
+"""What a run was: model, precision, GPU, layout, batch, from whichever source knows it.
+
+A run directory carries its resolved config; a raw log carries little. Each source yields a partial dict of the
+keys in `KEYS`; they are merged in this order, the first source that knows a key winning:
+
+    1. label      --label FILE:key=value,...  (what the user says)
+    2. config     config.yaml / summary.json in the run directory, or the nearest config.yaml above a log
+    3. header     the log's own lines: Megatron's argument dump (parallel sizes, batch, fp8), global batch size
+    4. file name  recognisable tokens: conf/model names, precision names and short forms, GPU names, tp2, 8nodes ...
+    5. format     the log format implies the engine (Megatron lines -> megatron, NeMo 2 lines -> nemo)
+
+then values that follow from others are derived (world size = nodes x GPUs per node, DP = world / (TP PP CP),
+parameter count from the model's dimensions, the GPU's BF16 peak from conf/gpu). Nothing else is guessed: a key
+no source knows stays unknown.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from recipes.config import ConfigError, ModelConfig, from_dict
+from recipes.models.transformer import count_parameters as model_parameters
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+
+def _conf_options(group: str) -> dict[str, dict]:
+    """conf/GROUP/*.yaml as raw dicts: the one place that names the models, GPUs and precisions."""
+    return {path.stem: yaml.safe_load(path.read_text()) for path in sorted((REPO_ROOT / "conf" / group).glob("*.yaml"))}
+
+
+# Precision names (conf/precision) -> their scaling recipe (megatron-core's fp8_recipe names).
+PRECISIONS = {name: option["recipe"] for name, option in _conf_options("precision").items()}
+RECIPE_TO_PRECISION = {recipe: name for name, recipe in PRECISIONS.items()}
+# Short forms of NeMo/Megatron-Bridge performance scripts (ds, cs, ss = delayed, current, sub-channel scaling).
+# A bare "fp8" names no recipe: it stays "fp8" and compares with BF16 like any FP8 run.
+SHORT_PRECISIONS = {
+    "fp8ds": "fp8_delayed",
+    "fp8cs": "fp8_current",
+    "fp8ss": "fp8_blockwise",
+    "fp8mx": "mxfp8",
+    "fp8": "fp8",
+}
+PRECISION_ORDER = ["bf16", "fp8_delayed", "fp8_current", "fp8_blockwise", "mxfp8", "fp8"]
+
+
+INT_KEYS = ["nodes", "gpus_per_node", "world_size", "tp", "pp", "cp", "vp", "dp", "mbs", "gbs", "seq"]
+FLOAT_KEYS = ["params", "peak_tflops_bf16"]
+TEXT_KEYS = ["name", "model", "precision", "gpu", "engine"]
+KEYS = TEXT_KEYS + ["recipe", "emulated"] + INT_KEYS + FLOAT_KEYS
+LABEL_ALIASES = {"gpus": "gpus_per_node", "micro_batch_size": "mbs", "global_batch_size": "gbs", "seq_length": "seq"}
+SIZE_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+
+
+class LabelError(ValueError):
+    pass
+
+
+# ---- 1. labels ----
+
+
+def parse_label(text: str) -> tuple[str, dict[str, Any]]:
+    """`FILE:key=value,...` -> (FILE, {key: value}); FILE may be a glob pattern."""
+    equals = text.find("=")
+    colon = text.rfind(":", 0, equals) if equals > 0 else -1
+    if colon <= 0:
+        raise LabelError(f"--label {text!r}: expected FILE:key=value[,key=value...]")
+    target, values = text[:colon], {}
+    for item in text[colon + 1 :].split(","):
+        key, sep, value = item.partition("=")
+        key = LABEL_ALIASES.get(key.strip().lower(), key.strip().lower())
+        if not sep or not value.strip():
+            raise LabelError(f"--label {text!r}: {item!r} is not key=value")
+        if key not in KEYS or key == "recipe":
+            allowed = ", ".join(k for k in KEYS if k != "recipe")
+            raise LabelError(f"--label {text!r}: unknown key {key!r}; known keys: {allowed}")
+        values[key] = _label_value(key, value.strip(), text)
+    return target, values
+
+
+def _label_value(key: str, value: str, text: str) -> Any:
+    try:
+        if key in INT_KEYS:
+            return int(value)
+        if key == "params" and value[-1:].lower() in SIZE_SUFFIX:
+            return float(value[:-1]) * SIZE_SUFFIX[value[-1].lower()]
+        if key in FLOAT_KEYS:
+            return float(value)
+    except ValueError:
+        raise LabelError(f"--label {text!r}: {key}={value!r} is not a number") from None
+    if key == "emulated":
+        return value.lower() in ("1", "true", "yes")
+    return value.lower() if key in ("model", "precision", "gpu", "engine") else value
+
+
+# ---- 2. resolved config and summary ----
+
+
+def from_config(config: dict, summary: dict) -> dict[str, Any]:
+    """The project's config.yaml (resolved) and summary.json; either may be empty."""
+    model = _section(config, "model")
+    precision = _section(config, "precision")
+    gpu = _section(config, "gpu")
+    executor = _section(config, "executor")
+    trainer = _section(config, "trainer")
+    parallel = _section(config, "parallel")
+    meta: dict[str, Any] = {
+        "model": model.get("name") or summary.get("model"),
+        "params": count_parameters(model),
+        "precision": precision.get("name") or summary.get("precision"),
+        "recipe": precision.get("recipe") or summary.get("recipe"),
+        "emulated": summary.get("emulated", precision.get("emulate")),
+        "gpu": gpu.get("name") or summary.get("gpu"),
+        "peak_tflops_bf16": gpu.get("peak_tflops_bf16"),
+        "engine": config.get("engine") or summary.get("engine"),
+        "nodes": executor.get("nodes", summary.get("nodes")),
+        "gpus_per_node": executor.get("gpus"),
+        "world_size": summary.get("world_size"),
+        "mbs": trainer.get("micro_batch_size", summary.get("micro_batch_size")),
+        "gbs": trainer.get("global_batch_size", summary.get("global_batch_size")),
+        "seq": model.get("seq_length", summary.get("seq_length")),
+    }
+    for key in ("tp", "pp", "cp", "vp", "dp"):
+        meta[key] = parallel.get(key)
+    if not parallel and meta["engine"] == "torch":
+        meta.update(tp=1, pp=1, cp=1, vp=1)  # the PyTorch engine shards data only (FSDP)
+    if meta["gpu"] == "auto":
+        meta["gpu"] = None  # not resolved: unknown
+    return _clean(meta)
+
+
+def _section(config: dict, key: str) -> dict:
+    value = config.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+# ---- 3. the log's own header lines ----
+
+
+def from_header(header: dict[str, Any], batch_sizes: list[int]) -> dict[str, Any]:
+    meta = {key: header.get(key) for key in ("tp", "pp", "cp", "vp", "dp", "world_size", "mbs", "gbs", "seq")}
+    fp8 = header.get("fp8")
+    if fp8 == "none" and header.get("bf16"):
+        meta["precision"] = "bf16"
+    elif fp8 not in (None, "none"):
+        meta["precision"] = RECIPE_TO_PRECISION.get(header.get("fp8_recipe"), "fp8")
+    if meta["gbs"] is None and batch_sizes:
+        meta["gbs"] = max(set(batch_sizes), key=batch_sizes.count)  # as printed on the iteration lines
+    return _clean(meta)
+
+
+# ---- 4. tokens in the file name ----
+
+LAYOUT_TOKENS = {
+    "tp": r"tp(\d+)",
+    "pp": r"pp(\d+)",
+    "cp": r"cp(\d+)",
+    "vp": r"vp(\d+)",
+    "nodes": r"(\d+)nodes?",
+    "mbs": r"(\d+)mbs",
+    "gbs": r"(\d+)gbs",
+}
+
+
+def from_file_name(name: str) -> tuple[dict[str, Any], list[str]]:
+    """Known words in a file or directory name; a category with two different matches stays unknown (noted)."""
+    text = name.lower()
+    meta: dict[str, Any] = {}
+    notes: list[str] = []
+    vocabularies = {
+        "model": {m: m for m in model_names()},
+        "precision": {**{p: p for p in PRECISIONS}, **SHORT_PRECISIONS},
+        "gpu": {g: g for g in gpu_names()},
+    }
+    for key, vocabulary in vocabularies.items():
+        found = _words(text, vocabulary)
+        if len(found) == 1:
+            meta[key] = found.pop()
+        elif found:
+            notes.append(f"file name {name!r} names several {key}s ({', '.join(sorted(found))}): {key} left unknown")
+    for key, pattern in LAYOUT_TOKENS.items():
+        values = {int(m) for m in re.findall(rf"(?<![a-z0-9]){pattern}(?![a-z0-9])", text)}
+        if len(values) == 1:
+            meta[key] = values.pop()
+    return meta, notes
+
+
+def _words(text: str, vocabulary: dict[str, str]) -> set[str]:
+    """Values of the vocabulary words found in text as whole words; a word inside a longer match does not count."""
+    spans = []
+    for word in sorted(vocabulary, key=len, reverse=True):
+        for m in re.finditer(rf"(?<![a-z0-9]){re.escape(word)}(?![a-z0-9])", text):
+            if not any(start <= m.start() and m.end() <= end for start, end, _ in spans):
+                spans.append((m.start(), m.end(), vocabulary[word]))
+    return {value for _, _, value in spans}
+
+
+# ---- merging and deriving ----
+
+
+def merge(layers: list[tuple[str, dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Layers in precedence order -> (metadata, key -> name of the layer it came from)."""
+    meta: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for layer_name, values in layers:
+        for key, value in values.items():
+            if value is not None and key not in meta:
+                meta[key], origin[key] = value, layer_name
+    derive(meta, origin)
+    return meta, origin
+
+
+def derive(meta: dict[str, Any], origin: dict[str, str]) -> None:
+    def put(key: str, value: Any) -> None:
+        if meta.get(key) is None and value is not None:
+            meta[key], origin[key] = value, "derived"
+
+    if meta.get("precision"):
+        precision = canonical_precision(meta["precision"])
+        meta["precision"] = precision
+        put("recipe", PRECISIONS.get(precision, "fp8" if precision == "fp8" else None))
+    nodes, per_node, world = meta.get("nodes"), meta.get("gpus_per_node"), meta.get("world_size")
+    if nodes and per_node:
+        put("world_size", nodes * per_node)
+    if world and nodes and world % nodes == 0:
+        put("gpus_per_node", world // nodes)
+    world = meta.get("world_size")
+    model_parallel = [meta.get(k) for k in ("tp", "pp", "cp")]
+    if world and all(model_parallel) and world % (model_parallel[0] * model_parallel[1] * model_parallel[2]) == 0:
+        put("dp", world // (model_parallel[0] * model_parallel[1] * model_parallel[2]))
+    if meta.get("model"):
+        put("params", count_parameters(_conf("model", meta["model"])))
+    if meta.get("gpu"):
+        put("peak_tflops_bf16", _conf("gpu", meta["gpu"]).get("peak_tflops_bf16"))
+
+
+def canonical_precision(value: str) -> str:
+    value = str(value).lower()
+    return SHORT_PRECISIONS.get(value) or RECIPE_TO_PRECISION.get(value) or value
+
+
+def count_parameters(model: dict) -> Optional[float]:
+    """Exact parameter count from the model code itself; None when the dict does not describe a whole model."""
+    try:
+        config = from_dict(ModelConfig, model, "model")
+    except (ConfigError, TypeError):
+        return None
+    return float(model_parameters(config))
+
+
+@functools.lru_cache(maxsize=None)
+def _conf_file(group: str, name: str) -> tuple:
+    path = REPO_ROOT / "conf" / group / f"{name}.yaml"
+    try:
+        data = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except (OSError, yaml.YAMLError):
+        data = None
+    return tuple((data or {}).items()) if isinstance(data, dict) else ()
+
+
+def _conf(group: str, name: str) -> dict:
+    return dict(_conf_file(group, name))
+
+
+def _conf_names(group: str) -> list[str]:
+    folder = REPO_ROOT / "conf" / group
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def model_names() -> list[str]:
+    return _conf_names("model")
+
+
+def gpu_names() -> list[str]:
+    return [name for name in _conf_names("gpu") if name != "auto"]
+
+
+def _clean(meta: dict[str, Any]) -> dict[str, Any]:
+    """Drop unknowns; coerce numbers written as strings in hand-edited files."""
+    out: dict[str, Any] = {}
+    for key, value in meta.items():
+        if value is None or value == "":
+            continue
+        if key in INT_KEYS:
+            try:
+                value = int(value)
+            except (TypeError, ValueError):
+                continue
+        elif key in FLOAT_KEYS:
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                continue
+        elif key in TEXT_KEYS or key == "recipe":
+            value = str(value).lower() if key != "name" else str(value)
+        out[key] = value
+    return out
+
+
+def describe_layout(meta: dict[str, Any]) -> str:
+    parts = [
+        (label, meta.get(key)) for label, key in (("TP", "tp"), ("PP", "pp"), ("CP", "cp"), ("VP", "vp"), ("DP", "dp"))
+    ]
+    if all(value is None for _, value in parts):
+        return "unknown"
+    return " ".join(f"{label}{'?' if value is None else value}" for label, value in parts)

@@ -1,0 +1,75 @@
+"""The common record every input format is turned into: a run's steps, its metadata and what was skipped."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+
+@dataclass
+class Step:
+    """One logged optimizer step, or one log interval ending at `step` (times are then interval averages)."""
+
+    step: int  # 1-based number of the last optimizer step this record covers
+    loss: Optional[float] = None
+    time_s: Optional[float] = None  # seconds per optimizer step
+    tokens_per_s_per_gpu: Optional[float] = None
+    tflops_per_gpu: Optional[float] = None  # model TFLOP/s per GPU
+    mfu: Optional[float] = None
+    global_batch_size: Optional[int] = None
+    nan_iterations: int = 0  # Megatron's "number of nan iterations" in this interval
+    fresh: bool = False  # first record a process wrote (start or restart): compilation and warm-up inside
+
+    @property
+    def bad_loss(self) -> bool:
+        return (self.loss is not None and not math.isfinite(self.loss)) or self.nan_iterations > 0
+
+
+@dataclass
+class Run:
+    name: str
+    format: str  # "metrics.jsonl", "megatron", "nemo2"
+    paths: list[Path]  # the files (or run directory) it was read from
+    steps: list[Step]  # sorted by step, each step once
+    meta: dict[str, Any] = field(default_factory=dict)  # merged metadata (see metadata.py)
+    meta_origin: dict[str, str] = field(default_factory=dict)  # metadata key -> where it came from
+    provenance: dict[str, Any] = field(default_factory=dict)  # commit, versions, device (run directories)
+    notes: list[str] = field(default_factory=list)  # what was skipped and why
+
+
+def merge_steps(segments: list[list[Step]]) -> tuple[list[Step], int]:
+    """Steps of several segments (in the order they were written) -> each step once, the last occurrence winning.
+
+    Returns the sorted steps and how many records were dropped as repeats (a requeued job redoes the steps since
+    its last checkpoint; the newest attempt is the one whose model state carried on).
+    """
+    by_step: dict[int, Step] = {}
+    repeats = 0
+    for segment in segments:
+        for record in segment:
+            if record.step in by_step:
+                repeats += 1
+                del by_step[record.step]  # re-insert so dict order tracks the newest write
+            by_step[record.step] = record
+    return [by_step[s] for s in sorted(by_step)], repeats
+
+
+class Skips:
+    """Records skipped while reading one file, grouped by reason, for the report's 'skipped' list."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self.lines: dict[str, list[int]] = {}
+
+    def add(self, reason: str, line_no: int) -> None:
+        self.lines.setdefault(reason, []).append(line_no)
+
+    def notes(self) -> list[str]:
+        out = []
+        for reason, numbers in self.lines.items():
+            shown = ", ".join(str(n) for n in numbers[:5]) + (", ..." if len(numbers) > 5 else "")
+            plural = "s" if len(numbers) > 1 else ""
+            out.append(f"{self.where}: skipped {len(numbers)} line{plural} ({shown}): {reason}")
+        return out

@@ -1,0 +1,175 @@
+"""Inputs -> runs -> comparison -> report.md, report.html, results.csv and the figures in one folder."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from recipes.report import gemm, plots, render, table
+from recipes.report.inputs import InputError, Source, display_path, find_sources, label_matches, read_source
+from recipes.report.metadata import LabelError, parse_label
+from recipes.report.records import Run
+
+EXIT_OK, EXIT_FLAGGED, EXIT_USAGE = 0, 1, 2
+# Figures this tool writes; removed from the output folder first so a regenerated folder holds no stale plot.
+FIGURE_PATTERNS = ["speedup_vs_model_size.png", "loss_curves_*.png", "gemm_speedup_vs_k.png"]
+
+
+class UsageError(ValueError):
+    """Bad arguments or inputs: the CLI exits with status 2."""
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def build_report(
+    inputs: Sequence[str],
+    out: Path,
+    labels: Sequence[str] = (),
+    gemm_csv: Optional[str] = None,
+    loss_tolerance: float = table.DEFAULT_LOSS_TOLERANCE,
+    base: Optional[Path] = None,
+    command: str = "scripts/compare.py",
+    log: Callable[[str], None] = _stderr,
+) -> tuple[int, list[table.Result]]:
+    """Write the report into `out`; returns (exit status, results). Raises UsageError for bad arguments."""
+    base = (base or Path.cwd()).resolve()
+    try:
+        parsed_labels = [parse_label(text) for text in labels]
+        sources = find_sources(list(inputs), base)
+    except (LabelError, InputError) as error:
+        raise UsageError(str(error)) from None
+    for pattern, _ in parsed_labels:
+        if not any(label_matches(pattern, source, base) for source in sources):
+            raise UsageError(f"--label {pattern}: matches no input")
+    gemm_path = (base / gemm_csv) if gemm_csv else None
+    if gemm_path is not None and not gemm_path.is_file():
+        raise UsageError(f"--gemm {gemm_csv}: no such file")
+    if not loss_tolerance > 0:
+        raise UsageError(f"--loss-tol {loss_tolerance}: must be > 0")
+
+    runs, notes = _read_runs(sources, parsed_labels, base, log)
+    results = table.compare(runs, loss_tolerance)
+    out.mkdir(parents=True, exist_ok=True)
+    for pattern in FIGURE_PATTERNS:
+        for stale in out.glob(pattern):
+            stale.unlink()
+
+    figures = _figures(results, out, loss_tolerance)
+    gemm_table = None
+    if gemm_path is not None:
+        rows, gemm_notes = gemm.read_gemm_csv(gemm_path, display_path(gemm_path, base))
+        notes += gemm_notes
+        figure = plots.gemm_speedup_vs_k(rows, out / "gemm_speedup_vs_k.png")
+        if figure:
+            figures.append(render.Figure("GEMM speedup vs K", figure, f"From {display_path(gemm_path, base)}."))
+        gemm_table = gemm.gemm_table(rows) if rows else None
+
+    flags = [f"{r.run.name}: {flag}" for r in table.flagged(results) for flag in r.flags]
+    report = render.Report(
+        command=command,
+        rules=table.rules(loss_tolerance),
+        results=table.display_rows(results),
+        flags=flags,
+        figures=figures,
+        gemm=gemm_table,
+        provenance=_provenance(results, base),
+        notes=notes + [note for r in results for note in r.run.notes],
+    )
+    (out / "report.md").write_text(render.markdown(report))
+    (out / "report.html").write_text(render.html_page(report))
+    render.write_csv(out / "results.csv", table.CSV_HEADERS, table.csv_rows(results, lambda p: display_path(p, base)))
+    log(f"wrote {out}/: report.md, report.html, results.csv and {len(figures)} figure(s)")
+    if not runs:
+        log("no usable run in the inputs (see the notes in report.md)")
+        return EXIT_USAGE, results
+    for flag in flags:
+        log(f"FLAGGED {flag}")
+    return (EXIT_FLAGGED if flags else EXIT_OK), results
+
+
+def _read_runs(sources: list[Source], labels, base: Path, log) -> tuple[list[Run], list[str]]:
+    runs: list[Run] = []
+    notes: list[str] = []
+    names: dict[str, int] = {}
+    for source in sources:
+        where = display_path(source.paths[0], base) + (
+            f" (+{len(source.paths) - 1} more)" if len(source.paths) > 1 else ""
+        )
+        run, skipped = read_source(source, labels, base)
+        notes += skipped
+        if run is None:
+            log(f"skipped {where}: no training records")
+            continue
+        names[run.name] = names.get(run.name, 0) + 1
+        if names[run.name] > 1:
+            run.name = f"{run.name}#{names[run.name]}"
+        m = run.meta
+        log(
+            f"read {where}: {run.format}, {len(run.steps)} records to step {run.steps[-1].step}, "
+            f"{m.get('model', 'model?')} {m.get('precision', 'precision?')} on {m.get('gpu', 'gpu?')}"
+        )
+        runs.append(run)
+    return runs, notes
+
+
+def _figures(results: list[table.Result], out: Path, tolerance: float) -> list[render.Figure]:
+    figures = []
+    path = plots.speedup_vs_model_size(results, out / "speedup_vs_model_size.png")
+    if path:
+        figures.append(
+            render.Figure(
+                "Speedup over BF16 vs model size",
+                path,
+                "Median step time of BF16 over that of each recipe, same model, GPU, layout and batch.",
+            )
+        )
+    used: set[str] = set()
+    for baseline in results:
+        others = [r for r in results if r.baseline is baseline]
+        if not baseline.is_bf16 or not others:
+            continue
+        m = baseline.meta
+        name = plots.safe_name("loss_curves", m.get("model"), m.get("gpu"), baseline.run.name)
+        while name in used:
+            name += "_"
+        used.add(name)
+        path = plots.loss_curves(baseline, others, out / f"{name}.png", tolerance)
+        figures.append(
+            render.Figure(
+                f"Loss vs BF16: {m.get('model')} on {m.get('gpu')} ({baseline.run.name})",
+                path,
+                f"Bottom: relative difference to BF16; dashed: the divergence tolerance ±{tolerance:.1%}.",
+            )
+        )
+    return figures
+
+
+def _provenance(results: list[table.Result], base: Path) -> render.Table:
+    headers = ["run", "read from", "format", "metadata from", "commit", "versions"]
+    rows = []
+    for r in results:
+        by_origin: dict[str, list[str]] = {}
+        for key, origin in r.run.meta_origin.items():
+            by_origin.setdefault(origin, []).append(key)
+        origins = "; ".join(f"{origin}: {', '.join(keys)}" for origin, keys in by_origin.items()) or "nothing"
+        versions = r.run.provenance.get("versions") or {}
+        version_text = (
+            ", ".join(f"{k} {v}" for k, v in versions.items()) if isinstance(versions, dict) else str(versions)
+        )
+        if r.run.provenance.get("device"):
+            version_text = f"{r.run.provenance['device']}; {version_text}".strip("; ")
+        paths = ", ".join(display_path(p, base) for p in r.run.paths)
+        rows.append(
+            [
+                r.run.name,
+                paths,
+                r.run.format,
+                origins,
+                str(r.run.provenance.get("commit", "unknown")),
+                version_text or "unknown",
+            ]
+        )
+    return headers, rows

@@ -1,0 +1,287 @@
+"""From runs to the comparison: steady-state medians, the BF16 baseline of each run, speedups, loss gaps and the
+divergence alarm. `rules()` states each rule as the report prints it; the functions below implement them."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from recipes.metrics import warmup_steps
+from recipes.report.metadata import PRECISION_ORDER, describe_layout
+from recipes.report.records import Run, Step
+
+MATCH_KEYS = ("model", "gpu", "engine", "nodes", "world_size", "tp", "pp", "cp", "vp", "mbs", "gbs", "seq")
+DEFAULT_LOSS_TOLERANCE = 0.05
+
+
+@dataclass
+class Result:
+    run: Run
+    warmup_steps: int
+    steps_measured: int
+    step_time_s: Optional[float]
+    tokens_per_s_per_gpu: Optional[float]
+    tflops_per_gpu: Optional[float]
+    mfu: Optional[float]
+    final_loss: Optional[float]
+    first_bad_step: Optional[int]  # first NaN/inf loss
+    baseline: Optional["Result"] = None
+    # "baseline" (a BF16 run), "found", "missing", "ambiguous: ...", "precision unknown"
+    baseline_status: str = "missing"
+    speedup: Optional[float] = None
+    loss_gap: Optional[float] = None  # relative, over the last common window
+    max_loss_gap: Optional[float] = None  # largest |relative gap| over the windows, signed
+    max_gap_window: Optional[tuple[int, int]] = None
+    flags: list[str] = field(default_factory=list)
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.run.meta
+
+    @property
+    def is_bf16(self) -> bool:
+        return self.meta.get("recipe") == "bf16"
+
+
+def rules(tolerance: float) -> list[str]:
+    return [
+        "Warm-up: with N the last step logged, records ending at or before step max(1, N // 10) are warm-up (the "
+        "rule of the engines' summary.json), and so is the first record each process wrote (a log's first "
+        "interval, the first step after a restart: compilation and allocator warm-up).",
+        "Step time, tokens/s/GPU and TFLOP/s/GPU: medians over the remaining records (one per logged step or "
+        "interval); 'steps measured' counts the optimizer steps they cover. A step logged twice (requeue) counts "
+        "once, the last record winning.",
+        "MFU: model TFLOP/s/GPU divided by the GPU's dense BF16 peak, for every recipe (so MFU ratios equal "
+        "speedups); where the peak is unknown, the run's own logged MFU.",
+        "Speedup: BF16 median step time / the recipe's, against the BF16 run with the same model, GPU, engine, "
+        "nodes, GPUs, TP/PP/CP/VP, micro/global batch and sequence length (model and GPU known; another field "
+        "unknown matches only unknown); 'missing' when there is no such run, or more than one: never guessed.",
+        "Final loss: mean over the last max(1, N // 10) steps. Loss gap: relative difference to BF16 over the last "
+        "tenth of the steps both runs logged.",
+        f"Divergence alarm: flagged when the mean loss differs from BF16's by more than {tolerance:.1%} (relative) "
+        "in any tenth of the common steps after warm-up, or when any loss is NaN/inf (or Megatron counted a nan "
+        "iteration), BF16 runs included.",
+    ]
+
+
+def _median(values: list[Optional[float]]) -> Optional[float]:
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.median(finite) if finite else None
+
+
+def measure(run: Run) -> Result:
+    steps = run.steps
+    last = steps[-1].step
+    warmup = warmup_steps(last)
+    measured, covered, previous = [], 0, 0
+    for record in steps:
+        if record.step > warmup and not record.fresh:
+            measured.append(record)
+            covered += record.step - previous
+        previous = record.step
+
+    meta = run.meta
+    tflops = _median([r.tflops_per_gpu for r in measured])
+    peak = meta.get("peak_tflops_bf16")
+    bad = [r.step for r in steps if r.bad_loss]
+    return Result(
+        run=run,
+        warmup_steps=warmup,
+        steps_measured=covered,
+        step_time_s=_median([r.time_s for r in measured]),
+        tokens_per_s_per_gpu=_median([_tokens_per_s(r, meta) for r in measured]),
+        tflops_per_gpu=tflops,
+        mfu=tflops / peak if tflops is not None and peak else _median([r.mfu for r in measured]),
+        final_loss=_mean_loss(steps, last - warmup, last),
+        first_bad_step=bad[0] if bad else None,
+    )
+
+
+def _tokens_per_s(record: Step, meta: dict[str, Any]) -> Optional[float]:
+    if record.tokens_per_s_per_gpu is not None:
+        return record.tokens_per_s_per_gpu
+    gbs = record.global_batch_size or meta.get("gbs")
+    seq, world, time_s = meta.get("seq"), meta.get("world_size"), record.time_s
+    if gbs and seq and world and time_s and math.isfinite(time_s) and time_s > 0:
+        return gbs * seq / world / time_s
+    return None
+
+
+def _mean_loss(steps: list[Step], after: int, upto: int) -> Optional[float]:
+    """Mean loss of the records in steps (after, upto]; NaN if any of them is NaN/inf; None if none has a loss."""
+    losses = [r.loss for r in steps if after < r.step <= upto and r.loss is not None]
+    return sum(losses) / len(losses) if losses else None
+
+
+def _last_loss_step(result: Result) -> int:
+    return max((r.step for r in result.run.steps if r.loss is not None), default=0)
+
+
+# ---- baselines and comparisons ----
+
+
+def compare(runs: list[Run], loss_tolerance: float = DEFAULT_LOSS_TOLERANCE) -> list[Result]:
+    results = [measure(run) for run in runs]
+    baselines = [r for r in results if r.is_bf16]
+    for result in results:
+        if result.first_bad_step is not None:
+            result.flags.append(f"NaN/inf loss from step {result.first_bad_step}")
+        if result.is_bf16:
+            result.baseline_status = "baseline"
+            continue
+        if not result.meta.get("recipe"):
+            result.baseline_status = "precision unknown"
+            continue
+        matches = [b for b in baselines if _same_setup(result.meta, b.meta)]
+        if len(matches) > 1:
+            result.baseline_status = (
+                f"ambiguous: {len(matches)} BF16 runs match ({', '.join(b.run.name for b in matches)})"
+            )
+        elif matches:
+            result.baseline, result.baseline_status = matches[0], "found"
+            _compare_to(result, matches[0], loss_tolerance)
+    return sorted(results, key=_order)
+
+
+def _same_setup(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if not (a.get("model") and a.get("gpu")):
+        return False
+    return all(a.get(key) == b.get(key) for key in MATCH_KEYS)
+
+
+def _compare_to(result: Result, baseline: Result, tolerance: float) -> None:
+    if result.step_time_s and baseline.step_time_s:
+        result.speedup = baseline.step_time_s / result.step_time_s
+    common = min(_last_loss_step(result), _last_loss_step(baseline))
+    if common < 1:
+        return
+    w = warmup_steps(common)
+    worst: Optional[tuple[float, tuple[int, int]]] = None
+    end = common
+    while end > w:
+        start = max(end - w, w)
+        ours, theirs = _mean_loss(result.run.steps, start, end), _mean_loss(baseline.run.steps, start, end)
+        if ours is not None and theirs and math.isfinite(ours) and math.isfinite(theirs):
+            gap = (ours - theirs) / theirs
+            if end == common:
+                result.loss_gap = gap
+            if worst is None or abs(gap) > abs(worst[0]):
+                worst = (gap, (start + 1, end))
+        end = start
+    if worst is not None:
+        result.max_loss_gap, result.max_gap_window = worst
+        if abs(worst[0]) > tolerance:
+            first, last = worst[1]
+            result.flags.append(
+                f"diverged: loss {worst[0]:+.1%} vs BF16 over steps {first}-{last} (tolerance {tolerance:.1%})"
+            )
+
+
+def _order(result: Result) -> tuple:
+    meta = result.meta
+    precision = meta.get("precision") or "~"
+    rank = PRECISION_ORDER.index(precision) if precision in PRECISION_ORDER else len(PRECISION_ORDER)
+    setup = tuple(str(meta.get(key, "~")) for key in MATCH_KEYS[1:])
+    return (meta.get("params") or math.inf, meta.get("model") or "~", setup, rank, precision, result.run.name)
+
+
+def flagged(results: list[Result]) -> list[Result]:
+    return [r for r in results if r.flags]
+
+
+# ---- the table, as text cells (report) and as raw values (CSV) ----
+
+UNKNOWN = "unknown"
+
+
+def _num(value: Optional[float], spec: str) -> str:
+    if value is None:
+        return UNKNOWN
+    if not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return format(value, spec)
+
+
+def _comparison(result: Result, value: Optional[float], spec: str) -> str:
+    if result.baseline_status == "baseline":
+        return "baseline"
+    if result.baseline is None:
+        return "missing"
+    return _num(value, spec)
+
+
+def precision_label(meta: dict[str, Any]) -> str:
+    label = meta.get("precision", UNKNOWN)
+    return f"{label} (emulated)" if meta.get("emulated") and meta.get("recipe") != "bf16" else label
+
+
+def display_rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
+    headers = [
+        *("run", "model", "GPU", "nodes", "GPUs", "engine", "precision", "layout", "MBS/GBS", "seq"),
+        *("steps measured", "step time (s)", "tokens/s/GPU", "TFLOP/s/GPU", "MFU", "speedup vs BF16"),
+        *("final loss", "loss gap vs BF16", "flag"),
+    ]
+    rows = []
+    for r in results:
+        m = r.meta
+        rows.append(
+            [
+                r.run.name,
+                m.get("model", UNKNOWN),
+                m.get("gpu", UNKNOWN),
+                str(m.get("nodes", UNKNOWN)),
+                str(m.get("world_size", UNKNOWN)),
+                m.get("engine", UNKNOWN),
+                precision_label(m),
+                describe_layout(m),
+                f"{m.get('mbs', '?')}/{m.get('gbs', '?')}" if ("mbs" in m or "gbs" in m) else UNKNOWN,
+                str(m.get("seq", UNKNOWN)),
+                str(r.steps_measured),
+                _num(r.step_time_s, ".4g"),
+                _num(r.tokens_per_s_per_gpu, ",.0f" if (r.tokens_per_s_per_gpu or 0) >= 100 else ".3g"),
+                _num(r.tflops_per_gpu, ".1f" if (r.tflops_per_gpu or 0) >= 10 else ".3g"),
+                _num(r.mfu, ".1%"),
+                _comparison(r, r.speedup, ".2f") + ("x" if r.speedup is not None else ""),
+                _num(r.final_loss, ".4f"),
+                _comparison(r, r.loss_gap, "+.2%"),
+                "; ".join(r.flags),
+            ]
+        )
+    return headers, rows
+
+
+CSV_HEADERS = """
+    run model params gpu nodes world_size engine precision recipe emulated tp pp cp vp dp mbs gbs seq
+    steps_logged last_step warmup_steps steps_measured median_step_time_s tokens_per_s_per_gpu tflops_per_gpu mfu
+    baseline speedup final_loss loss_gap_vs_bf16 max_loss_gap_vs_bf16 flag format sources
+""".split()
+META_COLUMNS = CSV_HEADERS[1:18]  # model .. seq, straight from the run's metadata
+
+
+def csv_rows(results: list[Result], display_path) -> list[list[str]]:
+    def raw(value: Any) -> str:
+        if value is None:
+            return ""
+        if isinstance(value, float):
+            return format(value, ".10g")
+        return str(value)
+
+    rows = []
+    for r in results:
+        m = r.meta
+        baseline = r.baseline.run.name if r.baseline else ("" if r.baseline_status == "baseline" else r.baseline_status)
+        text_or_unknown = {"model", "gpu", "engine", "precision", "recipe"}
+        metadata = [m.get(key, UNKNOWN if key in text_or_unknown else None) for key in META_COLUMNS]
+        values = [
+            r.run.name,
+            *metadata,
+            *(len(r.run.steps), r.run.steps[-1].step, r.warmup_steps, r.steps_measured),
+            *(r.step_time_s, r.tokens_per_s_per_gpu, r.tflops_per_gpu, r.mfu),
+            *(baseline, r.speedup, r.final_loss, r.loss_gap, r.max_loss_gap, "; ".join(r.flags)),
+            r.run.format,
+            " ".join(display_path(p) for p in r.run.paths),
+        ]
+        rows.append([raw(v) for v in values])
+    return rows

@@ -1,0 +1,107 @@
+"""End to end through launch/run.py and nemo-run: real training runs on the CPU, their metrics files, DDP, NaN stop."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes.config import load_config
+from recipes.engine.torch_engine import main as engine_main
+from recipes.metrics import StepMetrics, warmup_steps
+
+REPO = Path(__file__).resolve().parent.parent
+STEP_FIELDS = {f for f in StepMetrics.__dataclass_fields__}
+SUMMARY_FIELDS = {
+    "model", "precision", "recipe", "gpu", "engine", "world_size", "nodes", "num_layers", "seq_length",
+    "micro_batch_size", "global_batch_size", "steps", "warmup_steps_excluded", "median_step_time_s",
+    "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu", "peak_memory_gib", "final_loss", "emulated",
+    "commit", "versions", "device",
+}
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def launch(tmp_path: Path, cache_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "FP8_RECIPES_RUNS": str(tmp_path / "runs"),
+        "FP8_RECIPES_CACHE": str(cache_dir),
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+    }
+    return subprocess.run(
+        [sys.executable, str(REPO / "launch" / "run.py"), *overrides],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8_current"])
+def test_training_run_loss_falls(tmp_path, cache_dir, precision):
+    run_dir = tmp_path / "run"
+    steps = 20
+    result = launch(
+        tmp_path, cache_dir, f"precision={precision}", f"trainer.max_steps={steps}", "trainer.log_interval=5",
+        f"run.dir={run_dir}",
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"step    {steps}/{steps}" in result.stdout  # progress reached the console
+
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    for m in metrics:
+        assert set(m) == STEP_FIELDS
+        assert math.isfinite(m["loss"]) and m["step_time_s"] > 0 and m["tokens_per_s_per_gpu"] > 0
+        assert m["mfu"] is None  # no published peak for a CPU
+    # Byte-level text starts at ln(320) ~ 5.8; 20 steps of real text must bring it well down.
+    first, last = metrics[0]["loss"], sum(m["loss"] for m in metrics[-3:]) / 3
+    assert first > 5.0 and last < first - 1.5, (first, last)
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert set(summary) == SUMMARY_FIELDS
+    assert summary["precision"] == precision and summary["steps"] == steps
+    assert summary["warmup_steps_excluded"] == warmup_steps(steps)
+    steady = sorted(m["step_time_s"] for m in metrics[warmup_steps(steps):])
+    assert summary["median_step_time_s"] == pytest.approx((steady[8] + steady[9]) / 2)
+    cfg = load_config(run_dir / "config.yaml")
+    assert cfg.precision.name == precision and cfg.gpu.name == "cpu"
+
+
+def test_two_processes_train_data_parallel_through_torchrun(tmp_path, cache_dir):
+    run_dir = tmp_path / "ddp"
+    result = launch(tmp_path, cache_dir, "executor.gpus=2", "trainer.max_steps=3", "precision=bf16", f"run.dir={run_dir}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert len(read_metrics(run_dir)) == 3  # one writer (rank 0), not one per process
+
+
+def test_non_finite_loss_stops_the_run_and_is_recorded(tmp_path, cache_dir, capsys):
+    # Weights of 1e30 overflow BF16 activations: the loss or the gradient norm is non-finite from the first step.
+    result = launch(
+        tmp_path, cache_dir, "model.init_std=1e30", "trainer.max_steps=5", f"run.dir={tmp_path / 'nan'}", "dryrun=true"
+    )
+    assert result.returncode == 0, result.stderr
+    assert engine_main([str(tmp_path / "nan" / "config.yaml")]) == 1
+    assert "not finite" in capsys.readouterr().err
+    metrics = read_metrics(tmp_path / "nan")
+    assert len(metrics) == 1
+    assert not (math.isfinite(metrics[0]["loss"]) and math.isfinite(metrics[0]["grad_norm"]))
+    assert not (tmp_path / "nan" / "summary.json").exists()
+
+
+def test_failed_job_makes_launch_fail(tmp_path, cache_dir):
+    result = launch(tmp_path, cache_dir, "model.init_std=1e30", "trainer.max_steps=2", f"run.dir={tmp_path / 'f'}")
+    assert result.returncode != 0
+    assert "did not succeed" in result.stderr
