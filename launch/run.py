@@ -44,6 +44,8 @@ def main(dict_cfg: DictConfig) -> None:
     try:
         plan = make_plan(cfg, config_path)
     except ConfigError as error:
+        if directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()  # Hydra made it before the job ran; a rejected run leaves nothing behind
         sys.exit(f"error: {error}")
     print(describe(plan), flush=True)
     directory.mkdir(parents=True, exist_ok=True)

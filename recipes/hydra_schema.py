@@ -30,11 +30,12 @@ def _unwrap_dataclass(hint: typing.Any) -> type | None:
 
 
 def check_override_keys(overrides: list[str]) -> None:
-    """Raise ConfigError for an override whose key is not in the schema (additions with '+' are left to Hydra)."""
+    """Raise ConfigError for an override whose key is not in the schema, '+key' and '++key' included: Hydra would
+    accept an added key and the schema would then drop it silently."""
     parsed = OverridesParser.create().parse_overrides(overrides)
     for override in parsed:
         key = override.key_or_group
-        if key.startswith("hydra") or override.is_add() or override.is_force_add():
+        if key.split(".")[0] == "hydra":
             continue
         node: type | None = Config
         walked: list[str] = []

@@ -30,12 +30,15 @@ from typing import Optional
 from recipes.config import Activation, Config, ModelConfig
 
 
-def flops_per_token(model: ModelConfig, include_output_layer: bool = True) -> float:
+def flops_per_token(model: ModelConfig, include_output_layer: bool = True, causal: bool = True) -> float:
+    """Model FLOPs per token of one training step. causal=False counts the whole S x S attention matrix, the
+    convention of PaLM's MFU and torchtitan (their TFLOP/s are higher for the same step time)."""
     h, f, s = model.hidden_size, model.ffn_hidden_size, model.seq_length
     q = model.num_attention_heads * model.kv_channels
     kv = model.num_query_groups * model.kv_channels
     mlp_matrices = 3 if model.activation == Activation.swiglu else 2
-    per_layer = 6 * (h * (q + 2 * kv) + q * h + mlp_matrices * h * f) + 6 * q * s
+    attention = 6 * q * s if causal else 12 * q * s
+    per_layer = 6 * (h * (q + 2 * kv) + q * h + mlp_matrices * h * f) + attention
     logits = 6 * h * model.vocab_size if include_output_layer else 0
     return float(model.num_layers * per_layer + logits)
 

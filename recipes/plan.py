@@ -102,7 +102,8 @@ def _validate_precision(cfg: Config) -> None:
     bf16_layers = precision.num_layers_at_start_in_bf16 + precision.num_layers_at_end_in_bf16
     if bf16_layers > cfg.model.num_layers:
         raise ConfigError(
-            f"precision keeps {bf16_layers} layers in BF16 but model.num_layers={cfg.model.num_layers}"
+            f"precision.num_layers_at_start_in_bf16 + precision.num_layers_at_end_in_bf16 = {bf16_layers} is more "
+            f"than model.num_layers={cfg.model.num_layers}"
         )
     model = cfg.model
     gemm_dims = {

@@ -7,7 +7,7 @@ model's sequence length, random BF16 activations in place of the embedding) then
 engine's `optimizer_step`. No embedding or output layer: the blocks are what FP8 changes. Blocks are compiled
 as in the engine. Each precision gets the same model code, compile settings, batch and seed; reported numbers
 are medians over the steps after warm-up. Model TFLOP/s use `recipes.metrics.flops_per_token` without the
-output layer. Writes results.csv, results.md and provenance.json into --out.
+output layer, with causal attention counted half (Megatron-LM); a second column counts it whole (PaLM, torchtitan). Writes results.csv, results.md and provenance.json into --out.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def bench_one(model_cfg: ModelConfig, precision: PrecisionConfig, args, device: 
             print(f"      {kernel['ms']:8.2f} ms  {kernel['category']:>9}  {kernel['name']}")
     tokens = args.micro_batches * model_cfg.seq_length
     tflops = tokens * flops_per_token(model_cfg, include_output_layer=False) / step_time / 1e12
+    tflops_full = tokens * flops_per_token(model_cfg, include_output_layer=False, causal=False) / step_time / 1e12
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     del stack, optimizer, inputs
     if device.type == "cuda":
@@ -104,6 +105,7 @@ def bench_one(model_cfg: ModelConfig, precision: PrecisionConfig, args, device: 
         "min_step_s": min(times),
         "max_step_s": max(times),
         "model_tflops": tflops,
+        "model_tflops_full_attention": tflops_full,
         "tokens_per_s": tokens / step_time,
         "peak_memory_gib": peak,
         "last_loss": losses[-1],
@@ -139,14 +141,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| model | layers | seq | precision | median step (ms) | model TFLOP/s | speedup vs bf16 | peak mem (GiB) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | layers | seq | precision | median step (ms) | model TFLOP/s (Megatron, causal) | "
+        "TFLOP/s (full attention) | speedup vs bf16 | peak mem (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         speedup = f"{row['speedup_vs_bf16']:.3f}x" if row["speedup_vs_bf16"] is not None else "n/a"
         lines.append(
             f"| {row['model']} | {row['layers']} | {row['seq_length']} | {row['precision']} | "
-            f"{row['median_step_s'] * 1e3:.1f} | {row['model_tflops']:.1f} | {speedup} | {row['peak_memory_gib']:.1f} |"
+            f"{row['median_step_s'] * 1e3:.1f} | {row['model_tflops']:.1f} | {row['model_tflops_full_attention']:.1f} | "
+            f"{speedup} | {row['peak_memory_gib']:.1f} |"
         )
     return "\n".join(lines)
 

@@ -1,0 +1,451 @@
+"""launch/run.py: composition, validation and planning, run as a user runs it (a subprocess), with dryrun=true.
+
+Every launch runs in its own temporary directory as cwd, with FP8_RECIPES_RUNS, FP8_RECIPES_CACHE and HOME pointing
+into it, and is checked to have written nothing outside FP8_RECIPES_RUNS: no Hydra `outputs/`, `multirun/` or
+`.hydra/` folders, nothing in the repository, nothing in the home directory.
+
+The error cases are independent launches of about 1.5 s each; they run concurrently (one fixture) to keep the suite
+fast on a two-core machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from recipes.config import (
+    Config,
+    ConfigError,
+    DataConfig,
+    DataKind,
+    ExecutorConfig,
+    RunConfig,
+    TrainerConfig,
+    load_config,
+    load_option,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+RUN_PY = REPO / "launch" / "run.py"
+CONF = REPO / "conf"
+TRACEBACK = "Traceback (most recent call last)"
+GROUPS = ("model", "precision", "gpu", "executor", "data")
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+MODELS = options("model")
+LLAMA_PARAMETERS = {"llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496, "llama31_405b": 405_853_388_800}
+
+
+# ---- running launch/run.py ----
+
+
+@dataclass
+class Launch:
+    args: tuple[str, ...]
+    cwd: Path
+    returncode: int
+    stdout: str
+    stderr: str
+
+    # Not "runs" and "cache": a launch that ignored the variables and used its defaults would be caught.
+    @property
+    def runs(self) -> Path:
+        return self.cwd / "fp8_runs"
+
+    @property
+    def cache(self) -> Path:
+        return self.cwd / "fp8_cache"
+
+    @property
+    def home(self) -> Path:
+        return self.cwd / "home"
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def config_files(self) -> list[Path]:
+        return sorted(self.cwd.rglob("config.yaml"))
+
+    def lines(self, label: str) -> list[str]:
+        """Lines of the printed plan that start with `label` (model, precision, gpu, memory/GPU, command, ...)."""
+        return [line for line in self.stdout.splitlines() if line.split(" ", 1)[0] == label]
+
+    def __str__(self) -> str:
+        command = f"launch/run.py {' '.join(self.args)} -> {self.returncode}"
+        return f"{command}\n--- stdout\n{self.stdout}--- stderr\n{self.stderr}"
+
+
+def launch(cwd: Path, *args: str) -> Launch:
+    cwd.mkdir(parents=True, exist_ok=True)
+    (cwd / "home").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env.update(
+        FP8_RECIPES_RUNS=str(cwd / "fp8_runs"),
+        FP8_RECIPES_CACHE=str(cwd / "fp8_cache"),
+        HOME=str(cwd / "home"),
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
+    )
+    proc = subprocess.run(
+        [sys.executable, str(RUN_PY), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+    return Launch(args, cwd, proc.returncode, proc.stdout, proc.stderr)
+
+
+def assert_confined(result: Launch, allowed: tuple[str, ...] = ()) -> None:
+    """Nothing written outside FP8_RECIPES_RUNS (and `allowed` entries of cwd); no Hydra output folders."""
+    top = {p.name for p in result.cwd.iterdir()}
+    allowed_top = {result.runs.name, result.cache.name, "home", *allowed}
+    assert top <= allowed_top, f"unexpected files in cwd: {sorted(top)}\n{result}"
+    assert not any(result.home.iterdir()), f"wrote into HOME: {list(result.home.rglob('*'))}"
+    for path in result.cwd.rglob("*"):
+        assert path.name != ".hydra", f"Hydra wrote {path}"
+        if path.name in ("outputs", "multirun"):
+            assert result.runs in path.parents, f"Hydra output folder outside FP8_RECIPES_RUNS: {path}"
+
+
+def assert_nothing_launched(result: Launch) -> None:
+    assert not (result.runs / "nemo_run").exists(), "nemo-run was started"
+    assert not list(result.cwd.rglob("metrics.jsonl")), "an engine ran"
+
+
+def assert_clean_failure(result: Launch, *expected: str) -> None:
+    assert result.returncode != 0, str(result)
+    assert TRACEBACK not in result.output, str(result)
+    for text in expected:
+        assert text in result.output, f"{text!r} not in the message\n{result}"
+    assert not result.config_files(), "a failed launch saved a config"
+    assert_nothing_launched(result)
+    assert_confined(result)
+
+
+REPO_PATHS = ("runs", "outputs", "multirun", ".hydra", "launch/outputs", "launch/multirun", "launch/.hydra")
+
+
+def repo_state() -> dict:
+    return {p: sorted(os.listdir(REPO / p)) if (REPO / p).exists() else None for p in REPO_PATHS}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def repo_baseline():
+    return repo_state()
+
+
+@pytest.fixture(autouse=True)
+def repo_untouched(repo_baseline):
+    yield
+    assert repo_state() == repo_baseline, "a launch wrote into the repository"
+
+
+def engine_command(config_path: Path) -> str:
+    """The plan's command line for one process: this interpreter runs the engine module on the saved config."""
+    return f"command     {sys.executable} -m recipes.engine.torch_engine {config_path}"
+
+
+def only_run_dir(result: Launch) -> Path:
+    configs = result.config_files()
+    assert len(configs) == 1, f"{configs}\n{result}"
+    return configs[0].parent
+
+
+# ---- a default launch ----
+
+
+def test_default_compose_plans_tiny_llama_fp8_current(tmp_path):
+    result = launch(tmp_path, "dryrun=true")
+    assert result.returncode == 0, str(result)
+    assert TRACEBACK not in result.output
+    run_dir = only_run_dir(result)
+    assert run_dir.parent == result.runs
+    assert re.fullmatch(r"\d{8}-\d{6}-tiny_llama-fp8_current", run_dir.name)
+
+    (model,) = result.lines("model")
+    assert model.startswith("model       tiny_llama: 3,180,800 parameters, 4 layers")
+    (precision,) = result.lines("precision")
+    assert precision.startswith("precision   fp8_current (recipe tensorwise")
+    (memory,) = result.lines("memory/GPU")
+    numbers = re.fullmatch(
+        r"memory/GPU  ~([\d.,]+) GiB \(weights ([\d.,]+), grads ([\d.,]+), Adam ([\d.,]+), activations ([\d.,]+)\)",
+        memory,
+    )
+    assert numbers, memory
+    total, *parts = (float(n.replace(",", "")) for n in numbers.groups())
+    assert total == pytest.approx(sum(parts), abs=0.15)
+    assert total >= 16 * 3_180_800 / 2**30  # FP32 weights, grads and two Adam moments at least
+    assert result.lines("command") == [engine_command(run_dir / "config.yaml")]
+    assert "dry run: nothing launched" in result.stdout
+    assert_nothing_launched(result)
+    assert_confined(result)
+
+    cfg = load_config(run_dir / "config.yaml")
+    assert cfg.model == load_option("model", "tiny_llama")
+    assert cfg.precision == load_option("precision", "fp8_current")
+    assert cfg.gpu.name != "auto"  # gpu=auto is resolved before the config is saved
+    if not torch.cuda.is_available():
+        assert cfg.gpu == load_option("gpu", "cpu")
+        assert result.lines("gpu")[0].startswith("gpu         cpu (cpu), 1 process(es)")
+
+
+def test_saved_config_is_what_was_asked(tmp_path):
+    run_dir = tmp_path / "x"
+    result = launch(tmp_path, "model=llama3_70b", "precision=bf16", "trainer.max_steps=7", f"run.dir={run_dir}",
+                    "dryrun=true")
+    assert result.returncode == 0, str(result)
+    assert result.config_files() == [run_dir / "config.yaml"]
+    text = (run_dir / "config.yaml").read_text()
+    assert "${" not in text  # interpolations resolved: the engine needs no Hydra
+    gpu = load_option("gpu", "cpu") if not torch.cuda.is_available() else load_config(run_dir / "config.yaml").gpu
+    expected = Config(
+        model=load_option("model", "llama3_70b"),
+        precision=load_option("precision", "bf16"),
+        gpu=gpu,
+        executor=ExecutorConfig(name="local", gpus=1, nodes=1, nemo_run_home=str(result.runs / "nemo_run")),
+        data=DataConfig(name="text", kind=DataKind.indexed, path=None, cache_dir=str(result.cache)),
+        trainer=TrainerConfig(max_steps=7),
+        run=RunConfig(root=str(result.runs), name="llama3_70b-bf16", dir=str(run_dir)),
+        engine="torch",
+        dryrun=True,
+    )
+    assert load_config(run_dir / "config.yaml") == expected
+    assert result.lines("model") == [
+        "model       llama3_70b: 70,553,706,496 parameters, 80 layers, hidden 8192, seq 8192"
+    ]
+    assert result.lines("command") == [engine_command(run_dir / "config.yaml")]
+    assert_nothing_launched(result)
+    assert_confined(result, allowed=("x",))
+
+
+def test_hydra_keeps_cwd_and_writes_no_hydra_folder(tmp_path):
+    # A relative run.dir resolves against the launch directory: had Hydra changed into the run dir, the config
+    # would land in rel/x/rel/x or the paths would be relative.
+    result = launch(tmp_path, "run.dir=rel/x", "dryrun=true")
+    assert result.returncode == 0, str(result)
+    run_dir = tmp_path / "rel" / "x"
+    assert result.config_files() == [run_dir / "config.yaml"]
+    assert result.lines("run") == [f"run dir     {run_dir}"]
+    assert result.lines("command") == [engine_command(run_dir / "config.yaml")]
+    assert load_config(run_dir / "config.yaml").run.dir == str(run_dir)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]
+    assert_confined(result, allowed=("rel",))
+
+
+# ---- every model x precision ----
+
+
+def test_every_model_plans_in_bf16_and_fp8_current_on_h100(tmp_path):
+    result = launch(tmp_path, "-m", f"model={','.join(MODELS)}", "precision=bf16,fp8_current", "gpu=h100",
+                    "dryrun=true")
+    assert result.returncode == 0, str(result)
+    assert TRACEBACK not in result.output
+    configs = result.config_files()
+    assert len(configs) == 2 * len(MODELS), str(result)
+    planned = set()
+    for path in configs:
+        cfg = load_config(path)
+        assert cfg.gpu == load_option("gpu", "h100")
+        assert cfg.model == load_option("model", cfg.model.name)
+        assert cfg.precision == load_option("precision", cfg.precision.name)
+        assert cfg.run.dir == str(path.parent)
+        planned.add((cfg.model.name, cfg.precision.name))
+    assert planned == {(m, p) for m in MODELS for p in ("bf16", "fp8_current")}
+
+    printed = {}
+    for line in result.lines("model"):
+        name, count = re.match(r"model +(\w+): ([\d,]+) parameters", line).groups()
+        printed.setdefault(name, set()).add(int(count.replace(",", "")))
+    assert set(printed) == set(MODELS)
+    for name, count in LLAMA_PARAMETERS.items():
+        assert printed[name] == {count}
+    memory = result.lines("memory/GPU")
+    assert len(memory) == 2 * len(MODELS) and all(" of 80 GB" in line for line in memory)
+    # A 70B model on one 80 GB GPU cannot fit and the plan says so; a tiny one fits.
+    does_not_fit = [line for line in memory if "does not fit" in line]
+    assert len(does_not_fit) == 2 * sum(not m.startswith("tiny") for m in MODELS)
+    assert_nothing_launched(result)
+    assert_confined(result)
+
+
+@pytest.fixture(scope="module")
+def hydra_compose():
+    """Compose conf/ in this process, as launch/run.py does (28 failing combinations: too many subprocesses)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from recipes.hydra_schema import register_schema
+    from recipes.plan import resolve
+
+    register_schema()
+
+    def composed(*overrides: str) -> Config:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return resolve(OmegaConf.to_object(compose("config", overrides=list(overrides))))
+
+    return composed
+
+
+NOT_IMPLEMENTED = [("fp8_delayed", "h100"), ("fp8_blockwise", "h100"), ("mxfp8", "b200")]
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("precision, gpu", NOT_IMPLEMENTED + [("mxfp8", "h100")])
+def test_every_model_with_unimplemented_precisions_fails_in_plan(hydra_compose, tmp_path, monkeypatch, model,
+                                                                  precision, gpu):
+    from recipes.plan import make_plan
+
+    monkeypatch.setenv("FP8_RECIPES_RUNS", str(tmp_path / "runs"))
+    cfg = hydra_compose(f"model={model}", f"precision={precision}", f"gpu={gpu}", "dryrun=true")
+    assert (cfg.model.name, cfg.precision.name, cfg.gpu.name) == (model, precision, gpu)
+    with pytest.raises(ConfigError) as error:
+        make_plan(cfg, tmp_path / "config.yaml")
+    message = str(error.value)
+    if (precision, gpu) == ("mxfp8", "h100"):
+        assert "Blackwell" in message and "gpu=h100" in message
+    else:
+        assert f"precision={precision}" in message and "not implemented in engine=torch yet" in message
+        assert implemented_choices(message) == {"bf16", "fp8_current"}
+    assert not list(tmp_path.iterdir())
+
+
+def implemented_choices(message: str) -> set[str]:
+    """The precisions a not-implemented message offers; each must be a conf/precision option."""
+    choices = set(re.search(r"choose one of: ([\w, ]+)", message).group(1).split(", "))
+    assert choices <= set(options("precision"))
+    return choices
+
+
+# ---- errors, each in its own launch ----
+
+
+def _gpu_count_case() -> tuple[str, ...]:
+    # More processes than this machine has GPUs (0 on the CPU test machine), so it can never really launch.
+    return "gpu=h100", f"executor.gpus={max(2, torch.cuda.device_count() + 1)}"
+
+
+# name: (arguments, texts the output must contain)
+ERROR_CASES = {
+    # compose time
+    "unknown_group_option": (("model=llama3_8bb",), ("model/llama3_8bb", *MODELS)),
+    "typo_key": (("trainer.max_stpes=5",), ("Did you mean 'trainer.max_steps'",
+                                            *(f.name for f in dataclasses.fields(TrainerConfig)))),
+    "unknown_top_level_key": (("foo=1", "dryrun=true"), ("'foo'", *(f.name for f in dataclasses.fields(Config)))),
+    "added_unknown_key": (("+trainer.max_stpes=5", "dryrun=true"), ("max_stpes",)),
+    "wrong_type": (("trainer.max_steps=abc",), ("trainer.max_steps", "'abc'")),
+    "invalid_enum": (("precision.recipe=foo", "dryrun=true"),
+                     ("precision.recipe", "'foo'", "bf16", "delayed", "tensorwise", "blockwise", "mxfp8")),
+    # plan time
+    "global_batch": (("trainer.global_batch_size=6", "trainer.micro_batch_size=4", "dryrun=true"),
+                     ("trainer.global_batch_size=6", "e.g. trainer.global_batch_size=")),
+    "heads_groups": (("model.num_query_groups=3", "dryrun=true"),
+                     ("model.num_attention_heads=8", "model.num_query_groups=3")),
+    "bf16_layers": (("precision.num_layers_at_start_in_bf16=3", "precision.num_layers_at_end_in_bf16=3",
+                     "dryrun=true"), ("precision.num_layers_at_end_in_bf16 = 6", "model.num_layers=4")),
+    "local_nodes": (("executor.nodes=2", "dryrun=true"), ("executor=local", "executor.nodes=1")),
+    "engine_megatron": (("engine=megatron", "dryrun=true"), ("engine=megatron", "not available", "torch")),
+    # hidden 200 keeps heads % groups and the even rotary dimension valid; only the FP8 check rejects it
+    "fp8_dims": (("model.hidden_size=200", "dryrun=true"), ("divisible by 16", "hidden_size = 200")),
+    "gpu_count": (_gpu_count_case(), (f"executor.gpus={max(2, torch.cuda.device_count() + 1)}",
+                                      f"has {torch.cuda.device_count()} GPU(s)")),
+    # precision x GPU
+    "fp8_delayed": (("model=llama3_8b", "precision=fp8_delayed", "gpu=h100", "dryrun=true"),
+                    ("precision=fp8_delayed", "not implemented in engine=torch yet")),
+    "fp8_blockwise": (("model=nemotron4_15b", "precision=fp8_blockwise", "gpu=h100", "dryrun=true"),
+                      ("precision=fp8_blockwise", "not implemented in engine=torch yet")),
+    "mxfp8_hopper": (("model=llama3_70b", "precision=mxfp8", "gpu=h100", "dryrun=true"),
+                     ("precision=mxfp8", "Blackwell", "gpu=h100", "fp8_current", "precision.emulate=true")),
+    "mxfp8_blackwell": (("model=tiny_nemotron", "precision=mxfp8", "gpu=b200", "dryrun=true"),
+                        ("precision=mxfp8", "not implemented in engine=torch yet")),
+}
+
+
+@pytest.fixture(scope="module")
+def error_launches(tmp_path_factory) -> dict[str, Launch]:
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        futures = {
+            name: pool.submit(launch, tmp_path_factory.mktemp(name), *args) for name, (args, _) in ERROR_CASES.items()
+        }
+    return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.parametrize("case", ERROR_CASES)
+def test_error_is_clear_and_launches_nothing(error_launches, case):
+    result = error_launches[case]
+    assert_clean_failure(result, *ERROR_CASES[case][1])
+
+
+def test_global_batch_suggestion_is_valid(error_launches):
+    result = error_launches["global_batch"]
+    suggested = int(re.search(r"e\.g\. trainer\.global_batch_size=(\d+)", result.output).group(1))
+    assert suggested > 0 and suggested % 4 == 0  # a multiple of micro batch 4 x 1 process
+
+
+@pytest.mark.parametrize("case", ["fp8_delayed", "fp8_blockwise", "mxfp8_blackwell"])
+def test_not_implemented_names_valid_choices(error_launches, case):
+    assert implemented_choices(error_launches[case].output) == {"bf16", "fp8_current"}
+
+
+# ---- --cfg job, --help, multirun ----
+
+
+def test_cfg_job_prints_composed_yaml_and_launches_nothing(tmp_path):
+    result = launch(tmp_path, "--cfg", "job", "trainer.max_steps=3")
+    assert result.returncode == 0, str(result)
+    assert "name: tiny_llama" in result.stdout
+    composed = yaml.safe_load(result.stdout)
+    assert composed["model"]["name"] == "tiny_llama" and composed["precision"]["name"] == "fp8_current"
+    assert composed["trainer"]["max_steps"] == 3
+    assert set(composed) == {f.name for f in dataclasses.fields(Config)}
+    assert "command" not in result.stdout and not result.config_files()
+    assert not result.runs.exists()
+    assert_confined(result)
+
+
+def test_help_lists_groups_and_options(tmp_path):
+    result = launch(tmp_path, "--help")
+    assert result.returncode == 0, str(result)
+    section = result.stdout.split("== Configuration groups ==", 1)[1].split("==", 1)[0]
+    listed = {}
+    for line in section.splitlines():
+        match = re.fullmatch(r"(\w+): (.+)", line.strip())
+        if match:
+            listed[match.group(1)] = sorted(match.group(2).split(", "))
+    assert set(GROUPS) <= set(listed)
+    for group, names in listed.items():
+        assert names == options(group), group
+    assert not result.runs.exists()
+    assert_confined(result)
+
+
+def test_multirun_makes_one_run_dir_per_job_in_one_sweep(tmp_path):
+    result = launch(tmp_path, "-m", "precision=bf16,fp8_current", "dryrun=true")
+    assert result.returncode == 0, str(result)
+    sweeps = [p for p in result.runs.iterdir()]
+    assert len(sweeps) == 1 and sweeps[0].is_dir() and sweeps[0].name.endswith("-sweep"), sweeps
+    configs = result.config_files()
+    assert len(configs) == 2
+    run_dirs = {path.parent for path in configs}
+    assert len(run_dirs) == 2 and all(d.parent == sweeps[0] for d in run_dirs)
+    precisions = {}
+    for path in configs:
+        cfg = load_config(path)
+        assert cfg.precision == load_option("precision", cfg.precision.name)
+        assert cfg.run.dir == str(path.parent)
+        assert path.parent.name.endswith(f"-tiny_llama-{cfg.precision.name}")
+        precisions[cfg.precision.name] = path
+    assert set(precisions) == {"bf16", "fp8_current"}
+    assert sorted(result.lines("command")) == sorted(engine_command(path) for path in configs)
+    assert_nothing_launched(result)
+    assert_confined(result)
