@@ -9,6 +9,7 @@ Groups (conf/): model, precision, gpu, executor, data. `--cfg job` prints the co
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def main(dict_cfg: DictConfig) -> None:
         sys.exit(f"error: {error}")
     print(describe(plan), flush=True)
     directory.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, config_path)
+    save_config(dataclasses.replace(cfg, dryrun=False), config_path)  # the config as the engine will run it
     if cfg.dryrun:
         print(f"dry run: nothing launched; the resolved config is {config_path}, and the command above runs it")
         return

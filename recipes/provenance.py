@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 from importlib import metadata
@@ -13,7 +14,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def git_commit() -> str:
-    """HEAD's hash, with '-dirty' when tracked files differ from it; 'unknown' outside a git checkout."""
+    """HEAD's hash, with '-dirty' when tracked files differ from it; 'unknown' outside a git checkout.
+
+    FP8_RECIPES_COMMIT, when set, is taken instead: for copies of the repo without .git (containers, lent machines).
+    """
+    if os.environ.get("FP8_RECIPES_COMMIT"):
+        return os.environ["FP8_RECIPES_COMMIT"]
     try:
         head = subprocess.run(
             ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True

@@ -218,7 +218,7 @@ def test_saved_config_is_what_was_asked(tmp_path):
         trainer=TrainerConfig(max_steps=7),
         run=RunConfig(root=str(result.runs), name="llama3_70b-bf16", dir=str(run_dir)),
         engine="torch",
-        dryrun=True,
+        dryrun=False,  # saved as the engine will run it
     )
     assert load_config(run_dir / "config.yaml") == expected
     assert result.lines("model") == [
