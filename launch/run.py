@@ -3,6 +3,7 @@
     python launch/run.py model=llama3_70b precision=fp8_current trainer.max_steps=50
     python launch/run.py model=llama3_8b model.num_layers=4 dryrun=true
     python launch/run.py -m precision=bf16,fp8_current
+    python launch/run.py executor=slurm gpu=h100 executor.slurm.account=ACCT dryrun=true   # the sbatch script
 
 Groups (conf/): model, precision, gpu, executor, data. `--cfg job` prints the composed config, `--help` the options.
 """
@@ -36,13 +37,21 @@ def run_dir(cfg: DictConfig) -> Path:
     return Path(cfg.run.dir).resolve()
 
 
+def experiment_name(cfg: Config) -> str:
+    """What groups the run in nemo-run: its own name, or for -m the sweep folder's name (one for all points)."""
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return Path(hydra_cfg.sweep.dir).name
+    return cfg.run.name
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(dict_cfg: DictConfig) -> None:
     directory = run_dir(dict_cfg)
     dict_cfg.run.dir = str(directory)
-    cfg: Config = resolve(OmegaConf.to_object(dict_cfg))
     config_path = directory / "config.yaml"
     try:
+        cfg: Config = resolve(OmegaConf.to_object(dict_cfg))
         plan = make_plan(cfg, config_path)
     except ConfigError as error:
         if directory.is_dir() and not any(directory.iterdir()):
@@ -51,10 +60,10 @@ def main(dict_cfg: DictConfig) -> None:
     print(describe(plan), flush=True)
     directory.mkdir(parents=True, exist_ok=True)
     save_config(dataclasses.replace(cfg, dryrun=False), config_path)  # the config as the engine will run it
-    if cfg.dryrun:
-        print(f"dry run: nothing launched; the resolved config is {config_path}, and the command above runs it")
-        return
-    status = launch(plan, config_path)
+    try:
+        status = launch(plan, config_path, experiment_name(cfg))
+    except ConfigError as error:
+        sys.exit(f"error: {error}")
     if status:
         sys.exit(status)
 

@@ -110,11 +110,43 @@ class GpuConfig:
 
 
 @dataclass
+class SshTunnelConfig:
+    """Submit from this machine to a cluster's login node over SSH (nemo-run's SSHTunnel)."""
+
+    host: str
+    user: str
+    job_dir: str  # on the cluster's shared storage: nemo-run's job folders and the runs
+    identity: Optional[str] = None  # private key file; None: the SSH agent or ~/.ssh defaults
+
+
+@dataclass
+class SlurmConfig:
+    """sbatch/srun settings of executor=slurm (conf/executor/slurm.yaml)."""
+
+    account: Optional[str] = None
+    partition: Optional[str] = None
+    time: str = "01:00:00"  # wall-clock limit, sbatch --time
+    container_image: Optional[str] = None  # pyxis/enroot image; None: run on the nodes' own software
+    container_mounts: list[str] = field(default_factory=list)  # SRC:DST; the repo and run root are added
+    env_vars: dict[str, str] = field(default_factory=dict)  # exported in the job (values shell-quoted)
+    mpi: str = "none"  # srun --mpi: none, pmix, pmi2 (what the cluster's Slurm supports)
+    srun_args: list[str] = field(default_factory=list)  # further srun arguments, e.g. --cpu-bind=none
+    exclusive: bool = False  # whole nodes
+    mem: Optional[str] = None  # sbatch --mem, e.g. 0 (all of it) or 200G
+    sbatch_args: dict[str, str] = field(default_factory=dict)  # any other sbatch option: {qos: high}
+    tunnel: str = "local"  # local: this machine can run sbatch; ssh: submit through executor.slurm.ssh
+    ssh: Optional[SshTunnelConfig] = None
+    retries: int = 0  # resubmissions of a failed job (nemo-run max_retries)
+
+
+@dataclass
 class ExecutorConfig:
     name: str = "local"
     gpus: int = 1  # processes per node: one per GPU (or CPU processes on a CPU-only machine)
     nodes: int = 1
-    nemo_run_home: str = "${run.root}/nemo_run"  # where nemo-run keeps its experiment records
+    nemo_run_home: str = "${run.root}/nemo_run"  # where nemo-run keeps its experiment records (and, on Slurm
+    # with the local tunnel, the jobs' folders and logs: shared storage there)
+    slurm: Optional[SlurmConfig] = None  # executor=slurm only
 
 
 @dataclass
@@ -123,6 +155,13 @@ class DataConfig:
     kind: DataKind = DataKind.indexed
     path: Optional[str] = None  # Megatron indexed dataset prefix (PREFIX.bin/.idx); None: the bundled corpus
     cache_dir: str = "~/.cache/fp8-recipes"
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0  # save every `interval` optimizer steps and at the last step; 0: never
+    keep_last: int = 2  # checkpoints kept on disk, newest first; 0: all
+    dir: Optional[str] = None  # None: <run dir>/checkpoints; a relative path is taken from the run directory
 
 
 @dataclass
@@ -141,6 +180,7 @@ class TrainerConfig:
     seed: int = 1234
     compile: Optional[bool] = None  # None: compile on GPU, not on CPU
     log_interval: int = 10
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # resumes from the newest one found
 
 
 @dataclass

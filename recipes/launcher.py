@@ -1,4 +1,5 @@
-"""Hand a planned run to nemo-run: the local machine (LocalExecutor; torchrun for several processes).
+"""Hand a planned run to nemo-run: the local machine (LocalExecutor; torchrun for several processes), or a Slurm
+cluster (SlurmExecutor, see recipes.slurm: one sbatch job per run, submitted without waiting).
 
 The task is the engine module with one argument, the resolved config file; every other setting travels inside
 that file, so no user value is ever spliced into a command line.
@@ -15,13 +16,27 @@ from recipes.plan import ENGINE_MODULE, Plan
 from recipes.provenance import REPO_ROOT
 
 
-def launch(plan: Plan, config_path: Path) -> int:
-    """Run the job through nemo-run, stream its output, and return 0 when it succeeded."""
+def launch(plan: Plan, config_path: Path, experiment: str) -> int:
+    """Launch (or, for a dry run, only show) the run; return the exit status. `experiment` names the nemo-run
+    experiment that groups it: the run's name, or the sweep's for every point of a sweep."""
+    cfg = plan.cfg
+    if cfg.executor.name == "slurm":
+        from recipes.slurm import submit
+
+        return submit(plan, config_path, experiment, dryrun=cfg.dryrun)
+    if cfg.executor.name != "local":
+        raise ConfigError(f"executor={cfg.executor.name} is not available; use executor=local or executor=slurm")
+    if cfg.dryrun:
+        print(f"dry run: nothing launched; the resolved config is {config_path}, and the command above runs it")
+        return 0
+    return run_local(plan, config_path)
+
+
+def run_local(plan: Plan, config_path: Path) -> int:
+    """Run the job on this machine through nemo-run, stream its output, and return 0 when it succeeded."""
     import nemo_run as run  # imported here: planning and dry runs do not need it
 
     cfg = plan.cfg
-    if cfg.executor.name != "local":
-        raise ConfigError(f"executor={cfg.executor.name} is not available yet; use executor=local")
     # torchrun must come from this interpreter's environment, whatever PATH the user's shell had.
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     executor = run.LocalExecutor(

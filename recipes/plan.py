@@ -13,8 +13,7 @@ from pathlib import Path
 
 import torch
 
-from recipes.config import Config, ConfigError, ModelConfig, Recipe, load_option
-from recipes.fp8 import check_recipe_implemented
+from recipes.config import Config, ConfigError, Fp8Format, ModelConfig, Recipe, load_option
 from recipes.models.transformer import count_parameters
 
 ENGINE_MODULE = {"torch": "recipes.engine.torch_engine"}
@@ -39,6 +38,9 @@ def detect_gpu() -> str:
 
 def resolve(cfg: Config) -> Config:
     """Fill in what is decided at launch: the detected GPU for gpu=auto."""
+    if cfg.gpu.name == "auto" and cfg.executor.name == "slurm":
+        raise ConfigError("executor=slurm: name the cluster's GPU (gpu=h100, h200, b200, gb200 or cpu); gpu=auto "
+                          "would detect this machine's device, not the compute nodes'")
     if cfg.gpu.name == "auto":
         cfg = dataclasses.replace(cfg, gpu=load_option("gpu", detect_gpu()))
     return cfg
@@ -61,6 +63,9 @@ def _validate_launch(cfg: Config) -> None:
         raise ConfigError(f"engine={cfg.engine} is not available; valid engines: {', '.join(ENGINE_MODULE)}")
     if cfg.executor.name == "local" and cfg.executor.nodes != 1:
         raise ConfigError(f"executor=local runs on this machine only: set executor.nodes=1 (got {cfg.executor.nodes})")
+    if cfg.executor.name == "slurm" and cfg.executor.slurm is None:
+        raise ConfigError("executor.slurm is missing: choose executor=slurm (conf/executor/slurm.yaml) rather than "
+                          "executor.name=slurm")
     if cfg.executor.gpus < 1:
         raise ConfigError(f"executor.gpus must be at least 1 (got {cfg.executor.gpus})")
     if cfg.executor.name == "local" and cfg.gpu.arch != "cpu" and not cfg.dryrun:
@@ -93,19 +98,32 @@ def _validate_precision(cfg: Config) -> None:
             f"precision=mxfp8 runs natively only on Blackwell GPUs (b200, gb200); gpu={gpu.name} is {gpu.arch}. "
             "Choose fp8_current or fp8_blockwise, or set precision.emulate=true to emulate it (slow; labelled)."
         )
-    if precision.recipe == Recipe.blockwise and gpu.arch not in ("hopper", "blackwell") and not precision.emulate:
+    if precision.recipe == Recipe.blockwise and gpu.arch != "hopper" and not precision.emulate:
         raise ConfigError(
-            f"precision=fp8_blockwise needs a Hopper or Blackwell GPU; gpu={gpu.name} is {gpu.arch}. "
-            "Set precision.emulate=true to emulate it."
+            f"precision=fp8_blockwise runs natively on Hopper GPUs (h100, h200; cuBLAS block scaling, CUDA >= 12.9); "
+            f"gpu={gpu.name} is {gpu.arch}. Set precision.emulate=true to emulate it (slow; labelled)."
         )
-    check_recipe_implemented(precision)
+    if precision.recipe == Recipe.blockwise and precision.fp8_format != Fp8Format.e4m3 and not precision.emulate:
+        raise ConfigError(
+            "precision=fp8_blockwise: cuBLAS block-scaled GEMMs on Hopper take E4M3 operands only (no E5M2 "
+            "gradients); set precision.fp8_format=e4m3, as conf/precision/fp8_blockwise.yaml does"
+        )
     bf16_layers = precision.num_layers_at_start_in_bf16 + precision.num_layers_at_end_in_bf16
     if bf16_layers > cfg.model.num_layers:
         raise ConfigError(
             f"precision.num_layers_at_start_in_bf16 + precision.num_layers_at_end_in_bf16 = {bf16_layers} is more "
             f"than model.num_layers={cfg.model.num_layers}"
         )
-    model = cfg.model
+    _validate_gemm_dims(cfg)
+
+
+# Every dimension an FP8 GEMM contracts or produces must be a multiple of the recipe's block (16 for cuBLAS's
+# per-tensor FP8 GEMMs); the token count is the K of wgrad.
+GEMM_MULTIPLE = {Recipe.tensorwise: 16, Recipe.delayed: 16, Recipe.blockwise: 128, Recipe.mxfp8: 32}
+
+
+def _validate_gemm_dims(cfg: Config) -> None:
+    model, multiple = cfg.model, GEMM_MULTIPLE[cfg.precision.recipe]
     gemm_dims = {
         "hidden_size": model.hidden_size,
         "ffn_hidden_size": model.ffn_hidden_size,
@@ -114,8 +132,10 @@ def _validate_precision(cfg: Config) -> None:
         "micro_batch_size * seq_length": cfg.trainer.micro_batch_size * model.seq_length,
     }
     for name, value in gemm_dims.items():
-        if value % 16:
-            raise ConfigError(f"FP8 GEMMs need dimensions divisible by 16: {name} = {value}")
+        if value % multiple:
+            raise ConfigError(
+                f"precision={cfg.precision.name} needs GEMM dimensions divisible by {multiple}: {name} = {value}"
+            )
 
 
 def _validate_batch(cfg: Config) -> None:
@@ -190,6 +210,16 @@ def make_plan(cfg: Config, config_path: Path) -> Plan:
     return Plan(cfg, parameters, estimate_memory(cfg, parameters), engine_command(cfg, config_path))
 
 
+def describe_executor(cfg: Config) -> str:
+    slurm = cfg.executor.slurm
+    if cfg.executor.name != "slurm" or slurm is None:
+        return cfg.executor.name
+    where = [f"partition {slurm.partition}" if slurm.partition else "default partition",
+             f"account {slurm.account}" if slurm.account else None, f"time {slurm.time}",
+             f"container {slurm.container_image}" if slurm.container_image else "no container"]
+    return f"slurm ({', '.join(filter(None, where))})"
+
+
 def describe(plan: Plan) -> str:
     cfg, mem = plan.cfg, plan.memory
     t = cfg.trainer
@@ -209,7 +239,7 @@ def describe(plan: Plan) -> str:
         + (", emulated" if cfg.precision.emulate else "")
         + ")",
         f"gpu         {cfg.gpu.name} ({cfg.gpu.arch}), {plan.processes} process(es) on {cfg.executor.nodes} node(s), "
-        f"executor {cfg.executor.name}, engine {cfg.engine}",
+        f"executor {describe_executor(cfg)}, engine {cfg.engine}",
         f"batch       micro {t.micro_batch_size} x {plan.processes} processes x {accumulation} accumulation = "
         f"global {t.global_batch_size} sequences; {t.max_steps} steps, lr {t.lr} (warm-up {t.warmup_steps}, cosine to {t.min_lr})",
         f"data        {cfg.data.name} ({cfg.data.kind.value}" + (f", {cfg.data.path}" if cfg.data.path else "") + ")",

@@ -113,6 +113,18 @@ def bench_one(model_cfg: ModelConfig, precision: PrecisionConfig, args, device: 
     }
 
 
+def bench_or_report(model_cfg: ModelConfig, precision: PrecisionConfig, args, device: torch.device) -> dict:
+    """A recipe that fails (no kernel, a compile error) is reported in the table, and the study goes on."""
+    try:
+        return bench_one(model_cfg, precision, args, device)
+    except Exception as error:  # noqa: BLE001 - any failure of one recipe is a result to report
+        print(f"  {precision.name:>14} FAILED: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"model": model_cfg.name, "layers": model_cfg.num_layers, "seq_length": model_cfg.seq_length,
+                "micro_batches": args.micro_batches, "precision": precision.name, "error": str(error)[:500]}
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -146,6 +158,10 @@ def markdown_table(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['model']} | {row['layers']} | {row['seq_length']} | {row['precision']} | "
+                         f"failed: {row['error'].splitlines()[0][:80]} | | | | |")
+            continue
         speedup = f"{row['speedup_vs_bf16']:.3f}x" if row["speedup_vs_bf16"] is not None else "n/a"
         lines.append(
             f"| {row['model']} | {row['layers']} | {row['seq_length']} | {row['precision']} | "
@@ -170,20 +186,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.seq_length:
             model_cfg = dataclasses.replace(model_cfg, seq_length=args.seq_length)
         print(f"{model_cfg.name}: {layers} layers, seq {model_cfg.seq_length}, {args.micro_batches} micro-batches/step", flush=True)
-        results = [bench_one(model_cfg, precision, args, device) for precision in precisions]
-        baseline = next((r for r in results if r["precision"] == "bf16"), None)
+        results = [bench_or_report(model_cfg, precision, args, device) for precision in precisions]
+        baseline = next((r for r in results if r["precision"] == "bf16" and "error" not in r), None)
         for result in results:
-            result["speedup_vs_bf16"] = baseline["median_step_s"] / result["median_step_s"] if baseline else None
+            timed = baseline and "error" not in result
+            result["speedup_vs_bf16"] = baseline["median_step_s"] / result["median_step_s"] if timed else None
         rows += results
     table = markdown_table(rows)
     print(table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         with (args.out / "results.csv").open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=[key for key in rows[0] if key != "profile"])
+            fields = list(dict.fromkeys(key for row in rows for key in row if key != "profile"))
+            writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
             writer.writerows({key: value for key, value in row.items() if key != "profile"} for row in rows)
-        profiles = {f"{row['model']}/{row['precision']}": row["profile"] for row in rows if row["profile"]}
+        profiles = {f"{row['model']}/{row['precision']}": row["profile"] for row in rows if row.get("profile")}
         if profiles:
             (args.out / "profiles.json").write_text(json.dumps(profiles, indent=2) + "\n")
         (args.out / "results.md").write_text(table + "\n")

@@ -22,7 +22,7 @@ from recipes.config import ConfigError, Fp8Format, ModelConfig, PrecisionConfig,
 from recipes.fp8 import convert_to_fp8
 from recipes.fp8.current_scaling import Float8Tensor, quantize_tensorwise, tensorwise_scale
 from recipes.fp8.formats import E4M3, E5M2, forward_and_backward_dtypes
-from recipes.fp8.linear import CurrentScaling, Fp8Linear, _Fp8LinearFunction
+from recipes.fp8.linear import BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling, Fp8Linear, _Fp8LinearFunction, recipe_from_config
 from recipes.models.transformer import Transformer
 
 U = 2.0**-24  # FP32 unit roundoff
@@ -287,11 +287,11 @@ def precision(fmt: Fp8Format = Fp8Format.hybrid, **kw) -> PrecisionConfig:
 
 
 def hybrid(**kw) -> CurrentScaling:
-    return CurrentScaling.from_config(precision(Fp8Format.hybrid, **kw))
+    return recipe_from_config(precision(Fp8Format.hybrid, **kw))
 
 
 def all_e4m3(**kw) -> CurrentScaling:
-    return CurrentScaling.from_config(precision(Fp8Format.e4m3, **kw))
+    return recipe_from_config(precision(Fp8Format.e4m3, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -543,14 +543,25 @@ def test_convert_keeps_first_and_last_block_in_bf16():
 
 
 @pytest.mark.parametrize(
-    "recipe,fmt",
-    [(Recipe.delayed, Fp8Format.hybrid), (Recipe.blockwise, Fp8Format.hybrid), (Recipe.mxfp8, Fp8Format.e4m3)],
+    "recipe,fmt,expected",
+    [
+        (Recipe.delayed, Fp8Format.hybrid, DelayedScaling),
+        (Recipe.blockwise, Fp8Format.hybrid, BlockwiseScaling),
+        (Recipe.mxfp8, Fp8Format.e4m3, MXFP8Scaling),
+    ],
 )
-def test_unimplemented_recipes_raise(recipe, fmt):
+def test_each_recipe_converts_to_its_own_recipe(recipe, fmt, expected):
+    # Never silently the per-tensor current recipe (nor BF16): each layer carries exactly the recipe named.
     model = tiny_model()
-    with pytest.raises(ConfigError):
-        convert_to_fp8(model.layers, PrecisionConfig(name=f"fp8_{recipe.value}", recipe=recipe, fp8_format=fmt))
-    assert not any(isinstance(m, Fp8Linear) for m in model.modules())  # nothing half-converted
+    precision_cfg = PrecisionConfig(name=f"fp8_{recipe.value}", recipe=recipe, fp8_format=fmt, emulate=True)
+    assert convert_to_fp8(model.layers, precision_cfg) == len(model.layers) * len(LINEAR_NAMES)
+    recipes = {type(m.recipe) for m in model.modules() if isinstance(m, Fp8Linear)}
+    assert recipes == {expected}
+
+
+def test_recipe_without_fp8_format_is_rejected():
+    with pytest.raises(ConfigError, match="fp8_format"):
+        recipe_from_config(PrecisionConfig(name="fp8_current", recipe=Recipe.tensorwise, fp8_format=None))
 
 
 def test_bf16_replaces_nothing():

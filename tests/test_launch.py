@@ -174,7 +174,7 @@ def test_default_compose_plans_tiny_llama_fp8_current(tmp_path):
     assert re.fullmatch(r"\d{8}-\d{6}-tiny_llama-fp8_current", run_dir.name)
 
     (model,) = result.lines("model")
-    assert model.startswith("model       tiny_llama: 3,180,800 parameters, 4 layers")
+    assert model.startswith("model       tiny_llama: 3,311,872 parameters, 4 layers")
     (precision,) = result.lines("precision")
     assert precision.startswith("precision   fp8_current (recipe tensorwise")
     (memory,) = result.lines("memory/GPU")
@@ -297,34 +297,30 @@ def hydra_compose():
     return composed
 
 
-NOT_IMPLEMENTED = [("fp8_delayed", "h100"), ("fp8_blockwise", "h100"), ("mxfp8", "b200")]
+NATIVE = [("fp8_delayed", "h100"), ("fp8_blockwise", "h100"), ("mxfp8", "b200")]
+NOT_NATIVE = {
+    ("mxfp8", "h100"): ("Blackwell", "gpu=h100", "precision.emulate=true"),
+    ("fp8_blockwise", "b200"): ("Hopper", "gpu=b200", "precision.emulate=true"),
+}
 
 
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("precision, gpu", NOT_IMPLEMENTED + [("mxfp8", "h100")])
-def test_every_model_with_unimplemented_precisions_fails_in_plan(hydra_compose, tmp_path, monkeypatch, model,
-                                                                  precision, gpu):
+@pytest.mark.parametrize("precision, gpu", NATIVE + list(NOT_NATIVE))
+def test_every_model_plans_each_recipe_where_it_runs_natively(hydra_compose, tmp_path, monkeypatch, model,
+                                                              precision, gpu):
     from recipes.plan import make_plan
 
     monkeypatch.setenv("FP8_RECIPES_RUNS", str(tmp_path / "runs"))
     cfg = hydra_compose(f"model={model}", f"precision={precision}", f"gpu={gpu}", "dryrun=true")
     assert (cfg.model.name, cfg.precision.name, cfg.gpu.name) == (model, precision, gpu)
-    with pytest.raises(ConfigError) as error:
-        make_plan(cfg, tmp_path / "config.yaml")
-    message = str(error.value)
-    if (precision, gpu) == ("mxfp8", "h100"):
-        assert "Blackwell" in message and "gpu=h100" in message
+    if (precision, gpu) in NOT_NATIVE:
+        with pytest.raises(ConfigError) as error:
+            make_plan(cfg, tmp_path / "config.yaml")
+        assert all(part in str(error.value) for part in NOT_NATIVE[precision, gpu]), str(error.value)
     else:
-        assert f"precision={precision}" in message and "not implemented in engine=torch yet" in message
-        assert implemented_choices(message) == {"bf16", "fp8_current"}
+        plan = make_plan(cfg, tmp_path / "config.yaml")
+        assert plan.cfg.precision.name == precision and plan.parameters > 0
     assert not list(tmp_path.iterdir())
-
-
-def implemented_choices(message: str) -> set[str]:
-    """The precisions a not-implemented message offers; each must be a conf/precision option."""
-    choices = set(re.search(r"choose one of: ([\w, ]+)", message).group(1).split(", "))
-    assert choices <= set(options("precision"))
-    return choices
 
 
 # ---- errors, each in its own launch ----
@@ -350,7 +346,7 @@ ERROR_CASES = {
     "global_batch": (("trainer.global_batch_size=6", "trainer.micro_batch_size=4", "dryrun=true"),
                      ("trainer.global_batch_size=6", "e.g. trainer.global_batch_size=")),
     "heads_groups": (("model.num_query_groups=3", "dryrun=true"),
-                     ("model.num_attention_heads=8", "model.num_query_groups=3")),
+                     ("model.num_attention_heads=4", "model.num_query_groups=3")),
     "bf16_layers": (("precision.num_layers_at_start_in_bf16=3", "precision.num_layers_at_end_in_bf16=3",
                      "dryrun=true"), ("precision.num_layers_at_end_in_bf16 = 6", "model.num_layers=4")),
     "local_nodes": (("executor.nodes=2", "dryrun=true"), ("executor=local", "executor.nodes=1")),
@@ -360,14 +356,12 @@ ERROR_CASES = {
     "gpu_count": (_gpu_count_case(), (f"executor.gpus={max(2, torch.cuda.device_count() + 1)}",
                                       f"has {torch.cuda.device_count()} GPU(s)")),
     # precision x GPU
-    "fp8_delayed": (("model=llama3_8b", "precision=fp8_delayed", "gpu=h100", "dryrun=true"),
-                    ("precision=fp8_delayed", "not implemented in engine=torch yet")),
-    "fp8_blockwise": (("model=nemotron4_15b", "precision=fp8_blockwise", "gpu=h100", "dryrun=true"),
-                      ("precision=fp8_blockwise", "not implemented in engine=torch yet")),
+    "blockwise_cpu": (("precision=fp8_blockwise", "dryrun=true"),
+                      ("precision=fp8_blockwise", "Hopper", "gpu=cpu", "precision.emulate=true")),
+    "blockwise_dims": (("precision=fp8_blockwise", "precision.emulate=true", "model.kv_channels=32", "dryrun=true"),
+                       ("divisible by 128", "num_query_groups * kv_channels = 64")),
     "mxfp8_hopper": (("model=llama3_70b", "precision=mxfp8", "gpu=h100", "dryrun=true"),
                      ("precision=mxfp8", "Blackwell", "gpu=h100", "fp8_current", "precision.emulate=true")),
-    "mxfp8_blackwell": (("model=tiny_nemotron", "precision=mxfp8", "gpu=b200", "dryrun=true"),
-                        ("precision=mxfp8", "not implemented in engine=torch yet")),
 }
 
 
@@ -390,11 +384,6 @@ def test_global_batch_suggestion_is_valid(error_launches):
     result = error_launches["global_batch"]
     suggested = int(re.search(r"e\.g\. trainer\.global_batch_size=(\d+)", result.output).group(1))
     assert suggested > 0 and suggested % 4 == 0  # a multiple of micro batch 4 x 1 process
-
-
-@pytest.mark.parametrize("case", ["fp8_delayed", "fp8_blockwise", "mxfp8_blackwell"])
-def test_not_implemented_names_valid_choices(error_launches, case):
-    assert implemented_choices(error_launches[case].output) == {"bf16", "fp8_current"}
 
 
 # ---- --cfg job, --help, multirun ----

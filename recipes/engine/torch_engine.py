@@ -6,7 +6,9 @@ Reads only the resolved YAML written by `launch/run.py` (no Hydra, no nemo-run);
 folder holding that file, and the metrics are written there. Builds the model from
 conf/model, swaps its block linears for FP8 ones as the precision asks, trains with AdamW under BF16 autocast,
 and writes `metrics.jsonl` and `summary.json` into the run directory. Several processes train data-parallel
-(DDP; NCCL on GPUs, Gloo on CPUs), each reading its own slice of every global batch.
+(DDP; NCCL on GPUs, Gloo on CPUs), each reading its own slice of every global batch. With
+`trainer.checkpoint.interval` set it checkpoints as it goes, and a start in a run directory that holds a
+checkpoint continues from the newest one (`recipes.engine.checkpoint`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 
 from recipes.config import Config, load_config
 from recipes.data import make_dataset
+from recipes.engine import checkpoint
 from recipes.engine.console import print_step, print_summary
 from recipes.engine.training import NonFiniteError, build_optimizer, compile_blocks, learning_rate, optimizer_step
 from recipes.fp8 import convert_to_fp8
@@ -80,14 +83,26 @@ class MicroBatches:
 def train(cfg: Config, run_dir: Path) -> dict:
     rank, world_size, device = setup_distributed()
     is_logger = rank == 0
-    model = build_model(cfg, device)
+    model = raw_model = build_model(cfg, device)
+    checkpoints = checkpoint.checkpoint_dir(cfg, run_dir)
+    resumed = checkpoint.load_latest(checkpoints, cfg, device)
     if world_size > 1:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = build_optimizer(model, cfg.trainer, device)
+    first_step = 1
+    if resumed:
+        checkpoint.restore(resumed, raw_model, optimizer)
+        checkpoint.set_rng_state(checkpoint.rank_rng(resumed, rank), device)
+        first_step = resumed.step + 1
+        if is_logger:
+            changed = checkpoint.changed_settings(resumed.state["config"], cfg)
+            note = f" (changed: {', '.join(changed)})" if changed else ""
+            print(f"resuming from step {resumed.step} of {resumed.path}{note}", flush=True)
     batches = MicroBatches(cfg, rank, world_size, device)
     accumulation = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * world_size)
+    # The whole run's steps, those of earlier attempts included; metrics.jsonl is cut back to the checkpoint.
+    history: list[StepMetrics] = checkpoint.resume_metrics(run_dir, first_step - 1) if is_logger else []
     writer = MetricsWriter(run_dir) if is_logger else None
-    history: list[StepMetrics] = []
 
     def step_loss(step: int):
         def micro_batch_loss(micro: int) -> torch.Tensor:
@@ -99,7 +114,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
         return micro_batch_loss
 
     try:
-        for step in range(1, cfg.trainer.max_steps + 1):
+        for step in range(first_step, cfg.trainer.max_steps + 1):
             lr = learning_rate(step, cfg.trainer)
             start = time.perf_counter()
             try:
@@ -121,14 +136,22 @@ def train(cfg: Config, run_dir: Path) -> dict:
                 writer.write(metrics)
                 if step == 1 or step % cfg.trainer.log_interval == 0 or step == cfg.trainer.max_steps:
                     print_step(metrics, cfg.trainer.max_steps)
+            if checkpoint.is_due(cfg, step):
+                saved = checkpoint.save(checkpoints, step, raw_model, optimizer, cfg, rank, world_size, device)
+                if saved:
+                    print(f"saved checkpoint of step {step} to {saved}", flush=True)
     finally:
         if writer:
             writer.close()
-    summary = summarize(cfg, history, world_size, provenance())
-    if is_logger:
+    summary = {}
+    if is_logger and history:  # empty only when resumed at max_steps with metrics.jsonl gone
+        summary = summarize(cfg, history, world_size, provenance())
         write_summary(run_dir, summary)
         print_summary(summary, run_dir)
     if world_size > 1:
+        # Every rank waits for rank 0's summary. The wait also lets Gloo's worker thread release the last
+        # all-reduce (it needs the GIL), which it could not do while DDP's destructor holds the GIL and joins it.
+        dist.barrier()
         dist.destroy_process_group()
     return summary
 
@@ -144,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         train(cfg, run_dir=config_path.parent)
     except NonFiniteError as error:
         print(f"error: training stopped: {error} (precision={cfg.precision.name})", file=sys.stderr)
+        return 1
+    except checkpoint.CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 1
     return 0
 

@@ -11,19 +11,10 @@ saturated silently to +-fp8_max; the training loop stops on a non-finite loss or
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from recipes.fp8.formats import fp8_max
-
-
-class Float8Tensor(NamedTuple):
-    data: torch.Tensor  # FP8 values
-    scale_inv: torch.Tensor  # FP32 scalar: data * scale_inv ~= the original tensor
-
-    def dequantize(self) -> torch.Tensor:
-        return self.data.float() * self.scale_inv
+from recipes.fp8.tensor import Float8Tensor
 
 
 def tensorwise_scale(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
@@ -36,8 +27,12 @@ def tensorwise_scale(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) ->
     return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
 
 
+def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x * scale rounded to the FP8 type; the clamp guards against FP32 rounding past fp8_max (never hides NaN)."""
+    limit = fp8_max(dtype)
+    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+
+
 def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> Float8Tensor:
     scale = tensorwise_scale(x.abs().amax(), dtype, margin)
-    limit = fp8_max(dtype)
-    data = (x.float() * scale).clamp(-limit, limit).to(dtype)
-    return Float8Tensor(data, scale.reciprocal())
+    return Float8Tensor(cast_to_fp8(x, scale, dtype), scale.reciprocal())

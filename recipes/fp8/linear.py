@@ -1,95 +1,182 @@
-"""A linear layer whose three GEMMs run in FP8 with per-tensor current scaling.
+"""A linear layer whose three GEMMs run in FP8, with the scaling recipe the precision config names.
 
-    fprop  y  = x  @ W^T     x (E4M3), W (E4M3)      fast accumulation, as Transformer Engine does
-    dgrad  dx = dy @ W       dy (E5M2 in HYBRID), W
-    wgrad  dW = dy^T @ x     dy, x                   (in BF16 when fp8_wgrad is off)
+    fprop  y  = x  @ W^T     x (E4M3), W (E4M3)      fast accumulation where the recipe allows, as TE does
+    dgrad  dx = dy @ W       dy (E5M2 in HYBRID), W^T
+    wgrad  dW = dy^T @ x     dy^T, x^T               (in BF16 when fp8_wgrad is off)
 
-FP8 GEMMs on Hopper take both operands K-major ("TN"), so every GEMM here is `a @ b^T` with `a` (M, K) and `b`
-(N, K) row-major; dgrad and wgrad need W, dy and x transposed. With one scale per tensor a transpose commutes
-with quantization, so the transposed operands are the same FP8 bytes laid out again, not a second quantization.
-The forward saves x and W in FP8 for the backward (half the bytes of BF16).
+Every GEMM is `a @ b^T` with both operands K-major (see recipes.fp8.gemm), so dgrad and wgrad need W, dy and x
+transposed. Scales run along K, so a transposed operand reuses its quantization only where the scale grid is
+symmetric (per-tensor recipes; 128x128 weight blocks); otherwise it is quantized again along its new K, from the
+high-precision tensor, as Transformer Engine does. The forward saves x (already transposed for wgrad) and W in FP8.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
 
-from recipes.config import ConfigError, PrecisionConfig
-from recipes.fp8.current_scaling import Float8Tensor, quantize_tensorwise
+from recipes.config import AmaxComputeAlgo, ConfigError, PrecisionConfig, Recipe
+from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise
+from recipes.fp8.current_scaling import quantize_tensorwise
+from recipes.fp8.delayed_scaling import DelayedScalingState, quantize_delayed
 from recipes.fp8.formats import forward_and_backward_dtypes
+from recipes.fp8.gemm import fp8_gemm
+from recipes.fp8.mxfp8 import quantize_mx
+from recipes.fp8.tensor import Float8Tensor
+
+INPUT, WEIGHT, GRAD = 0, 1, 2
 
 
 @dataclass(frozen=True)
-class CurrentScaling:
-    """The recipe object: which FP8 types, which margin, and whether wgrad runs in FP8."""
+class Fp8Recipe:
+    """What every recipe shares: FP8 types, margin, FP8 wgrad on/off, emulation of block-scaled GEMMs."""
 
     forward_dtype: torch.dtype
     backward_dtype: torch.dtype
     margin: int = 0
     fp8_wgrad: bool = True
+    emulate: bool = False
 
-    @classmethod
-    def from_config(cls, precision: PrecisionConfig) -> "CurrentScaling":
-        if precision.fp8_format is None:
-            raise ConfigError(f"precision={precision.name}: set precision.fp8_format (hybrid or e4m3)")
-        forward_dtype, backward_dtype = forward_and_backward_dtypes(precision.fp8_format)
-        return cls(forward_dtype, backward_dtype, precision.margin, precision.fp8_wgrad)
+    fast_accum_fprop = True  # per-tensor GEMMs: TE uses fast accumulation in fprop only
+    stateful = False
+
+    def dtype(self, role: int) -> torch.dtype:
+        return self.backward_dtype if role == GRAD else self.forward_dtype
+
+    def quantize(self, t: torch.Tensor, role: int, state: Optional[tuple]) -> Float8Tensor:
+        """Quantize t, laid out (rows, K), for a GEMM contracting its last dimension. `state`: stateful recipes'
+        buffers, None otherwise."""
+        raise NotImplementedError
+
+    def transpose_reuses_quantization(self, role: int) -> bool:
+        return True
 
 
-def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    """a (M, K) @ b (N, K)^T, both row-major, with their scales undone in the GEMM epilogue."""
-    return torch._scaled_mm(
-        a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=out_dtype, use_fast_accum=fast_accum
-    )
+class CurrentScaling(Fp8Recipe):
+    """Per-tensor current scaling (TE Float8CurrentScaling): the scale from each tensor's amax now."""
+
+    def quantize(self, t, role, state):
+        return quantize_tensorwise(t, self.dtype(role), self.margin)
 
 
-def transposed(t: Float8Tensor) -> Float8Tensor:
-    return Float8Tensor(t.data.t().contiguous(), t.scale_inv)
+@dataclass(frozen=True)
+class DelayedScaling(Fp8Recipe):
+    """Per-tensor delayed scaling (TE DelayedScaling): the scale from an amax history of earlier steps."""
+
+    amax_history_len: int = 1024
+    amax_compute_algo: AmaxComputeAlgo = AmaxComputeAlgo.max
+    stateful = True
+
+    def quantize(self, t, role, state):
+        return quantize_delayed(t, self.dtype(role), state, role, self.amax_compute_algo, self.margin)
+
+
+@dataclass(frozen=True)
+class BlockwiseScaling(Fp8Recipe):
+    """Sub-channel scaling (TE Float8BlockScaling): 1x128 activation/gradient blocks, 128x128 weight blocks."""
+
+    power_of_2_scales: bool = True
+    fast_accum_fprop = False  # cuBLAS block scaling has no fast-accumulation mode
+
+    def quantize(self, t, role, state):
+        block = WEIGHT_BLOCK if role == WEIGHT else ACTIVATION_BLOCK
+        return quantize_blockwise(t, self.dtype(role), block, self.power_of_2_scales)
+
+    def transpose_reuses_quantization(self, role):
+        return role == WEIGHT
+
+
+class MXFP8Scaling(Fp8Recipe):
+    """MXFP8 (TE MXFP8BlockScaling): 1x32 blocks along K, E8M0 scales."""
+
+    fast_accum_fprop = False
+
+    def quantize(self, t, role, state):
+        return quantize_mx(t, self.dtype(role))
+
+    def transpose_reuses_quantization(self, role):
+        return False
+
+
+def recipe_from_config(precision: PrecisionConfig) -> Fp8Recipe:
+    if precision.fp8_format is None:
+        raise ConfigError(f"precision={precision.name}: set precision.fp8_format (hybrid or e4m3)")
+    shared = dict(zip(("forward_dtype", "backward_dtype"), forward_and_backward_dtypes(precision.fp8_format)))
+    shared.update(margin=precision.margin, fp8_wgrad=precision.fp8_wgrad, emulate=precision.emulate)
+    if precision.recipe == Recipe.tensorwise:
+        return CurrentScaling(**shared)
+    if precision.recipe == Recipe.delayed:
+        return DelayedScaling(
+            **shared, amax_history_len=precision.amax_history_len, amax_compute_algo=precision.amax_compute_algo
+        )
+    if precision.recipe == Recipe.blockwise:
+        return BlockwiseScaling(**shared)
+    if precision.recipe == Recipe.mxfp8:
+        return MXFP8Scaling(**shared)
+    raise ConfigError(f"precision={precision.name}: recipe '{precision.recipe.value}' is not an FP8 recipe")
+
+
+def _transposed(recipe: Fp8Recipe, quantized: Float8Tensor, source: torch.Tensor, role: int, state) -> Float8Tensor:
+    if recipe.transpose_reuses_quantization(role):
+        return quantized.transpose()
+    return recipe.quantize(source.t().contiguous(), role, state)
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: CurrentScaling) -> torch.Tensor:
-        x_fp8 = quantize_tensorwise(x, recipe.forward_dtype, recipe.margin)
-        w_fp8 = quantize_tensorwise(weight, recipe.forward_dtype, recipe.margin)
-        y = fp8_gemm(x_fp8, w_fp8, out_dtype=x.dtype, fast_accum=True)
-        ctx.recipe, ctx.weight_dtype = recipe, weight.dtype
-        saved_x = (x_fp8.data, x_fp8.scale_inv) if recipe.fp8_wgrad else (x, x.new_empty(()))
-        ctx.save_for_backward(*saved_x, w_fp8.data, w_fp8.scale_inv)
+    def forward(ctx, x, weight, recipe: Fp8Recipe, amax_history=None, scale=None):
+        state = None if amax_history is None else (amax_history, scale)
+        x_fp8 = recipe.quantize(x, INPUT, state)
+        w_fp8 = recipe.quantize(weight, WEIGHT, state)
+        y = fp8_gemm(x_fp8, w_fp8, x.dtype, recipe.fast_accum_fprop, recipe.emulate)
+        if recipe.fp8_wgrad:
+            x_t = _transposed(recipe, x_fp8, x, INPUT, state)
+            saved_x, ctx.x_block = (x_t.data, x_t.scale_inv), x_t.block
+        else:
+            saved_x = (x, x.new_empty(()))
+        ctx.recipe, ctx.state, ctx.weight_dtype, ctx.w_block = recipe, state, weight.dtype, w_fp8.block
+        ctx.save_for_backward(*saved_x, w_fp8.data, w_fp8.scale_inv, weight)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x_data, x_scale_inv, w_data, w_scale_inv = ctx.saved_tensors
-        recipe: CurrentScaling = ctx.recipe
+        x_data, x_scale_inv, w_data, w_scale_inv, weight = ctx.saved_tensors
+        recipe: Fp8Recipe = ctx.recipe
         dy = dy.contiguous()
-        dy_fp8 = quantize_tensorwise(dy, recipe.backward_dtype, recipe.margin)
-        w_fp8 = Float8Tensor(w_data, w_scale_inv)
-        dx = fp8_gemm(dy_fp8, transposed(w_fp8), out_dtype=dy.dtype, fast_accum=False)
+        dy_fp8 = recipe.quantize(dy, GRAD, ctx.state)
+        w_fp8 = Float8Tensor(w_data, w_scale_inv, ctx.w_block)
+        w_t = _transposed(recipe, w_fp8, weight, WEIGHT, ctx.state)
+        dx = fp8_gemm(dy_fp8, w_t, dy.dtype, False, recipe.emulate)
         if recipe.fp8_wgrad:
-            x_fp8 = Float8Tensor(x_data, x_scale_inv)
-            dw = fp8_gemm(transposed(dy_fp8), transposed(x_fp8), out_dtype=ctx.weight_dtype, fast_accum=False)
+            dy_t = _transposed(recipe, dy_fp8, dy, GRAD, ctx.state)
+            x_t = Float8Tensor(x_data, x_scale_inv, ctx.x_block)
+            dw = fp8_gemm(dy_t, x_t, ctx.weight_dtype, False, recipe.emulate)
         else:
             dw = (dy.t() @ x_data.to(dy.dtype)).to(ctx.weight_dtype)
-        return dx, dw, None
+        return dx, dw, None, None, None
 
 
 class Fp8Linear(nn.Linear):
-    """nn.Linear (no bias) computing its three GEMMs in FP8. Shares its weight Parameter with the layer it replaces."""
+    """nn.Linear (no bias) computing its three GEMMs in FP8. Shares its weight Parameter with the layer it replaces;
+    a stateful recipe (delayed scaling) keeps its amax histories in the `fp8_state` buffers."""
 
-    def __init__(self, linear: nn.Linear, recipe: CurrentScaling):
+    def __init__(self, linear: nn.Linear, recipe: Fp8Recipe):
         if linear.bias is not None:
             raise ValueError("Fp8Linear supports linear layers without bias only (Llama 3 and Nemotron-4 have none)")
         super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
         self.weight = linear.weight
         self.recipe = recipe
+        self.fp8_state = (
+            DelayedScalingState(recipe.amax_history_len).to(linear.weight.device) if recipe.stateful else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
-        y = _Fp8LinearFunction.apply(x2d, self.weight, self.recipe)
+        state = (self.fp8_state.amax_history, self.fp8_state.scale) if self.fp8_state is not None else ()
+        y = _Fp8LinearFunction.apply(x2d, self.weight, self.recipe, *state)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,37 @@
+"""Sub-channel (blockwise) scaling, as Transformer Engine's Float8BlockScaling and DeepSeek-V3 define it.
+
+Activations and gradients: one scale per 1 x 128 block along K. Weights: one per 128 x 128 block, so the
+transposed weight that dgrad needs reuses the same quantization. Each scale is fp8_max / amax of its block,
+rounded down to a power of two by default (then scaling is exact in binary and never overflows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from recipes.fp8.current_scaling import cast_to_fp8, tensorwise_scale
+from recipes.fp8.tensor import Float8Tensor
+
+ACTIVATION_BLOCK = (1, 128)
+WEIGHT_BLOCK = (128, 128)
+
+
+def power_of_two_floor(scale: torch.Tensor) -> torch.Tensor:
+    """2**floor(log2(scale)), read off the FP32 exponent bits (exact, unlike log2); NaN stays NaN."""
+    exponent_only = scale.view(torch.int32) & 0x7F800000
+    return torch.where(torch.isfinite(scale) & (scale > 0), exponent_only.view(torch.float32), scale)
+
+
+def quantize_blockwise(
+    x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int], power_of_2_scales: bool = True
+) -> Float8Tensor:
+    rows, cols = x.shape
+    block_rows, block_cols = block
+    if rows % block_rows or cols % block_cols:
+        raise ValueError(f"blockwise FP8 needs dimensions divisible by its {block} blocks, got {tuple(x.shape)}")
+    blocks = x.float().view(rows // block_rows, block_rows, cols // block_cols, block_cols)
+    scale = tensorwise_scale(blocks.abs().amax(dim=(1, 3)), dtype)
+    if power_of_2_scales:
+        scale = power_of_two_floor(scale)
+    data = cast_to_fp8(blocks, scale[:, None, :, None], dtype).view(rows, cols)
+    return Float8Tensor(data, scale.reciprocal(), block)

@@ -1,0 +1,136 @@
+"""The study's GEMM figure on the local GPU: BF16 against each FP8 scaling granularity, over K and the models' shapes.
+
+    python scripts/gemm_bench.py --out docs/results/h200_gemm
+
+Variants: bf16 (torch.mm), tensorwise (one scale per operand), rowwise (per-channel: one scale per row of A and per
+column of B), 1x128 x 128x128 and 1x128 x 1x128 blocks (cuBLAS block scaling, Hopper). Operands are quantized
+before timing: this measures the GEMMs, not quantization. Per-tensor and per-channel GEMMs use fast accumulation
+(as fprop does in TE); block-scaled GEMMs have none. Shapes: M = N = 8192 with a K sweep, and each model's four
+linear-layer GEMMs (QKV, attention output, fc1, fc2) at one micro-batch of its sequence length. Times are medians of
+`--repeats` CUDA-event-timed runs after warm-up, rotating between two input sets so no run reads the previous
+run's operands from L2. Writes gemm.csv (every shape, the format scripts/compare.py --gemm reads), gemm_k_sweep.csv
+and gemm_speedup_vs_k.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from recipes.config import Activation, load_option  # noqa: E402
+from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise  # noqa: E402
+from recipes.fp8.current_scaling import quantize_tensorwise  # noqa: E402
+from recipes.fp8.formats import E4M3  # noqa: E402
+from recipes.fp8.gemm import fp8_gemm  # noqa: E402
+from recipes.provenance import provenance  # noqa: E402
+from recipes.report.gemm import read_gemm_csv  # noqa: E402
+from recipes.report.plots import gemm_speedup_vs_k  # noqa: E402
+
+MODELS = ["llama3_8b", "llama3_70b", "llama31_405b", "nemotron4_15b", "nemotron4_340b"]
+K_SWEEP = [1024, 2048, 4096, 8192, 16384]
+
+
+def model_gemm_shapes(name: str) -> list[tuple[str, int, int, int]]:
+    """(label, M, N, K) of the fprop GEMMs of one transformer block at micro-batch 1."""
+    m = load_option("model", name)
+    q, kv = m.num_attention_heads * m.kv_channels, m.num_query_groups * m.kv_channels
+    fc1 = 2 * m.ffn_hidden_size if m.activation == Activation.swiglu else m.ffn_hidden_size
+    tokens = m.seq_length
+    return [
+        (f"{name}/qkv", tokens, q + 2 * kv, m.hidden_size),
+        (f"{name}/out", tokens, m.hidden_size, q),
+        (f"{name}/fc1", tokens, fc1, m.hidden_size),
+        (f"{name}/fc2", tokens, m.hidden_size, m.ffn_hidden_size),
+    ]
+
+
+def variants(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+    """a (M, K), b (N, K) in BF16 -> one zero-argument GEMM per variant, operands already quantized."""
+    a8, b8 = quantize_tensorwise(a, E4M3), quantize_tensorwise(b, E4M3)
+    a_rows, b_rows = a.float().abs().amax(1, keepdim=True) / 448, b.float().abs().amax(1, keepdim=True) / 448
+    a_rowwise, b_rowwise = (a.float() / a_rows).to(E4M3), (b.float() / b_rows).to(E4M3)
+    a_blocks = quantize_blockwise(a, E4M3, ACTIVATION_BLOCK)
+    b_weight_blocks = quantize_blockwise(b, E4M3, WEIGHT_BLOCK)
+    b_act_blocks = quantize_blockwise(b, E4M3, ACTIVATION_BLOCK)
+    bf16 = torch.bfloat16
+    return {
+        "bf16": lambda: a @ b.t(),
+        "tensorwise": lambda: fp8_gemm(a8, b8, bf16, fast_accum=True, emulate=False),
+        "rowwise": lambda: torch._scaled_mm(
+            a_rowwise, b_rowwise.t(), scale_a=a_rows, scale_b=b_rows.t(), out_dtype=bf16, use_fast_accum=True
+        ),
+        "1x128_x_128x128": lambda: fp8_gemm(a_blocks, b_weight_blocks, bf16, fast_accum=False, emulate=False),
+        "1x128_x_1x128": lambda: fp8_gemm(a_blocks, b_act_blocks, bf16, fast_accum=False, emulate=False),
+    }
+
+
+def median_ms(gemms: list[Callable[[], torch.Tensor]], warmup: int, repeats: int) -> float:
+    for i in range(warmup):
+        gemms[i % len(gemms)]()
+    times = []
+    for i in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        gemms[i % len(gemms)]()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench_shape(label: str, m: int, n: int, k: int, args) -> list[dict]:
+    input_sets = [
+        variants(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+        for _ in range(2)
+    ]
+    rows = []
+    for variant in input_sets[0]:
+        ms = median_ms([inputs[variant] for inputs in input_sets], args.warmup, args.repeats)
+        rows.append({"shape": label, "M": m, "N": n, "K": k, "variant": variant, "ms": ms, "tflops": 2 * m * n * k / ms / 1e9})
+    baseline = rows[0]["ms"]
+    for row in rows:
+        row["speedup"] = baseline / row["ms"]
+    print(f"{label:>28}  M={m:<6} N={n:<6} K={k:<6} " + "  ".join(f"{r['variant']} {r['tflops']:.0f}" for r in rows), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="directory for gemm.csv, the PNG and provenance.json")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: the GEMM benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+    shapes = [("sweep M=N=8192", 8192, 8192, k) for k in K_SWEEP]
+    shapes += [shape for name in MODELS for shape in model_gemm_shapes(name)]
+    rows = [row for shape in shapes for row in bench_shape(*shape, args)]
+    args.out.mkdir(parents=True, exist_ok=True)
+    with (args.out / "gemm.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    sweep_csv = args.out / "gemm_k_sweep.csv"
+    with sweep_csv.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(r for r in rows if r["shape"].startswith("sweep"))
+    sweep_rows, _ = read_gemm_csv(sweep_csv, str(sweep_csv))  # the compare tool's reader, so both plot alike
+    gemm_speedup_vs_k(sweep_rows, args.out / "gemm_speedup_vs_k.png")
+    command = "python scripts/gemm_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    (args.out / "provenance.json").write_text(json.dumps({"command": command, **provenance()}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

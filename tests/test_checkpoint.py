@@ -1,0 +1,275 @@
+"""Checkpoint and resume of the PyTorch engine: exact continuation, metrics without gaps or duplicates, pruning,
+atomic saves, refusal of a checkpoint of another model, and the same through torchrun with two processes.
+
+Runs are tiny_llama with 64-token sequences on random tokens, in FP8 current scaling, on the CPU (deterministic:
+compile is off), and a constant learning rate, so that a run may also be extended (max_steps grown) and still
+match an uninterrupted one bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from recipes.config import CheckpointConfig, Config, TrainerConfig, load_option, save_config
+from recipes.engine import checkpoint, torch_engine
+from recipes.engine.checkpoint import CheckpointError
+
+from test_train import launch, read_metrics
+
+STEPS = 6
+
+
+class SimulatedKill(Exception):
+    """Stands for SIGKILL, a node failure or a Slurm preemption in the middle of a run."""
+
+
+def make_config(
+    run_dir: Path, max_steps: int = STEPS, interval: int = 3, keep_last: int = 2, gpu: str = "cpu",
+    precision: str = "fp8_current", **model,
+) -> Path:
+    model_cfg = dataclasses.replace(load_option("model", "tiny_llama"), seq_length=64, **model)
+    cfg = Config(
+        model=model_cfg,
+        precision=load_option("precision", precision),
+        gpu=load_option("gpu", gpu),
+        executor=load_option("executor", "local"),
+        data=load_option("data", "mock"),
+        trainer=TrainerConfig(
+            max_steps=max_steps, lr=1e-3, min_lr=1e-3, warmup_steps=0, log_interval=1,
+            checkpoint=CheckpointConfig(interval=interval, keep_last=keep_last),
+        ),
+    )
+    cfg.run.dir = str(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    return run_dir / "config.yaml"
+
+
+def run(config_path: Path) -> None:
+    assert torch_engine.main([str(config_path)]) == 0
+
+
+def losses(run_dir: Path) -> list[tuple[int, float, float]]:
+    return [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(run_dir)]
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+ORIGINAL_GET = torch_engine.MicroBatches.get
+
+
+def patch_batches(monkeypatch, draws: dict, kill_step: int | None = None) -> None:
+    """Draw from every global RNG at each micro-batch (as dropout would) and record the draws, so that a resumed
+    run shows whether it continued the RNG streams where the checkpoint left them; die in step `kill_step`."""
+
+    def get(self, step, micro):
+        if step == kill_step:
+            raise SimulatedKill
+        draws[step] = (torch.rand(1).item(), random.random(), float(np.random.rand()))
+        return ORIGINAL_GET(self, step, micro)
+
+    monkeypatch.setattr(torch_engine.MicroBatches, "get", get)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[tuple[int, float, float]]:
+    """(step, loss, grad norm) of an uninterrupted run of STEPS steps."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    run(make_config(run_dir, interval=0))
+    assert not (run_dir / "checkpoints").exists()  # interval 0: no checkpoints
+    return losses(run_dir)
+
+
+def test_resume_after_a_kill_is_exact_and_metrics_have_no_gap_or_duplicate(tmp_path, monkeypatch, capsys, reference):
+    uninterrupted_dir, uninterrupted, killed, resumed = tmp_path / "uninterrupted", {}, {}, {}
+    patch_batches(monkeypatch, uninterrupted)
+    seed_everything(0)
+    run(make_config(uninterrupted_dir, interval=0))
+    assert losses(uninterrupted_dir) == reference  # drawing random numbers does not change training
+
+    run_dir = tmp_path / "run"
+    config_path = make_config(run_dir)
+    patch_batches(monkeypatch, killed, kill_step=5)
+    seed_everything(0)
+    with pytest.raises(SimulatedKill):
+        torch_engine.main([str(config_path)])
+    # Killed in step 5: checkpoint at 3, and step 4 already in metrics.jsonl. A line torn by the kill, too.
+    assert [s for s, *_ in losses(run_dir)] == [1, 2, 3, 4]
+    with (run_dir / "metrics.jsonl").open("a") as file:
+        file.write(json.dumps({**read_metrics(run_dir)[-1], "step": 5, "loss": 99.0}) + "\n")
+        file.write('{"step": 6, "lo')
+    assert [p.name for _, p in checkpoint.complete_checkpoints(run_dir / "checkpoints")] == ["step_00000003"]
+
+    capsys.readouterr()
+    patch_batches(monkeypatch, resumed)
+    seed_everything(12345)  # a new process starts with other RNG states; the checkpoint's must win
+    run(config_path)
+    out = capsys.readouterr().out
+    assert f"resuming from step 3 of {run_dir / 'checkpoints' / 'step_00000003'}" in out
+
+    assert losses(run_dir) == reference  # bit-identical, every step once, in order
+    assert killed[4] == uninterrupted[4] and resumed[4] == uninterrupted[4] and resumed[6] == uninterrupted[6]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["final_loss"] == reference[-1][1]
+
+
+def test_a_finished_run_extended_with_more_steps_matches_an_uninterrupted_one(tmp_path, capsys, reference):
+    run_dir = tmp_path / "run"
+    run(make_config(run_dir, max_steps=4, interval=4))
+    capsys.readouterr()
+    run(make_config(run_dir, max_steps=STEPS, interval=4))  # a resubmission asking for more steps
+    out = capsys.readouterr().out
+    assert "resuming from step 4 of" in out and "trainer.max_steps 4 -> 6" in out
+    assert "saved checkpoint of step 6" in out  # the last step is always saved
+    assert losses(run_dir) == reference
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == STEPS
+
+    run(make_config(run_dir, max_steps=STEPS, interval=4))  # started again when already done: nothing to train
+    assert losses(run_dir) == reference
+
+
+def test_only_the_last_checkpoints_are_kept(tmp_path):
+    run(make_config(tmp_path / "two", max_steps=5, interval=1, keep_last=2))
+    names = sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir())
+    assert names == ["step_00000004", "step_00000005"]
+    run(make_config(tmp_path / "all", max_steps=5, interval=2, keep_last=0))
+    names = sorted(p.name for p in (tmp_path / "all" / "checkpoints").iterdir())
+    assert names == ["step_00000002", "step_00000004", "step_00000005"]  # and always the last step
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_to_resume_from(tmp_path, monkeypatch, capsys, reference):
+    run_dir = tmp_path / "run"
+    config_path = make_config(run_dir, interval=2)
+    save = torch.save
+
+    def dying_save(obj, file, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("step") == 4:
+            file.write(b"half a checkpoint")
+            raise SimulatedKill
+        return save(obj, file, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", dying_save)
+        with pytest.raises(SimulatedKill):
+            torch_engine.main([str(config_path)])
+    checkpoints = run_dir / "checkpoints"
+    leftovers = [p.name for p in checkpoints.iterdir()]
+    assert "step_00000002" in leftovers and "step_00000004" not in leftovers
+    assert any(name.startswith("step_00000004.tmp-") for name in leftovers)
+
+    capsys.readouterr()
+    run(config_path)
+    assert "resuming from step 2 of" in capsys.readouterr().out
+    assert losses(run_dir) == reference
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000004", "step_00000006"]  # leftover removed
+
+
+def test_a_checkpoint_of_another_model_is_refused_with_a_clear_message(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run(make_config(run_dir, max_steps=2, interval=2))
+    capsys.readouterr()
+    assert torch_engine.main([str(make_config(run_dir, max_steps=4, interval=2, num_layers=2))]) == 1
+    err = capsys.readouterr().err
+    assert "cannot resume from" in err and "model.num_layers=4 in the checkpoint, 2 now" in err
+    assert "new run.dir" in err
+    assert [s for s, *_ in losses(run_dir)] == [1, 2]  # nothing written by the refused run
+
+    assert torch_engine.main([str(make_config(run_dir, max_steps=1, interval=2))]) == 1
+    assert "past trainer.max_steps=1" in capsys.readouterr().err
+
+
+class DelayedScalingLike(nn.Module):
+    """A module with FP8 scaling state outside its parameters, as delayed scaling's linears will have."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(2, 2))
+        self.amax_history = torch.zeros(4, 3)
+
+    def fp8_state_dict(self) -> dict:
+        return {"amax_history": self.amax_history.clone()}
+
+    def load_fp8_state_dict(self, state: dict) -> None:
+        self.amax_history.copy_(state["amax_history"])
+
+
+def test_fp8_scaling_state_is_collected_from_modules_that_have_it():
+    model = nn.Sequential(nn.Linear(2, 2), DelayedScalingLike(), nn.Sequential(DelayedScalingLike()))
+    model[1].amax_history.fill_(3.0)
+    model[2][0].amax_history.fill_(5.0)
+    state = checkpoint.fp8_state(model)
+    assert set(state) == {"1", "2.0"}
+
+    fresh = nn.Sequential(nn.Linear(2, 2), DelayedScalingLike(), nn.Sequential(DelayedScalingLike()))
+    checkpoint.load_fp8_state(fresh, state)
+    assert torch.equal(fresh[1].amax_history, torch.full((4, 3), 3.0))
+    assert torch.equal(fresh[2][0].amax_history, torch.full((4, 3), 5.0))
+    with pytest.raises(CheckpointError, match="FP8 scaling state"):
+        checkpoint.load_fp8_state(nn.Sequential(nn.Linear(2, 2)), state)
+
+
+def test_two_processes_checkpoint_and_resume_exactly_through_torchrun(tmp_path):
+    run_dir = tmp_path / "ddp"
+    args = [
+        "executor.gpus=2", "model.seq_length=64", "data=mock", "trainer.max_steps=4", "trainer.checkpoint.interval=2",
+        "trainer.checkpoint.keep_last=0", "trainer.min_lr=0.001", "trainer.warmup_steps=0", f"run.dir={run_dir}",
+    ]
+    cache = tmp_path / "cache"
+    first = launch(tmp_path, cache, *args)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    uninterrupted = losses(run_dir)
+    assert [s for s, *_ in uninterrupted] == [1, 2, 3, 4]
+    rng = torch.load(run_dir / "checkpoints" / "step_00000002" / "checkpoint.pt", weights_only=True)["rng"]
+    assert len(rng) == 2  # each rank's RNG state, gathered to the one writer
+
+    # As if killed after step 4's metrics but before its checkpoint: the resumed run redoes steps 3 and 4.
+    checkpoint.shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
+    second = launch(tmp_path, cache, *args)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resuming from step 2 of" in second.stdout
+    assert losses(run_dir) == uninterrupted
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_resume_on_gpu_continues_the_compiled_run(tmp_path, monkeypatch, capsys):
+    """On a GPU the blocks are compiled, AdamW is fused, the checkpoint is read straight onto the GPU and the CUDA
+    RNG is restored too."""
+    run(make_config(tmp_path / "uninterrupted", interval=0, gpu="h200"))
+    uninterrupted = losses(tmp_path / "uninterrupted")
+    run_dir = tmp_path / "run"
+    config_path = make_config(run_dir, gpu="h200")
+    with monkeypatch.context() as patch:
+        patch_batches(patch, {}, kill_step=5)
+        with pytest.raises(SimulatedKill):
+            torch_engine.main([str(config_path)])
+    capsys.readouterr()
+    run(config_path)
+    assert "resuming from step 3 of" in capsys.readouterr().out
+    resumed = losses(run_dir)
+    assert [s for s, *_ in resumed] == list(range(1, STEPS + 1))
+    assert resumed[:3] == uninterrupted[:3]
+    for (_, loss, grad_norm), (_, loss_ref, grad_norm_ref) in zip(resumed[3:], uninterrupted[3:]):
+        assert loss == pytest.approx(loss_ref, rel=1e-6) and grad_norm == pytest.approx(grad_norm_ref, rel=1e-5)
+
+    saved = run_dir / "checkpoints" / "step_00000006" / "checkpoint.pt"
+    state = torch.load(saved, map_location="cuda", weights_only=True)
+    torch.cuda.manual_seed(7)
+    checkpoint.set_rng_state(state["rng"][0], torch.device("cuda"))
+    first = torch.rand(4, device="cuda")
+    checkpoint.set_rng_state(state["rng"][0], torch.device("cuda"))
+    assert torch.equal(torch.rand(4, device="cuda"), first)

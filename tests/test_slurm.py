@@ -1,0 +1,219 @@
+"""executor=slurm: the sbatch script launch/run.py renders, and real jobs on a real single-node Slurm.
+
+The cluster tests need the Slurm that scripts/slurm/start.sh brings up (.ci/run starts it before pytest). Without
+`sbatch` on PATH they skip, saying so; with FP8_RECIPES_REQUIRE_SLURM=1 (set by .ci/run) they fail instead.
+Every job is a CPU run of tiny_llama with short sequences and few steps; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from recipes.config import TrainerConfig
+from recipes.slurm import JOB_RECORD, JobRecord, job_state
+
+REPO = Path(__file__).resolve().parent.parent
+RUN_PY = REPO / "launch" / "run.py"
+STATUS_PY = REPO / "launch" / "status.py"
+TINY_CPU = ("executor=slurm", "gpu=cpu", "executor.slurm.container_image=null", "model.seq_length=64",
+            "data=mock", "trainer.log_interval=1")
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL"}
+JOB_WAIT_S = 180
+
+
+def run_py(tmp_path: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, FP8_RECIPES_RUNS=str(tmp_path / "runs"), FP8_RECIPES_CACHE=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, str(RUN_PY), *overrides], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def hydra_quoted(value: str) -> str:
+    """A Hydra override value in single quotes: escape the quotes, and the backslashes just before a quote or the
+    end (Hydra reads every other backslash as itself)."""
+    value = re.sub(r"(\\*)'", lambda m: m[1] * 2 + "\\'", value)
+    value = re.sub(r"(\\+)$", lambda m: m[1] * 2, value)
+    return f"'{value}'"
+
+
+# ---- the rendered sbatch script (no cluster needed) ----
+
+
+def dryrun_script(tmp_path: Path, *overrides: str) -> str:
+    run_dir = tmp_path / "run"
+    result = run_py(tmp_path, *overrides, f"run.dir={run_dir}", "dryrun=true")
+    script = (run_dir / "sbatch.sh").read_text()
+    assert script in result.stdout  # printed and saved, the same text
+    assert not (tmp_path / "runs" / "nemo-run" / "experiments").exists() or not any(
+        (tmp_path / "runs" / "nemo-run" / "experiments").iterdir()), "a dry run left a nemo-run experiment"
+    return script
+
+
+def test_dryrun_renders_the_sbatch_script_from_the_config(tmp_path):
+    probe = tmp_path / "probe"
+    evil = f"a b $(touch {probe}) `touch {probe}`; touch {probe} \"dq\" 's'\nline2 $HOME"
+    script = dryrun_script(tmp_path, "executor=slurm", "gpu=h100", "executor.nodes=2", "trainer.global_batch_size=64",
+                           "executor.slurm.account=acct", "executor.slurm.partition=batch",
+                           f"+executor.slurm.env_vars.FP8_PROBE={hydra_quoted(evil)}",
+                           "+executor.slurm.sbatch_args.qos=high")
+    for line in ("#SBATCH --account=acct", "#SBATCH --partition=batch", "#SBATCH --nodes=2",
+                 "#SBATCH --gpus-per-node=8", "#SBATCH --qos=high", "#SBATCH --time=01:00:00"):
+        assert line in script.splitlines()
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert "--container-image nvcr.io/nvidia/nemo:25.04" in srun and "--mpi=none" in srun
+    assert "--nnodes 2 --nproc-per-node 8" in srun
+    assert f"-m recipes.engine.torch_engine {tmp_path}/run/config.yaml" in srun
+    # The env var's export line, run by bash, sets the value byte for byte and executes nothing.
+    export = script[script.index("export FP8_PROBE="):].split("\nexport ", 1)[0].split("\n\n")[0]
+    shown = subprocess.run(["bash", "-c", f'{export}\nprintf %s "$FP8_PROBE"'], capture_output=True, text=True)
+    assert shown.stdout == evil and not probe.exists()
+
+
+def test_gpus_per_node_come_from_the_gpu_type(tmp_path):
+    script = dryrun_script(tmp_path, "executor=slurm", "gpu=gb200", "trainer.global_batch_size=16")
+    assert "#SBATCH --gpus-per-node=4" in script.splitlines() and "--nproc-per-node 4" in script
+
+
+def test_slurm_refuses_what_it_cannot_run(tmp_path):
+    auto = run_py(tmp_path, "executor=slurm", "dryrun=true", check=False)
+    assert auto.returncode != 0 and "name the cluster's GPU (gpu=h100" in auto.stderr
+    clash = run_py(tmp_path, *TINY_CPU, f"run.dir={tmp_path}/nemo_run/x", "dryrun=true", check=False)
+    assert clash.returncode != 0 and "rename that folder" in clash.stderr
+    assert "Traceback" not in auto.stderr + clash.stderr
+
+
+# ---- real jobs ----
+
+
+@pytest.fixture(scope="module")
+def cluster() -> None:
+    if shutil.which("sbatch") is None:
+        message = "no Slurm here (sbatch not on PATH): start one with `sudo scripts/slurm/start.sh`"
+        if os.environ.get("FP8_RECIPES_REQUIRE_SLURM") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    nodes = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%t"], capture_output=True, text=True)
+    assert nodes.returncode == 0 and nodes.stdout.split(), f"Slurm does not answer ({nodes.stderr}): scripts/slurm/start.sh"
+
+
+def submit(tmp_path: Path, *overrides: str, run_dir: Path | None = None) -> JobRecord:
+    run_dir = run_dir or tmp_path / "run"
+    result = run_py(tmp_path, *TINY_CPU, *overrides, f"run.dir={hydra_quoted(str(run_dir))}")
+    record = JobRecord.load(run_dir / JOB_RECORD)
+    assert f"submitted   Slurm job {record.job_id}, experiment {record.experiment_id}" in result.stdout
+    return record
+
+
+def wait_for(job_id: str, states: set[str], timeout_s: float = JOB_WAIT_S) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state, _ = job_state(job_id)
+        if state in states:
+            return state
+        assert state not in FINISHED, f"job {job_id} ended {state} while waiting for {states}"
+        time.sleep(1)
+    subprocess.run(["scancel", job_id])
+    raise AssertionError(f"job {job_id} not {states} after {timeout_s}s (state {state}); cancelled it")
+
+
+def status(target: str | Path, tmp_path: Path) -> list[list[str]]:
+    env = dict(os.environ, FP8_RECIPES_RUNS=str(tmp_path / "runs"))
+    result = subprocess.run([sys.executable, str(STATUS_PY), str(target)], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [line.split(None, 4) for line in result.stdout.splitlines()[2:]]
+
+
+def steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_process_job_trains_and_reports_back(cluster, tmp_path):
+    record = submit(tmp_path, "executor.gpus=2", "trainer.max_steps=4")
+    assert wait_for(record.job_id, FINISHED) == "COMPLETED"
+    [(job, state, restarts, last_step, rest)] = status(tmp_path / "run", tmp_path)
+    assert (job, state, restarts, last_step) == (record.job_id, "COMPLETED", "0", "4")
+    assert "--nproc-per-node 2" in (tmp_path / "run" / "sbatch.sh").read_text()
+    assert "[default0]:step     4/4" in (tmp_path / "run" / "train.log").read_text()  # torchrun's log came back
+    assert steps(tmp_path / "run") == [1, 2, 3, 4]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 2
+
+
+def test_injection_in_a_value_reaches_the_job_intact_and_never_runs(cluster, tmp_path):
+    probe = tmp_path / f"pwned-{uuid.uuid4().hex}"
+    evil_dir = tmp_path / f"a b $(touch {probe}) `touch {probe}`; touch {probe} \"dq\" 's' \\ \nline2 $HOME"
+    record = submit(tmp_path, "trainer.max_steps=2", run_dir=evil_dir)
+    assert wait_for(record.job_id, FINISHED) == "COMPLETED"
+    assert not probe.exists()
+    ran = yaml.safe_load((evil_dir / "config.yaml").read_text())
+    assert ran["run"]["dir"] == str(evil_dir)  # the job read the config at exactly this path
+    assert steps(evil_dir) == [1, 2]  # and wrote its metrics there
+    [(job, state, *_)] = status(evil_dir, tmp_path)
+    assert (job, state) == (record.job_id, "COMPLETED")
+
+
+def test_sweep_submits_one_job_per_point_as_one_experiment(cluster, tmp_path):
+    result = run_py(tmp_path, "-m", "precision=bf16,fp8_current", *TINY_CPU, "trainer.max_steps=3")
+    (sweep,) = (tmp_path / "runs").glob("*-sweep")
+    records = [JobRecord.load(path) for path in sorted(sweep.glob(f"*/{JOB_RECORD}"))]
+    assert [Path(r.run_dir).name for r in records] == ["0-tiny_llama-bf16", "1-tiny_llama-fp8_current"]
+    assert {r.experiment for r in records} == {sweep.name} and len({r.job_id for r in records}) == 2
+    assert result.stdout.count("submitted   Slurm job") == 2
+    for record in records:
+        assert wait_for(record.job_id, FINISHED) == "COMPLETED"
+    by_name = status(sweep.name, tmp_path)  # the experiment by name, as nemo-run groups it
+    assert [(row[0], row[1], row[3]) for row in by_name] == [(r.job_id, "COMPLETED", "3") for r in records]
+    report = subprocess.run([sys.executable, str(REPO / "scripts" / "compare.py"), str(sweep), "--out",
+                             str(tmp_path / "report")], capture_output=True, text=True)
+    assert report.returncode in (0, 1), report.stderr  # 1: a 3-step FP8 loss may differ from BF16 beyond tolerance
+    assert "fp8_current" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_cancelled_job_is_reported_cancelled(cluster, tmp_path):
+    record = submit(tmp_path, "trainer.max_steps=100000")
+    wait_for(record.job_id, {"RUNNING"})
+    subprocess.run(["scancel", record.job_id], check=True)
+    wait_for(record.job_id, {"CANCELLED"}, timeout_s=60)
+    [(job, state, *_)] = status(tmp_path / "run", tmp_path)
+    assert (job, state) == (record.job_id, "CANCELLED")
+
+
+def wait_for_steps(run_dir: Path, count: int, timeout_s: float = JOB_WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").is_file() and len(steps(run_dir)) >= count:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"fewer than {count} steps in {run_dir / 'metrics.jsonl'} after {timeout_s}s")
+
+
+@pytest.mark.skipif("checkpoint" not in {f.name for f in dataclasses.fields(TrainerConfig)},
+                    reason="the engine has no trainer.checkpoint yet")
+def test_requeued_job_resumes_from_its_checkpoint_with_every_step_once(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    record = submit(tmp_path, "trainer.max_steps=40", "trainer.checkpoint.interval=5")
+    wait_for_steps(run_dir, 12)
+    subprocess.run(["scontrol", "requeue", record.job_id], check=True)
+    wait_for(record.job_id, {"PENDING"}, timeout_s=60)
+    # Slurm holds a requeued job back for a couple of minutes (its BeginTime); let it start now.
+    subprocess.run(["scontrol", "update", f"JobId={record.job_id}", "StartTime=now"], check=True)
+    assert wait_for(record.job_id, FINISHED) == "COMPLETED"
+    [(job, state, restarts, last_step, _)] = status(run_dir, tmp_path)
+    assert (job, state, restarts, last_step) == (record.job_id, "COMPLETED", "1", "40")
+    assert steps(run_dir) == list(range(1, 41))  # gap-free: the resumed job cut back to its checkpoint
+    logs = sorted(p.name for p in Path(record.log_dir).glob(f"log-*_{record.job_id}_*.out"))
+    assert logs == [f"log-{record.job_name}_{record.job_id}_{n}.out" for n in (0, 1)]
+    assert "resuming from step" in (run_dir / "train.log").read_text()  # the gathered log is the newest restart's
