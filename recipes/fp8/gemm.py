@@ -54,9 +54,8 @@ def _native_block_scale(operand: Float8Tensor) -> torch.Tensor:
     scale = operand.scale_inv
     if operand.block == ACTIVATION_BLOCK:
         return scale.t().contiguous().t()  # (rows, K/128), stride (1, rows)
-    k_blocks = scale.shape[1]
-    padded = F.pad(scale, (0, -k_blocks % 4))  # rows of L4 = K/128 rounded up to 4: 16-byte aligned strides
-    return padded[:, :k_blocks].t()  # (K/128, N/128), stride (1, L4)
+    padded = F.pad(scale, (0, -scale.shape[1] % 4))  # (N/128, L4), L4 = K/128 rounded up to 4
+    return padded.t()  # (L4, N/128), stride (1, L4)
 
 
 def _mx_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
