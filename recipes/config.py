@@ -129,14 +129,18 @@ class SlurmConfig:
     container_image: Optional[str] = None  # pyxis/enroot image; None: run on the nodes' own software
     container_mounts: list[str] = field(default_factory=list)  # SRC:DST; the repo and run root are added
     env_vars: dict[str, str] = field(default_factory=dict)  # exported in the job (values shell-quoted)
+    gpu_env: dict[str, dict[str, str]] = field(default_factory=dict)  # gpu name -> variables for that GPU type
+    secret_env: list[str] = field(default_factory=list)  # names passed from the submitting environment, never values
     mpi: str = "none"  # srun --mpi: none, pmix, pmi2 (what the cluster's Slurm supports)
-    srun_args: list[str] = field(default_factory=list)  # further srun arguments, e.g. --cpu-bind=none
+    cpu_bind: Optional[str] = None  # srun --cpu-bind: none, cores, sockets, ... (None: the cluster's default)
+    srun_args: list[str] = field(default_factory=list)  # further srun arguments
     exclusive: bool = False  # whole nodes
     mem: Optional[str] = None  # sbatch --mem, e.g. 0 (all of it) or 200G
     sbatch_args: dict[str, str] = field(default_factory=dict)  # any other sbatch option: {qos: high}
     tunnel: str = "local"  # local: this machine can run sbatch; ssh: submit through executor.slurm.ssh
     ssh: Optional[SshTunnelConfig] = None
     retries: int = 0  # resubmissions of a failed job (nemo-run max_retries)
+    dependency: Optional[str] = None  # afterany, afterok, ...: each point of a -m sweep waits for the previous one
 
 
 @dataclass

@@ -5,6 +5,11 @@ nemo-run writes the task command into the sbatch script joined with plain spaces
 argument is the resolved config file; every other setting travels inside that file. Paths that nemo-run itself
 writes unquoted (the job folder of the srun log files) are checked to hold no shell characters instead.
 
+Secrets (`secret_env`) travel by name only: sbatch hands the submitting environment to the job (`--export=ALL`),
+pyxis is told to pass them into the container (`--container-env`), and the script checks with `printenv NAME`
+(which shows no value, even under nemo-run's `set -x`) that each one arrived. With `dependency` set, each point
+of a `-m` sweep waits for the previous point's job (sbatch `--dependency=TYPE:JOBID`).
+
 Each submitted run gets a record, `slurm_job.json`, in its run directory and in its nemo-run experiment folder:
 `launch/status.py` reads it to report the job's state and gather its logs.
 """
@@ -33,6 +38,10 @@ TASK = "train"
 SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+-]+$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 SBATCH_OPTION = re.compile(r"^[a-z][a-z0-9_-]*$")
+DEPENDENCY_TYPES = ("after", "afterany", "afterok", "afternotok")
+# The latest job of each experiment submitted by this process: Hydra's basic launcher runs the points of a -m
+# sweep one after another in one process, so this is the previous point's job when `dependency` chains them.
+_latest_job: dict[str, str] = {}
 
 
 @dataclass
@@ -58,7 +67,7 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "run"
 
 
-def _check(slurm: SlurmConfig, nemo_run_home: Path, run_dir: str) -> None:
+def check_slurm_settings(slurm: SlurmConfig, nemo_run_home: Path, run_dir: str) -> None:
     if slurm.tunnel not in ("local", "ssh"):
         raise ConfigError(f"executor.slurm.tunnel={slurm.tunnel!r}; valid values: local, ssh")
     if slurm.tunnel == "ssh" and slurm.ssh is None:
@@ -69,6 +78,13 @@ def _check(slurm: SlurmConfig, nemo_run_home: Path, run_dir: str) -> None:
     bad = [key for key in slurm.env_vars if not ENV_NAME.match(key)]
     if bad:
         raise ConfigError(f"executor.slurm.env_vars: {bad} are not environment variable names ([A-Za-z_][A-Za-z0-9_]*)")
+    bad = [name for name in slurm.secret_env if not ENV_NAME.match(name) or name in slurm.env_vars]
+    if bad:
+        raise ConfigError(f"executor.slurm.secret_env: {bad} must be environment variable names that are not also in "
+                          "executor.slurm.env_vars (a secret passes by name; its value stays in your environment)")
+    if slurm.dependency is not None and slurm.dependency not in DEPENDENCY_TYPES:
+        raise ConfigError(f"executor.slurm.dependency={slurm.dependency!r}; valid values: null, "
+                          f"{', '.join(DEPENDENCY_TYPES)}")
     bad = [key for key in slurm.sbatch_args if not SBATCH_OPTION.match(key)]
     if bad:
         raise ConfigError(f"executor.slurm.sbatch_args: {bad} are not sbatch option names (e.g. qos, mail-type)")
@@ -85,17 +101,27 @@ def _check(slurm: SlurmConfig, nemo_run_home: Path, run_dir: str) -> None:
         )
 
 
-def make_executor(plan: Plan, nemo_run_home: Path, job_name_prefix: str):
-    """nemo-run's SlurmExecutor for the plan; the job folder is under nemo_run_home/experiments (LocalTunnel)."""
+def _secret_checks(names: list[str]) -> Optional[str]:
+    """Script lines that stop the job, naming the secret, when one did not reach it (printenv prints no value)."""
+    return "\n".join(f'printenv {name} >/dev/null || {{ echo "error: secret {name} did not reach the job: export it '
+                     f'where you submit, and keep sbatch --export=ALL" >&2; exit 1; }}' for name in names) or None
+
+
+def make_executor(plan: Plan, nemo_run_home: Path, job_name_prefix: str, after: Optional[str] = None):
+    """nemo-run's SlurmExecutor for the plan; the job folder is under nemo_run_home/experiments (LocalTunnel).
+    `after`: the nemo-run handle of a job this one waits for (slurm.dependency)."""
     import nemo_run as run
 
     cfg = plan.cfg
     slurm = cfg.executor.slurm
-    _check(slurm, nemo_run_home, cfg.run.dir)
+    check_slurm_settings(slurm, nemo_run_home, cfg.run.dir)
     mounts = list(slurm.container_mounts)
     if slurm.container_image:  # the job imports this repo in place and writes into the run root
         mounts += [f"{REPO_ROOT}:{REPO_ROOT}", f"{Path(cfg.run.root).resolve()}:{Path(cfg.run.root).resolve()}"]
-    env = {"PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1", "LOGLEVEL": "WARNING", **slurm.env_vars}
+    env = {"PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1", "LOGLEVEL": "WARNING",
+           **slurm.gpu_env.get(cfg.gpu.name, {}), **slurm.env_vars}
+    sbatch_args = {**({"export": "ALL"} if slurm.secret_env else {}), **slurm.sbatch_args}
+    cpu_bind = [f"--cpu-bind={slurm.cpu_bind}"] if slurm.cpu_bind else []
     return run.SlurmExecutor(
         account=slurm.account,
         partition=slurm.partition,
@@ -108,9 +134,13 @@ def make_executor(plan: Plan, nemo_run_home: Path, job_name_prefix: str):
         exclusive=slurm.exclusive or None,
         container_image=slurm.container_image,
         container_mounts=mounts,
-        env_vars={key: shlex.quote(value) for key, value in env.items()},
-        srun_args=[f"--mpi={slurm.mpi}", *slurm.srun_args],
-        additional_parameters=dict(slurm.sbatch_args) or None,
+        env_vars={key: shlex.quote(str(value)) for key, value in env.items()},
+        container_env=list(slurm.secret_env) or None,
+        setup_lines=_secret_checks(slurm.secret_env),
+        srun_args=[f"--mpi={slurm.mpi}", *cpu_bind, *slurm.srun_args],
+        additional_parameters=sbatch_args or None,
+        dependencies=[after] if after else [],
+        dependency_type=slurm.dependency or "afterok",
         launcher="torchrun" if plan.processes > 1 else None,
         tunnel=run.LocalTunnel(job_dir=str(nemo_run_home / "experiments")),
         packager=run.Packager(),  # no copy: the nodes import this repo where it is (shared storage)
@@ -141,7 +171,9 @@ def submit(plan: Plan, config_path: Path, experiment: str, dryrun: bool) -> int:
     run_dir = config_path.parent
     if not dryrun:
         _require_sbatch()
-    executor = make_executor(plan, nemo_run_home, job_name_prefix=f"{slug(cfg.run.name)}.")
+        require_secrets(cfg.executor.slurm.secret_env)
+    after = _latest_job.get(slug(experiment)) if cfg.executor.slurm.dependency else None
+    executor = make_executor(plan, nemo_run_home, job_name_prefix=f"{slug(cfg.run.name)}.", after=after)
     with run.Experiment(slug(experiment), executor=executor, base_dir=str(nemo_run_home), log_level="WARN") as exp:
         exp.add(_task(plan, config_path), name=TASK)
         if dryrun:
@@ -156,16 +188,29 @@ def submit(plan: Plan, config_path: Path, experiment: str, dryrun: bool) -> int:
             return 0
         exp.run(detach=True, tail_logs=False)
         job = exp.jobs[0]
-        job_id = str(job.handle).rstrip("/").rpartition("/")[2]
+        job_id = _job_id(job.handle)
+        _latest_job[slug(experiment)] = job.handle
         record = JobRecord(slug(experiment), exp._id, job_id, f"{slug(cfg.run.name)}.{TASK}",
                            str(Path(job.executor.job_dir)), str(run_dir))
         shutil.copy(Path(exp._exp_dir, f"{TASK}_sbatch.sh"), run_dir / "sbatch.sh")
         record.save(run_dir, Path(exp._exp_dir))
     print(f"submitted   Slurm job {job_id}, experiment {record.experiment_id}\n"
-          f"logs        {record.log_dir}/log-{record.job_name}_{job_id}_<restart>.out\n"
+          + (f"after       job {_job_id(after)} ({cfg.executor.slurm.dependency})\n" if after else "")
+          + f"logs        {record.log_dir}/log-{record.job_name}_{job_id}_<restart>.out\n"
           f"run dir     {run_dir}\n"
           f"status      python launch/status.py {shlex.quote(str(run_dir))}", flush=True)
     return 0
+
+
+def _job_id(handle: str) -> str:
+    return str(handle).rstrip("/").rpartition("/")[2]
+
+
+def require_secrets(names: list[str]) -> None:
+    missing = [name for name in names if name not in os.environ]
+    if missing:
+        raise ConfigError(f"executor.slurm.secret_env: {missing} not set here; export them before submitting (the "
+                          "job receives them from this environment, by name)")
 
 
 def _require_sbatch() -> None:

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recipes.config import TrainerConfig
-from recipes.slurm import JOB_RECORD, JobRecord, job_state
+from recipes.config import ConfigError, SlurmConfig, TrainerConfig
+from recipes.slurm import JOB_RECORD, JobRecord, check_slurm_settings, job_state, require_secrets
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_PY = REPO / "launch" / "run.py"
@@ -33,8 +33,9 @@ FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 JOB_WAIT_S = 180
 
 
-def run_py(tmp_path: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, FP8_RECIPES_RUNS=str(tmp_path / "runs"), FP8_RECIPES_CACHE=str(tmp_path / "cache"))
+def run_py(tmp_path: Path, *overrides: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **(env or {}), FP8_RECIPES_RUNS=str(tmp_path / "runs"),
+               FP8_RECIPES_CACHE=str(tmp_path / "cache"))
     result = subprocess.run([sys.executable, str(RUN_PY), *overrides], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=120)
     if check:
@@ -76,6 +77,7 @@ def test_dryrun_renders_the_sbatch_script_from_the_config(tmp_path):
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
     assert "--container-image nvcr.io/nvidia/nemo:25.04" in srun and "--mpi=none" in srun
     assert "--nnodes 2 --nproc-per-node 8" in srun
+    assert "export NCCL_NVLS_ENABLE=0" in script and "NCCL_NET_GDR_LEVEL" not in script  # gb200's only
     assert f"-m recipes.engine.torch_engine {tmp_path}/run/config.yaml" in srun
     # The env var's export line, run by bash, sets the value byte for byte and executes nothing.
     export = script[script.index("export FP8_PROBE="):].split("\nexport ", 1)[0].split("\n\n")[0]
@@ -83,9 +85,23 @@ def test_dryrun_renders_the_sbatch_script_from_the_config(tmp_path):
     assert shown.stdout == evil and not probe.exists()
 
 
-def test_gpus_per_node_come_from_the_gpu_type(tmp_path):
-    script = dryrun_script(tmp_path, "executor=slurm", "gpu=gb200", "trainer.global_batch_size=16")
-    assert "#SBATCH --gpus-per-node=4" in script.splitlines() and "--nproc-per-node 4" in script
+def test_multi_node_script_runs_one_torchrun_per_node_with_a_rendezvous_on_the_first(tmp_path, monkeypatch):
+    secret = f"s3cret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("FP8_TEST_SECRET", secret)
+    script = dryrun_script(tmp_path, "executor=slurm", "gpu=gb200", "executor.nodes=2", "trainer.global_batch_size=64",
+                           "executor.slurm.secret_env=[FP8_TEST_SECRET,HF_TOKEN]", "executor.slurm.cpu_bind=cores")
+    lines = script.splitlines()
+    assert {"#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --export=ALL"} <= set(lines)
+    assert "#SBATCH --gpus-per-node=4" in lines  # from conf/gpu/gb200.yaml
+    assert 'head_node=${nodes_array[0]}' in lines  # the first host of the allocation ...
+    assert 'head_node_ip=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address)' in lines
+    (srun,) = [line for line in lines if line.startswith("srun ") and "torchrun" in line]
+    torchrun = srun[srun.index("torchrun"):]
+    assert torchrun.startswith("torchrun --rdzv-backend c10d --rdzv-endpoint $head_node_ip:29500 ")  # ... hosts it
+    assert "--nnodes 2 --nproc-per-node 4 --node-rank $SLURM_NODEID" in torchrun  # 4: gb200's GPUs per node
+    assert "--cpu-bind=cores" in srun and "--container-env FP8_TEST_SECRET,HF_TOKEN" in srun
+    assert {"export NCCL_NET_GDR_LEVEL=PHB", "export NCCL_NET_GDR_C2C=1", "export NCCL_NVLS_ENABLE=0"} <= set(lines)
+    assert "printenv FP8_TEST_SECRET >/dev/null ||" in script and secret not in script
 
 
 def test_slurm_refuses_what_it_cannot_run(tmp_path):
@@ -94,6 +110,11 @@ def test_slurm_refuses_what_it_cannot_run(tmp_path):
     clash = run_py(tmp_path, *TINY_CPU, f"run.dir={tmp_path}/nemo_run/x", "dryrun=true", check=False)
     assert clash.returncode != 0 and "rename that folder" in clash.stderr
     assert "Traceback" not in auto.stderr + clash.stderr
+    for bad, message in [({"secret_env": ["NOT-A-NAME"]}, "executor.slurm.secret_env: ['NOT-A-NAME']"),
+                         ({"secret_env": ["A"], "env_vars": {"A": "1"}}, "not also in executor.slurm.env_vars"),
+                         ({"dependency": "afterwards"}, "valid values: null, after, afterany")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            check_slurm_settings(SlurmConfig(**bad), tmp_path, str(tmp_path / "run"))
 
 
 # ---- real jobs ----
@@ -110,9 +131,9 @@ def cluster() -> None:
     assert nodes.returncode == 0 and nodes.stdout.split(), f"Slurm does not answer ({nodes.stderr}): scripts/slurm/start.sh"
 
 
-def submit(tmp_path: Path, *overrides: str, run_dir: Path | None = None) -> JobRecord:
+def submit(tmp_path: Path, *overrides: str, run_dir: Path | None = None, env: dict | None = None) -> JobRecord:
     run_dir = run_dir or tmp_path / "run"
-    result = run_py(tmp_path, *TINY_CPU, *overrides, f"run.dir={hydra_quoted(str(run_dir))}")
+    result = run_py(tmp_path, *TINY_CPU, *overrides, f"run.dir={hydra_quoted(str(run_dir))}", env=env)
     record = JobRecord.load(run_dir / JOB_RECORD)
     assert f"submitted   Slurm job {record.job_id}, experiment {record.experiment_id}" in result.stdout
     return record
@@ -142,11 +163,12 @@ def steps(run_dir: Path) -> list[int]:
 
 
 def test_two_process_job_trains_and_reports_back(cluster, tmp_path):
-    record = submit(tmp_path, "executor.gpus=2", "trainer.max_steps=4")
+    record = submit(tmp_path, "executor.gpus=2", "trainer.max_steps=4", "executor.slurm.cpu_bind=none")
     assert wait_for(record.job_id, FINISHED) == "COMPLETED"
     [(job, state, restarts, last_step, rest)] = status(tmp_path / "run", tmp_path)
     assert (job, state, restarts, last_step) == (record.job_id, "COMPLETED", "0", "4")
-    assert "--nproc-per-node 2" in (tmp_path / "run" / "sbatch.sh").read_text()
+    options = re.findall(r"--[a-z-]+[= ][^ ]+", (tmp_path / "run" / "sbatch.sh").read_text())
+    assert {"--nproc-per-node 2", "--cpu-bind=none"} <= set(options)
     assert "[default0]:step     4/4" in (tmp_path / "run" / "train.log").read_text()  # torchrun's log came back
     assert steps(tmp_path / "run") == [1, 2, 3, 4]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 2
@@ -217,3 +239,60 @@ def test_requeued_job_resumes_from_its_checkpoint_with_every_step_once(cluster, 
     logs = sorted(p.name for p in Path(record.log_dir).glob(f"log-*_{record.job_id}_*.out"))
     assert logs == [f"log-{record.job_name}_{record.job_id}_{n}.out" for n in (0, 1)]
     assert "resuming from step" in (run_dir / "train.log").read_text()  # the gathered log is the newest restart's
+
+
+def job_fields(job_id: str) -> dict[str, str]:
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, check=True)
+    return dict(item.split("=", 1) for item in shown.stdout.split() if "=" in item)
+
+
+def test_chained_sweep_runs_each_point_after_the_previous_one(cluster, tmp_path):
+    # Point 0 trains longer: unchained, point 1 (which fits beside it on the node) would finish first.
+    result = run_py(tmp_path, "-m", "trainer.max_steps=12,2", *TINY_CPU, "executor.slurm.dependency=afterany")
+    (sweep,) = (tmp_path / "runs").glob("*-sweep")
+    first, second = [JobRecord.load(path) for path in sorted(sweep.glob(f"*/{JOB_RECORD}"))]
+    waiting = job_fields(second.job_id)  # asked at once: the first job is still starting up or training
+    assert waiting["Dependency"] == f"afterany:{first.job_id}(unfulfilled)" and waiting["Reason"] == "Dependency"
+    assert f"after       job {first.job_id} (afterany)" in result.stdout
+    assert f"#SBATCH --dependency=afterany:{first.job_id}" in (Path(second.run_dir) / "sbatch.sh").read_text()
+    assert "--dependency" not in (Path(first.run_dir) / "sbatch.sh").read_text()
+    for record in (first, second):
+        assert wait_for(record.job_id, FINISHED) == "COMPLETED"
+    assert job_fields(second.job_id)["StartTime"] >= job_fields(first.job_id)["EndTime"]  # ISO times sort
+
+
+def files_holding(root: Path, text: str) -> list[Path]:
+    return [path for path in root.rglob("*") if path.is_file() and text.encode() in path.read_bytes()]
+
+
+def running_engine_environment(config_path: Path) -> dict[str, str]:
+    """The environment of the job's training process on this machine (found by its config file argument)."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if str(config_path).encode() in argv and b"recipes.engine.torch_engine" in argv:
+                pairs = (proc / "environ").read_bytes().decode().split("\0")
+                return dict(pair.split("=", 1) for pair in pairs if "=" in pair)
+        except OSError:  # a process that ended while we looked
+            continue
+    raise AssertionError(f"no training process for {config_path} is running here")
+
+
+def test_secret_reaches_the_job_by_name_and_is_written_nowhere(cluster, tmp_path):
+    secret = f"s3cret-{uuid.uuid4().hex}"
+    record = submit(tmp_path, "trainer.max_steps=100000", "executor.slurm.secret_env=[FP8_TEST_SECRET]",
+                    env={"FP8_TEST_SECRET": secret})
+    wait_for_steps(tmp_path / "run", 1)
+    assert running_engine_environment(tmp_path / "run" / "config.yaml").get("FP8_TEST_SECRET") == secret
+    subprocess.run(["scancel", record.job_id], check=True)
+    wait_for(record.job_id, {"CANCELLED"}, timeout_s=60)
+    sbatch_log = next(Path(record.log_dir).glob("sbatch_*.out")).read_text()
+    assert "+ printenv FP8_TEST_SECRET" in sbatch_log  # the job checked it (set -x shows the name only)
+    # Nothing we or nemo-run wrote holds the value: script, configs, nemo-run's records, logs, metrics.
+    assert files_holding(tmp_path, secret) == []
+
+
+def test_an_unset_secret_stops_the_submission(monkeypatch):
+    monkeypatch.delenv("FP8_TEST_UNSET", raising=False)
+    with pytest.raises(ConfigError, match=re.escape("['FP8_TEST_UNSET'] not set here; export them")):
+        require_secrets(["FP8_TEST_UNSET"])
