@@ -21,12 +21,11 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from recipes.config import Config, ConfigError, save_config  # noqa: E402
+from recipes.config import CONF_DIR, Config, ConfigError, save_config  # noqa: E402
 from recipes.hydra_schema import check_override_keys, register_schema  # noqa: E402
 from recipes.launcher import launch  # noqa: E402
 from recipes.plan import describe, make_plan, resolve  # noqa: E402
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 def run_dir(cfg: DictConfig) -> Path:
@@ -45,7 +44,7 @@ def experiment_name(cfg: Config) -> str:
     return cfg.run.name
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(dict_cfg: DictConfig) -> None:
     directory = run_dir(dict_cfg)
     dict_cfg.run.dir = str(directory)

@@ -261,7 +261,8 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
     return value
 
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = REPO_ROOT / "conf"
 
 
 def load_option(group: str, name: str) -> Any:

@@ -13,13 +13,16 @@ from pathlib import Path
 
 from recipes.config import ConfigError
 from recipes.plan import ENGINE_MODULE, Plan
-from recipes.provenance import REPO_ROOT
+from recipes.config import REPO_ROOT
 
 
 def launch(plan: Plan, config_path: Path, experiment: str) -> int:
     """Launch (or, for a dry run, only show) the run; return the exit status. `experiment` names the nemo-run
     experiment that groups it: the run's name, or the sweep's for every point of a sweep."""
     cfg = plan.cfg
+    # torchrun must come from this interpreter's environment, whatever PATH the user's shell had; on Slurm,
+    # sbatch hands the submitting PATH to the job.
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     if cfg.executor.name == "slurm":
         from recipes.slurm import submit
 
@@ -37,8 +40,6 @@ def run_local(plan: Plan, config_path: Path) -> int:
     import nemo_run as run  # imported here: planning and dry runs do not need it
 
     cfg = plan.cfg
-    # torchrun must come from this interpreter's environment, whatever PATH the user's shell had.
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     executor = run.LocalExecutor(
         ntasks_per_node=cfg.executor.gpus,
         launcher="torchrun" if plan.processes > 1 else None,

@@ -6,11 +6,11 @@ import os
 import platform
 import subprocess
 from importlib import metadata
-from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from recipes.config import REPO_ROOT
+
 
 
 def git_commit() -> str:

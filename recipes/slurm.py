@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from recipes.config import ConfigError, SlurmConfig
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from recipes.config import REPO_ROOT, ConfigError, SlurmConfig
+
 
 if TYPE_CHECKING:  # launch/status.py reads jobs back without importing the planner (and torch)
     from recipes.plan import Plan
@@ -166,8 +166,6 @@ def submit(plan: Plan, config_path: Path, experiment: str, dryrun: bool) -> int:
     cfg = plan.cfg
     nemo_run_home = Path(cfg.executor.nemo_run_home).expanduser().resolve()
     os.environ["NEMORUN_HOME"] = str(nemo_run_home)  # nemo-run's own job list (.slurm_jobs) lives there
-    # torchrun must come from this interpreter's environment; sbatch hands the submitting PATH to the job.
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     run_dir = config_path.parent
     if not dryrun:
         _require_sbatch()
@@ -236,15 +234,16 @@ def job_state(job_id: str) -> tuple[str, int]:
     return (lines[0].split()[0] if lines else "UNKNOWN"), 0
 
 
-LOG_NAME = re.compile(r"^log-(?P<name>.+)_(?P<job>\d+)_(?P<restart>\d+)\.out$")
+# nemo-run's srun logs: log-<job name>_<job id>_<restart>.out|.err (scripts/compare.py reads them too).
+SLURM_LOG = re.compile(r"^log-(?P<name>.+)_(?P<job>\d+)_(?P<restart>\d+)\.(?P<stream>out|err)$")
 
 
 def newest_log(record: JobRecord) -> Optional[Path]:
     """The srun log of the job's latest start: log-<name>_<job id>_<restart>.out with the highest restart."""
     logs = []
     for path in Path(record.log_dir).glob(f"log-*_{record.job_id}_*.out"):
-        match = LOG_NAME.match(path.name)
-        if match and match["job"] == record.job_id:
+        match = SLURM_LOG.match(path.name)
+        if match and match["job"] == record.job_id and match["stream"] == "out":
             logs.append((int(match["restart"]), path))
     return max(logs)[1] if logs else None
 

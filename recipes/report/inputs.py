@@ -28,11 +28,11 @@ from typing import Any, Optional
 import yaml
 
 from recipes.report import metadata
+from recipes.slurm import SLURM_LOG
 from recipes.report.parse import FileRead, read_log, read_metrics_jsonl
 from recipes.report.records import Run, merge_steps
 
 LOG_SUFFIXES = {".out", ".err", ".log", ".txt"}
-SLURM_LOG = re.compile(r"^log-(?P<name>.+)_(?P<job>\d+)_(?P<restart>\d+)\.(?P<stream>out|err)$")
 LOCAL_LOG = re.compile(r"^(?P<stream>combined|stdout|stderr)\.log$")  # nemo-run local: <task>/<app>/<role>/<n>/
 ENGINE_OF_FORMAT = {"megatron": "megatron", "nemo2": "nemo"}
 

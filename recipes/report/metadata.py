@@ -18,25 +18,35 @@ from __future__ import annotations
 
 import functools
 import re
-from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 
-from recipes.config import ConfigError, ModelConfig, from_dict
+from recipes.config import CONF_DIR, ConfigError, ModelConfig, from_dict
 from recipes.models.transformer import count_parameters as model_parameters
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+# conf/ is the one place that names the models, GPUs and precisions; a file that cannot be read reads as empty.
+@functools.lru_cache(maxsize=None)
+def _conf_file(group: str, name: str) -> tuple:
+    path = CONF_DIR / group / f"{name}.yaml"
+    try:
+        data = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except (OSError, yaml.YAMLError):
+        data = None
+    return tuple((data or {}).items()) if isinstance(data, dict) else ()
 
 
+def _conf(group: str, name: str) -> dict:
+    return dict(_conf_file(group, name))
 
-def _conf_options(group: str) -> dict[str, dict]:
-    """conf/GROUP/*.yaml as raw dicts: the one place that names the models, GPUs and precisions."""
-    return {path.stem: yaml.safe_load(path.read_text()) for path in sorted((REPO_ROOT / "conf" / group).glob("*.yaml"))}
+
+def _conf_names(group: str) -> list[str]:
+    folder = CONF_DIR / group
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
 
 
 # Precision names (conf/precision) -> their scaling recipe (megatron-core's fp8_recipe names).
-PRECISIONS = {name: option["recipe"] for name, option in _conf_options("precision").items()}
+PRECISIONS = {name: _conf("precision", name)["recipe"] for name in _conf_names("precision")}
 RECIPE_TO_PRECISION = {recipe: name for name, recipe in PRECISIONS.items()}
 # Short forms of NeMo/Megatron-Bridge performance scripts (ds, cs, ss = delayed, current, sub-channel scaling).
 # A bare "fp8" names no recipe: it stays "fp8" and compares with BF16 like any FP8 run.
@@ -252,25 +262,6 @@ def count_parameters(model: dict) -> Optional[float]:
     except (ConfigError, TypeError):
         return None
     return float(model_parameters(config))
-
-
-@functools.lru_cache(maxsize=None)
-def _conf_file(group: str, name: str) -> tuple:
-    path = REPO_ROOT / "conf" / group / f"{name}.yaml"
-    try:
-        data = yaml.safe_load(path.read_text()) if path.is_file() else None
-    except (OSError, yaml.YAMLError):
-        data = None
-    return tuple((data or {}).items()) if isinstance(data, dict) else ()
-
-
-def _conf(group: str, name: str) -> dict:
-    return dict(_conf_file(group, name))
-
-
-def _conf_names(group: str) -> list[str]:
-    folder = REPO_ROOT / "conf" / group
-    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
 
 
 def model_names() -> list[str]:
