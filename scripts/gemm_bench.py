@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from recipes.config import Activation, load_option  # noqa: E402
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise  # noqa: E402
 from recipes.fp8.current_scaling import quantize_tensorwise  # noqa: E402
-from recipes.fp8.formats import E4M3  # noqa: E402
+from recipes.fp8.formats import E4M3, fp8_max  # noqa: E402
 from recipes.fp8.gemm import fp8_gemm  # noqa: E402
 from recipes.provenance import provenance  # noqa: E402
 from recipes.report.gemm import read_gemm_csv  # noqa: E402
@@ -56,7 +56,8 @@ def model_gemm_shapes(name: str) -> list[tuple[str, int, int, int]]:
 def variants(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
     """a (M, K), b (N, K) in BF16 -> one zero-argument GEMM per variant, operands already quantized."""
     a8, b8 = quantize_tensorwise(a, E4M3), quantize_tensorwise(b, E4M3)
-    a_rows, b_rows = a.float().abs().amax(1, keepdim=True) / 448, b.float().abs().amax(1, keepdim=True) / 448
+    limit = fp8_max(E4M3)
+    a_rows, b_rows = a.float().abs().amax(1, keepdim=True) / limit, b.float().abs().amax(1, keepdim=True) / limit
     a_rowwise, b_rowwise = (a.float() / a_rows).to(E4M3), (b.float() / b_rows).to(E4M3)
     a_blocks = quantize_blockwise(a, E4M3, ACTIVATION_BLOCK)
     b_weight_blocks = quantize_blockwise(b, E4M3, WEIGHT_BLOCK)

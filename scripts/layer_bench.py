@@ -66,13 +66,16 @@ def bench_one(model_cfg: ModelConfig, precision: PrecisionConfig, args, device: 
             out = stack(inputs[micro % len(inputs)])
         return out.float().square().mean()
 
+    def training_step():
+        return optimizer_step(micro_batch_loss, args.micro_batches, stack, optimizer, trainer.lr, trainer.grad_clip)
+
     times, losses = [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(args.warmup + args.steps):
         _synchronize(device)
         start = time.perf_counter()
-        loss, _ = optimizer_step(micro_batch_loss, args.micro_batches, stack, optimizer, trainer.lr, trainer.grad_clip)
+        loss, _ = training_step()
         _synchronize(device)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
@@ -81,9 +84,7 @@ def bench_one(model_cfg: ModelConfig, precision: PrecisionConfig, args, device: 
     step_time = statistics.median(times)
     kernel_profile = None
     if args.profile and device.type == "cuda":
-        kernel_profile = profile_kernels(
-            lambda: optimizer_step(micro_batch_loss, args.micro_batches, stack, optimizer, trainer.lr, trainer.grad_clip)
-        )
+        kernel_profile = profile_kernels(training_step)
         shares = ", ".join(f"{k} {v:.0%}" for k, v in kernel_profile["share"].items())
         print(f"  {precision.name:>14} profile: {kernel_profile['total_ms']:.1f} ms of kernels: {shares}", flush=True)
         for kernel in kernel_profile["top_kernels"][:12]:
@@ -96,11 +97,7 @@ def bench_one(model_cfg: ModelConfig, precision: PrecisionConfig, args, device: 
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {
-        "model": model_cfg.name,
-        "layers": model_cfg.num_layers,
-        "seq_length": model_cfg.seq_length,
-        "micro_batches": args.micro_batches,
-        "precision": precision.name,
+        **row_identity(model_cfg, precision, args),
         "median_step_s": step_time,
         "min_step_s": min(times),
         "max_step_s": max(times),
@@ -121,8 +118,18 @@ def bench_or_report(model_cfg: ModelConfig, precision: PrecisionConfig, args, de
         print(f"  {precision.name:>14} FAILED: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        return {"model": model_cfg.name, "layers": model_cfg.num_layers, "seq_length": model_cfg.seq_length,
-                "micro_batches": args.micro_batches, "precision": precision.name, "error": str(error)[:500]}
+        return {**row_identity(model_cfg, precision, args), "error": str(error)[:500]}
+
+
+def row_identity(model_cfg: ModelConfig, precision: PrecisionConfig, args) -> dict:
+    """The columns that say what a result row measured."""
+    return {
+        "model": model_cfg.name,
+        "layers": model_cfg.num_layers,
+        "seq_length": model_cfg.seq_length,
+        "micro_batches": args.micro_batches,
+        "precision": precision.name,
+    }
 
 
 def _synchronize(device: torch.device) -> None:

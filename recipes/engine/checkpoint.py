@@ -296,21 +296,24 @@ def resume_metrics(run_dir: Path, step: int) -> list[StepMetrics]:
     if not path.exists():
         return []
     lines = path.read_text().splitlines()
-    kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+    records = [(line, _record(line)) for line in lines]
+    kept = [(line, record) for line, record in records if record is not None and record["step"] <= step]
     if len(kept) != len(lines):
         temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text("".join(line + "\n" for line in kept))
+        temporary.write_text("".join(line + "\n" for line, _ in kept))
         os.replace(temporary, path)
         print(f"metrics.jsonl: dropped {len(lines) - len(kept)} line(s) after step {step}", flush=True)
-    history = [StepMetrics(**json.loads(line)) for line in kept]
+    history = [StepMetrics(**record) for _, record in kept]
     if [m.step for m in history] != list(range(1, step + 1)):
         print(f"warning: {path} does not hold exactly steps 1..{step}; summary.json covers those it holds", flush=True)
     return history
 
 
-def _step_of(line: str) -> Optional[int]:
-    """The step of a metrics line; None for a line torn by a kill in the middle of its write."""
+def _record(line: str) -> Optional[dict]:
+    """A metrics line parsed, its step an int; None for a line torn by a kill in the middle of its write."""
     try:
-        return int(json.loads(line)["step"])
+        record = json.loads(line)
+        record["step"] = int(record["step"])
     except (ValueError, KeyError, TypeError):
         return None
+    return record
