@@ -38,7 +38,7 @@ from torch._dynamo.utils import counters
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from recipes.config import ConfigError, ModelConfig, TrainerConfig, load_option  # noqa: E402
-from recipes.engine.training import build_optimizer, compile_blocks, optimizer_step  # noqa: E402
+from recipes.engine.training import build_optimizer, compile_blocks, optimizer_step, prepare_fp8_weight_caching  # noqa: E402
 from recipes.fp8 import convert_to_fp8  # noqa: E402
 from recipes.metrics import flops_per_token  # noqa: E402
 from recipes.models.transformer import RotaryEmbedding, TransformerBlock, init_weights  # noqa: E402
@@ -90,6 +90,7 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
         stack = DecoderStack(model_cfg)
     init_weights(stack, model_cfg)
     variant.convert(stack.layers)
+    prepare_fp8_weight_caching(stack, args.micro_batches)
     if args.compile:
         compile_blocks(stack.layers)
     trainer = TrainerConfig(lr=1e-5, warmup_steps=0, max_steps=args.steps)

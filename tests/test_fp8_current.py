@@ -22,7 +22,7 @@ from recipes.config import ConfigError, Fp8Format, ModelConfig, PrecisionConfig,
 from recipes.fp8 import convert_to_fp8
 from recipes.fp8.current_scaling import Float8Tensor, quantize_tensorwise, tensorwise_scale
 from recipes.fp8.formats import E4M3, E5M2, forward_and_backward_dtypes
-from recipes.fp8.linear import BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling, Fp8Linear, _Fp8LinearFunction, recipe_from_config
+from recipes.fp8.linear import BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling, Fp8Linear, fp8_linear, recipe_from_config
 from recipes.models.transformer import Transformer
 
 U = 2.0**-24  # FP32 unit roundoff
@@ -276,7 +276,7 @@ def test_tiny_finite_amax_stays_finite(dtype):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 3. The three GEMMs of _Fp8LinearFunction
+# 3. The three GEMMs of fp8_linear
 # ---------------------------------------------------------------------------------------------------------------
 
 M, K, N = 256, 192, 160  # tokens, in_features, out_features
@@ -307,7 +307,7 @@ def operands():
 def run_linear(x, w, dy, recipe):
     x = x.clone().requires_grad_(True)
     w = w.clone().requires_grad_(True)
-    y = _Fp8LinearFunction.apply(x, w, recipe)
+    y = fp8_linear(x, w, recipe)
     y.backward(dy)
     return y.detach(), x.grad, w.grad
 

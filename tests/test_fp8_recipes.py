@@ -28,12 +28,17 @@ from recipes.fp8.delayed_scaling import quantize_delayed
 from recipes.fp8.formats import E4M3, E5M2
 from recipes.fp8.gemm import fp8_gemm
 from recipes.fp8.linear import (
+    CACHE_OFF,
+    CACHE_REFRESH,
+    CACHE_REUSE,
     BlockwiseScaling,
     DelayedScaling,
     Fp8Linear,
     MXFP8Scaling,
-    _Fp8LinearFunction,
+    attach_weight_caches,
+    fp8_linear,
     recipe_from_config,
+    set_weight_cache_mode,
 )
 from recipes.fp8.mxfp8 import mx_scale_exponent, quantize_mx, swizzle_32_4_4, to_e8m0
 from recipes.fp8.tensor import Float8Tensor
@@ -659,7 +664,7 @@ def test_swizzle_32_4_4_layout(rows, cols):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 4. The three GEMMs of _Fp8LinearFunction, per recipe
+# 4. The three GEMMs of fp8_linear, per recipe
 # ---------------------------------------------------------------------------------------------------------------
 
 M, K, N = 256, 384, 256  # tokens, in_features, out_features: all divisible by 128
@@ -694,7 +699,7 @@ def warmup_tensors(operands):
 
 
 def run_recipe(name: str, operands, **kw):
-    """(y, dx, dW, state) of one forward + backward of _Fp8LinearFunction; delayed: after one warm-up use."""
+    """(y, dx, dW, state) of one forward + backward of fp8_linear; delayed: after one warm-up use."""
     x, w, dy = operands
     recipe = recipe_from_config(precision_for(name, **kw))
     assert type(recipe) is RECIPE_CLASSES[name]
@@ -703,9 +708,9 @@ def run_recipe(name: str, operands, **kw):
         hist, scale = torch.zeros(3, 16), torch.ones(3)
         extra = (hist, scale)
         xw, ww, dyw = warmup_tensors(operands)
-        _Fp8LinearFunction.apply(xw.requires_grad_(True), ww.requires_grad_(True), recipe, *extra).backward(dyw)
+        fp8_linear(xw.requires_grad_(True), ww.requires_grad_(True), recipe, extra).backward(dyw)
     xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    y = _Fp8LinearFunction.apply(xr, wr, recipe, *extra)
+    y = fp8_linear(xr, wr, recipe, extra)
     y.backward(dy)
     return y.detach(), xr.grad, wr.grad
 
@@ -821,7 +826,7 @@ def test_block_gemms_on_cpu_need_emulate(operands):
             PrecisionConfig(name=f"fp8_{name}", recipe=Recipe(name), fp8_format=Fp8Format.hybrid, emulate=False)
         )
         with pytest.raises(RuntimeError, match=r"precision\.emulate"):
-            _Fp8LinearFunction.apply(x, w, recipe)
+            fp8_linear(x, w, recipe)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -897,3 +902,63 @@ def test_e2e_training(name, e2e):
     # gradient's, <= sqrt(8) * 0.0807 * 1.25 = 0.29 over 8 E5M2 x E4M3 GEMMs (the band of test 4 compounded in
     # quadrature, as in test_fp8_current), and the loss drop inherits that relative error.
     assert abs(fp8[2] - bf16[2]) <= 0.3 * (bf16[0] - bf16[2]), (fp8[:3], bf16[:3])
+
+
+# ---- 7. The FP8 weight cache: one weight quantization per optimizer step under gradient accumulation ----
+
+
+def accumulate(layer: Fp8Linear, xs: list[torch.Tensor], cached: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Outputs and the accumulated weight gradient of len(xs) micro-batches, as recipes.engine.training drives them."""
+    layer.weight.grad = None
+    outs = []
+    for micro, x in enumerate(xs):
+        set_weight_cache_mode(layer, (CACHE_REFRESH if micro == 0 else CACHE_REUSE) if cached else CACHE_OFF)
+        y = layer(x)
+        y.float().square().mean().backward()
+        outs.append(y.detach())
+    set_weight_cache_mode(layer, CACHE_OFF)
+    return outs, layer.weight.grad.clone()
+
+
+@pytest.mark.parametrize("name", ["current", "blockwise", "mxfp8"])
+def test_weight_cache_changes_nothing_for_stateless_recipes(name):
+    """A stateless recipe quantizes a fixed weight to the same bytes every time: caching it must give the same
+    outputs and gradients, bit for bit, as quantizing it in every micro-batch."""
+    precision = (PrecisionConfig(name="fp8_current", recipe=Recipe.tensorwise, fp8_format=Fp8Format.hybrid)
+                 if name == "current" else precision_for(name))
+    layer = linear_module(256, 384, recipe_from_config(precision), seed=3)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(128, 256, generator=g).bfloat16().requires_grad_() for _ in range(3)]
+    plain = accumulate(layer, xs, cached=False)
+    assert attach_weight_caches(layer) == 1
+    cached = accumulate(layer, xs, cached=True)
+    for a, b in zip(plain[0] + [plain[1]], cached[0] + [cached[1]]):
+        assert torch.equal(a, b)
+
+
+def test_weight_cache_is_really_reused_and_refreshed():
+    layer = linear_module(256, 128, recipe_from_config(precision_for("blockwise")), seed=1)
+    attach_weight_caches(layer)
+    x = torch.randn(128, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    set_weight_cache_mode(layer, CACHE_REFRESH)
+    first = layer(x)
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    set_weight_cache_mode(layer, CACHE_REUSE)
+    assert torch.equal(layer(x), first)  # the stored quantization, not the changed weight
+    set_weight_cache_mode(layer, CACHE_REFRESH)
+    assert not torch.equal(layer(x), first)
+
+
+def test_weight_cache_records_the_weight_amax_once_per_optimizer_step():
+    """Delayed scaling with the cache: the weight row of the amax history moves once per step (the first
+    micro-batch), the input and gradient rows once per micro-batch."""
+    layer = linear_module(256, 128, delayed_recipe(history_len=8), seed=4)
+    attach_weight_caches(layer)
+    g = torch.Generator().manual_seed(6)
+    xs = [torch.randn(64, 256, generator=g).bfloat16().requires_grad_() for _ in range(3)]
+    accumulate(layer, xs, cached=True)
+    history = layer.fp8_state.amax_history
+    assert int((history[WEIGHT] > 0).sum()) == 1
+    assert int((history[INPUT] > 0).sum()) == 3 and int((history[GRAD] > 0).sum()) == 3
+    assert history[WEIGHT, 0] == layer.weight.detach().abs().amax()

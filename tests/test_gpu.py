@@ -65,7 +65,7 @@ def test_engine_trains_on_gpu(tmp_path):
 
 @pytest.mark.parametrize("fp8_wgrad", [True, False])
 def test_native_blockwise_gemms_equal_their_emulation(fp8_wgrad):
-    from recipes.fp8.linear import BlockwiseScaling, _Fp8LinearFunction
+    from recipes.fp8.linear import BlockwiseScaling, fp8_linear
 
     torch.manual_seed(0)
     # K/128 = 3 and 2 blocks: the scale grids need their strides padded to 4.
@@ -76,7 +76,7 @@ def test_native_blockwise_gemms_equal_their_emulation(fp8_wgrad):
     for emulate in (False, True):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
         recipe = BlockwiseScaling(E4M3, E4M3, fp8_wgrad=fp8_wgrad, emulate=emulate)  # cuBLAS: E4M3 only
-        y = _Fp8LinearFunction.apply(xi, wi, recipe)
+        y = fp8_linear(xi, wi, recipe)
         y.backward(dy)
         results.append((y.float(), xi.grad.float(), wi.grad.float()))
     for native, emulated in zip(*results):

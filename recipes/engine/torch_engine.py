@@ -28,7 +28,9 @@ from recipes.config import Config, Recipe, load_config
 from recipes.data import make_dataset
 from recipes.engine import checkpoint
 from recipes.engine.console import print_step, print_summary
-from recipes.engine.training import NonFiniteError, build_optimizer, compile_blocks, learning_rate, optimizer_step
+from recipes.engine.training import (
+    NonFiniteError, build_optimizer, compile_blocks, learning_rate, optimizer_step, prepare_fp8_weight_caching,
+)
 from recipes.fp8 import convert_to_fp8
 from recipes.fp8.gemm import use_tf32_for_mx_emulation
 from recipes.metrics import MetricsWriter, StepMetrics, step_metrics, summarize, write_summary
@@ -54,7 +56,7 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def build_model(cfg: Config, device: torch.device) -> nn.Module:
+def build_model(cfg: Config, device: torch.device, num_micro_batches: int) -> nn.Module:
     generator = torch.Generator(device).manual_seed(cfg.trainer.seed)
     with torch.device(device):
         model = Transformer(cfg.model)
@@ -62,6 +64,7 @@ def build_model(cfg: Config, device: torch.device) -> nn.Module:
     convert_to_fp8(model.layers, cfg.precision)
     if cfg.precision.recipe == Recipe.mxfp8 and cfg.precision.emulate and device.type == "cuda":
         use_tf32_for_mx_emulation()
+    prepare_fp8_weight_caching(model, num_micro_batches)
     should_compile = cfg.trainer.compile if cfg.trainer.compile is not None else device.type == "cuda"
     if should_compile:
         compile_blocks(model.layers)
@@ -86,7 +89,8 @@ class MicroBatches:
 def train(cfg: Config, run_dir: Path) -> dict:
     rank, world_size, device = setup_distributed()
     is_logger = rank == 0
-    model = raw_model = build_model(cfg, device)
+    accumulation = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * world_size)
+    model = raw_model = build_model(cfg, device, accumulation)
     checkpoints = checkpoint.checkpoint_dir(cfg, run_dir)
     resumed = checkpoint.load_latest(checkpoints, cfg, device)
     if world_size > 1:
@@ -102,7 +106,6 @@ def train(cfg: Config, run_dir: Path) -> dict:
             note = f" (changed: {', '.join(changed)})" if changed else ""
             print(f"resuming from step {resumed.step} of {resumed.path}{note}", flush=True)
     batches = MicroBatches(cfg, rank, world_size, device)
-    accumulation = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * world_size)
     # The whole run's steps, those of earlier attempts included; metrics.jsonl is cut back to the checkpoint.
     history: list[StepMetrics] = checkpoint.resume_metrics(run_dir, first_step - 1) if is_logger else []
     writer = MetricsWriter(run_dir) if is_logger else None

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from recipes.config import TrainerConfig
+from recipes.fp8.linear import CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, attach_weight_caches, set_weight_cache_mode
 
 
 class NonFiniteError(RuntimeError):
@@ -25,6 +26,12 @@ def compile_blocks(layers: nn.ModuleList) -> None:
     (hence checkpoints) stay those of the eager model."""
     for layer in layers:
         layer.compile()
+
+
+def prepare_fp8_weight_caching(model: nn.Module, num_micro_batches: int) -> int:
+    """With gradient accumulation, quantize each FP8 weight once per optimizer step (see recipes.fp8.linear);
+    call before compiling. Returns the number of layers that cache."""
+    return attach_weight_caches(model) if num_micro_batches > 1 else 0
 
 
 def build_optimizer(model: nn.Module, trainer: TrainerConfig, device: torch.device) -> torch.optim.AdamW:
@@ -66,10 +73,12 @@ def optimizer_step(
     total = torch.zeros((), device=next(model.parameters()).device)
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
     for micro in range(num_micro_batches):
+        set_weight_cache_mode(model, CACHE_REFRESH if micro == 0 else CACHE_REUSE)
         with no_sync() if micro < num_micro_batches - 1 else contextlib.nullcontext():
             loss = micro_batch_loss(micro) / num_micro_batches
             loss.backward()
         total += loss.detach()
+    set_weight_cache_mode(model, CACHE_OFF)  # the weights change now: a forward outside this step quantizes afresh
     grad_norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
     if not bool(torch.isfinite(total) & torch.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)

@@ -7,7 +7,9 @@ records this tensor's amax and recomputes the scale for the next one:
     scale_t = fp8_max / reduce(history[..t-1]) / 2**margin,    reduce = max (over the window) or most_recent
 
 "Step" here is one use of the layer: every micro-batch's forward (input, weight) and backward (gradient), as TE
-updates inside each fp8_autocast region. The history starts at zero, so the first use has scale 1. An inf or NaN
+updates inside each fp8_autocast region. Under gradient accumulation the training loop caches the FP8 weight
+for the whole optimizer step (recipes.fp8.linear), so the weight's amax is recorded once per step, in the first
+micro-batch, as in TE with `is_first_microbatch`. The history starts at zero, so the first use has scale 1. An inf or NaN
 in the tensor makes this quantization NaN (not a silent saturation with the old scale) and poisons the history.
 The state lives in `DelayedScalingState` buffers of each FP8 linear layer, so checkpoints carry it.
 """

@@ -8,12 +8,17 @@ Every GEMM is `a @ b^T` with both operands K-major (see recipes.fp8.gemm), so dg
 transposed. Scales run along K, so a transposed operand reuses its quantization only where the scale grid is
 symmetric (per-tensor recipes; 128x128 weight blocks); otherwise it is quantized again along its new K, from the
 high-precision tensor, as Transformer Engine does. The forward saves x (already transposed for wgrad) and W in FP8.
+
+Weights do not change between the micro-batches of one optimizer step, so with gradient accumulation each layer
+can quantize its weight (and the transpose dgrad needs) once per step, in the first micro-batch, and reuse it in
+the others: `attach_weight_caches` + `set_weight_cache_mode`, driven by the training loop. Transformer Engine
+caches FP8 weights across micro-batches the same way (`is_first_microbatch`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -28,6 +33,7 @@ from recipes.fp8.mxfp8 import quantize_mx
 from recipes.fp8.tensor import Float8Tensor
 
 INPUT, WEIGHT, GRAD = 0, 1, 2
+CACHE_OFF, CACHE_REFRESH, CACHE_REUSE = "off", "refresh", "reuse"  # quantize W each call / and store it / reuse it
 
 
 @dataclass(frozen=True)
@@ -127,18 +133,21 @@ def _transposed(recipe: Fp8Recipe, quantized: Float8Tensor, source: torch.Tensor
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, recipe: Fp8Recipe, amax_history=None, scale=None):
-        state = None if amax_history is None else (amax_history, scale)
+    def forward(ctx, x, weight, recipe: Fp8Recipe, cache_mode: str, cache_block, *cache_and_state):
+        # Tensors are passed one by one (not as a module or tuple) so that Dynamo traces this function whole.
+        cache, state = cache_and_state[:4], cache_and_state[4:] or None
         x_fp8 = recipe.quantize(x, INPUT, state)
-        w_fp8 = recipe.quantize(weight, WEIGHT, state)
+        w_fp8, w_t = _weight_operands(recipe, weight, state, cache_mode, WeightCacheTensors(*cache, cache_block))
         y = fp8_gemm(x_fp8, w_fp8, x.dtype, recipe.fast_accum_fprop, recipe.emulate)
         if recipe.fp8_wgrad:
             x_t = _transposed(recipe, x_fp8, x, INPUT, state)
             saved_x, ctx.x_block = (x_t.data, x_t.scale_inv), x_t.block
         else:
             saved_x = (x, x.new_empty(()))
-        ctx.recipe, ctx.state, ctx.weight_dtype, ctx.w_block = recipe, state, weight.dtype, w_fp8.block
-        ctx.save_for_backward(*saved_x, w_fp8.data, w_fp8.scale_inv, weight)
+        saved_w = w_fp8 if w_t is None else w_t
+        ctx.recipe, ctx.state, ctx.weight_dtype, ctx.w_block = recipe, state, weight.dtype, saved_w.block
+        ctx.w_is_transposed = w_t is not None
+        ctx.save_for_backward(*saved_x, saved_w.data, saved_w.scale_inv, weight)
         return y
 
     @staticmethod
@@ -147,8 +156,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         recipe: Fp8Recipe = ctx.recipe
         dy = dy.contiguous()
         dy_fp8 = recipe.quantize(dy, GRAD, ctx.state)
-        w_fp8 = Float8Tensor(w_data, w_scale_inv, ctx.w_block)
-        w_t = _transposed(recipe, w_fp8, weight, WEIGHT, ctx.state)
+        w_saved = Float8Tensor(w_data, w_scale_inv, ctx.w_block)
+        w_t = w_saved if ctx.w_is_transposed else _transposed(recipe, w_saved, weight, WEIGHT, ctx.state)
         dx = fp8_gemm(dy_fp8, w_t, dy.dtype, False, recipe.emulate)
         if recipe.fp8_wgrad:
             dy_t = _transposed(recipe, dy_fp8, dy, GRAD, ctx.state)
@@ -156,8 +165,64 @@ class _Fp8LinearFunction(torch.autograd.Function):
             dw = fp8_gemm(dy_t, x_t, ctx.weight_dtype, False, recipe.emulate)
         else:
             dw = (dy.t() @ x_data.to(dy.dtype)).to(ctx.weight_dtype)
-        return dx, dw, None, None, None
+        return (dx, dw) + (None,) * (len(ctx.needs_input_grad) - 2)
 
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, state: tuple = (),
+               cache: Optional["Fp8WeightCache"] = None) -> torch.Tensor:
+    """y = x @ weight^T with the three GEMMs in FP8. `state`: a stateful recipe's (amax_history, scale) buffers."""
+    if cache is None:
+        return _Fp8LinearFunction.apply(x, weight, recipe, CACHE_OFF, None, *(None,) * 4, *state)
+    return _Fp8LinearFunction.apply(x, weight, recipe, cache.mode, cache.block, *cache.tensors(), *state)
+
+
+def _weight_operands(recipe, weight, state, cache_mode, cache) -> tuple[Float8Tensor, Optional[Float8Tensor]]:
+    """The FP8 weight for fprop, and its transpose for dgrad where the cache holds it (None: backward makes it)."""
+    if cache_mode == CACHE_REUSE:
+        return cache.weight(), cache.weight_t()
+    w_fp8 = recipe.quantize(weight, WEIGHT, state)
+    if cache_mode != CACHE_REFRESH:
+        return w_fp8, None
+    w_t = _transposed(recipe, w_fp8, weight, WEIGHT, state)
+    for buffer, value in zip(cache[:4], (w_fp8.data, w_fp8.scale_inv, w_t.data, w_t.scale_inv)):
+        buffer.copy_(value)
+    return w_fp8, w_t
+
+
+class WeightCacheTensors(NamedTuple):
+    data: Optional[torch.Tensor]
+    scale_inv: Optional[torch.Tensor]
+    t_data: Optional[torch.Tensor]
+    t_scale_inv: Optional[torch.Tensor]
+    block: Optional[tuple[int, int]]  # the same for the weight and its transpose (per tensor, 128x128, 1x32)
+
+    def weight(self) -> Float8Tensor:
+        return Float8Tensor(self.data, self.scale_inv, self.block)
+
+    def weight_t(self) -> Float8Tensor:
+        return Float8Tensor(self.t_data, self.t_scale_inv, self.block)
+
+
+class Fp8WeightCache(nn.Module):
+    """One layer's FP8 weight and its transpose, quantized in the first micro-batch of an optimizer step and read by
+    the others. Fixed buffers (filled in place), so a compiled block keeps its graph; not saved in checkpoints."""
+
+    def __init__(self, weight: torch.Tensor, recipe: Fp8Recipe, state: Optional[tuple]):
+        super().__init__()
+        # The shapes of the quantized operands, from a quantization on the meta device (no memory, no state change).
+        meta_state = None if state is None else tuple(torch.empty_like(t, device="meta") for t in state)
+        meta_weight = torch.empty_like(weight, device="meta")
+        w_fp8 = recipe.quantize(meta_weight, WEIGHT, meta_state)
+        w_t = _transposed(recipe, w_fp8, meta_weight, WEIGHT, meta_state)
+        for name, like in (("data", w_fp8.data), ("scale_inv", w_fp8.scale_inv),
+                           ("t_data", w_t.data), ("t_scale_inv", w_t.scale_inv)):
+            self.register_buffer(name, torch.empty_like(like, device=weight.device), persistent=False)
+        assert w_fp8.block == w_t.block
+        self.block = w_fp8.block
+        self.mode = CACHE_OFF
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.data, self.scale_inv, self.t_data, self.t_scale_inv
 
 class Fp8Linear(nn.Linear):
     """nn.Linear (no bias) computing its three GEMMs in FP8. Shares its weight Parameter with the layer it replaces;
@@ -172,12 +237,31 @@ class Fp8Linear(nn.Linear):
         self.fp8_state = (
             DelayedScalingState(recipe.amax_history_len).to(linear.weight.device) if recipe.stateful else None
         )
+        self.weight_cache: Optional[Fp8WeightCache] = None  # attach_weight_caches
+
+    def state_tensors(self) -> tuple:
+        return (self.fp8_state.amax_history, self.fp8_state.scale) if self.fp8_state is not None else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
-        state = (self.fp8_state.amax_history, self.fp8_state.scale) if self.fp8_state is not None else ()
-        y = _Fp8LinearFunction.apply(x2d, self.weight, self.recipe, *state)
+        y = fp8_linear(x2d, self.weight, self.recipe, self.state_tensors(), self.weight_cache)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
+
+
+def attach_weight_caches(model: nn.Module) -> int:
+    """Give every FP8 linear of `model` a weight cache (before compiling it); returns how many got one. Costs two
+    bytes per weight element (the FP8 weight and its transpose)."""
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for layer in layers:
+        layer.weight_cache = Fp8WeightCache(layer.weight, layer.recipe, layer.state_tensors() or None)
+    return len(layers)
+
+
+def set_weight_cache_mode(model: nn.Module, mode: str) -> None:
+    """CACHE_REFRESH for the first micro-batch of an optimizer step, CACHE_REUSE for the rest, CACHE_OFF outside."""
+    for layer in model.modules():
+        if isinstance(layer, Fp8Linear) and layer.weight_cache is not None:
+            layer.weight_cache.mode = mode
