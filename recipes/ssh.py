@@ -12,6 +12,7 @@ SshCluster is the login node as `launch/status.py` reads it back: Slurm's comman
 from __future__ import annotations
 
 import io
+import logging
 import posixpath
 import shlex
 import subprocess
@@ -26,6 +27,9 @@ from nemo_run.core.tunnel.client import SSHTunnel
 from recipes.config import ConfigError, SshTunnelConfig
 
 CONNECT_TIMEOUT_S = 15
+# nemo-run's console logging would show paramiko's per-connection chatter ("Connected", "Opened sftp
+# connection") among the submission's own lines; its warnings and errors still show.
+logging.getLogger("paramiko").setLevel(logging.WARNING)
 
 
 @dataclass(kw_only=True)
