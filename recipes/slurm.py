@@ -206,7 +206,7 @@ def _task(plan: Plan, site: Site):
     from recipes.plan import ENGINE_MODULE
 
     config = posixpath.join(site.run_dir, "config.yaml")
-    return run.Script(path=ENGINE_MODULE[plan.cfg.engine], m=True, entrypoint=site.python,
+    return run.Script(path=ENGINE_MODULE[plan.cfg.engine], m=True, entrypoint=shlex.quote(site.python),
                       args=[shlex.quote(config)])
 
 
@@ -218,7 +218,7 @@ def _prepare_login_node(cfg: Config, site: Site) -> None:
     session = tunnel(site.ssh, job_dir=site.job_root)
     session.connect()
     try:
-        check_remote_checkout(session, site.ssh, site.python)
+        check_remote_checkout(session, site.ssh, None if cfg.executor.slurm.container_image else site.python)
         remote_cfg = replace(cfg, run=replace(cfg.run, dir=site.run_dir), dryrun=False)
         upload(session, dump_config(remote_cfg), posixpath.join(site.run_dir, "config.yaml"))
     finally:

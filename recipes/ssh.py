@@ -18,6 +18,7 @@ import shlex
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import paramiko
 from fabric import Config as FabricConfig
@@ -52,9 +53,10 @@ class BatchSSHTunnel(SSHTunnel):
                               "and port") from None
         if probe.returncode != 0:
             reason = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
+            login = shlex.join(["ssh", "-p", str(self.port), *identity, f"{self.user}@{self.host}"])
             raise ConfigError(f"ssh {where} failed: {reason}. Check executor.slurm.ssh (host, port, user, identity); "
-                              f"`ssh -p {self.port} {self.user}@{self.host}` must log in without a password or prompt "
-                              "(a key, and the host in ~/.ssh/known_hosts)")
+                              f"`{login}` must log in without a password or prompt (a key or agent, and the host in "
+                              "~/.ssh/known_hosts)")
         session = Connection(self.host, user=self.user, port=self.port, connect_timeout=CONNECT_TIMEOUT_S,
                              connect_kwargs={"key_filename": [key]} if key else {},
                              config=FabricConfig(overrides={"run": {"in_stream": False}}))
@@ -88,13 +90,14 @@ def remote_run_dir(ssh: SshTunnelConfig, run_dir: Path, run_root: Path) -> str:
     return posixpath.join(ssh.job_dir, "runs", relative.as_posix())
 
 
-def check_remote_checkout(session: BatchSSHTunnel, ssh: SshTunnelConfig, python: str) -> None:
-    """The job imports this repository from ssh.repo and runs `python` there: check both before submitting."""
+def check_remote_checkout(session: BatchSSHTunnel, ssh: SshTunnelConfig, python: Optional[str]) -> None:
+    """The job imports this repository from ssh.repo and runs `python` there: check both before submitting
+    (`python` None: it is inside the job's container, which the login node cannot check)."""
     engine = posixpath.join(ssh.repo, "recipes", "engine", "torch_engine.py")
     if not session.run(f"test -f {shlex.quote(engine)}", warn=True).ok:
         raise ConfigError(f"executor.slurm.ssh.repo={ssh.repo!r}: no checkout of this repository on {ssh.host} "
                           f"({engine} is missing); clone it there on storage the nodes see")
-    if not session.run(f"command -v {shlex.quote(python)}", warn=True).ok:
+    if python is not None and not session.run(f"command -v {shlex.quote(python)}", warn=True).ok:
         raise ConfigError(f"executor.slurm.ssh.python={python!r} is not found on {ssh.host}; give the path of a "
                           "Python with this repository's dependencies (torch, PyYAML) on the cluster")
 

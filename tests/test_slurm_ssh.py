@@ -133,7 +133,7 @@ def settings(sshd: Sshd, tmp_path: Path, **changes) -> SshTunnelConfig:
                               "python": sys.executable, **changes})
 
 
-def test_a_bad_host_key_or_checkout_is_a_clear_error(sshd, tmp_path):
+def test_a_bad_host_key_checkout_or_python_is_a_clear_error(sshd, tmp_path):
     for changes, message in [({"port": free_port()}, "Connection refused"),
                              ({"identity": str(sshd.stranger_key)}, "Permission denied (publickey)"),
                              ({"host": "localhost"}, "Host key verification failed")]:
@@ -142,6 +142,9 @@ def test_a_bad_host_key_or_checkout_is_a_clear_error(sshd, tmp_path):
     missing = settings(sshd, tmp_path, repo=str(tmp_path))
     with pytest.raises(ConfigError, match="no checkout of this repository"):
         check_remote_checkout(tunnel(missing, job_dir=str(tmp_path)), missing, sys.executable)
+    present = settings(sshd, tmp_path)
+    with pytest.raises(ConfigError, match=re.escape("executor.slurm.ssh.python='/no/python' is not found")):
+        check_remote_checkout(tunnel(present, job_dir=str(tmp_path)), present, "/no/python")
     # On the command line: one line naming the fix, no traceback, nothing submitted.
     result = run_py(tmp_path, *TINY_CPU, *over_ssh(tmp_path, sshd.port, sshd.stranger_key), check=False)
     assert result.returncode != 0 and "error: ssh " in result.stderr and "Traceback" not in result.stderr
