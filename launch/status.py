@@ -6,8 +6,10 @@
 
 Lists each job with its Slurm state, restarts and the last step in its metrics, and copies each job's newest
 log (after a requeue, the latest restart's) into its run directory as train.log, next to the metrics.jsonl and
-summary.json that the job writes there: the run directories are then what scripts/compare.py reads.
-Exit status: 0 every job listed, 1 none found.
+summary.json that the job writes there: the run directories are then what scripts/compare.py reads. A job
+submitted over SSH (executor.slurm.tunnel=ssh) is read on its login node: Slurm's state, the log, and the
+metrics.jsonl and summary.json it wrote on the cluster are copied into the run directory here.
+Exit status: 0 every job listed, 1 none found or the login node unreachable.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from recipes.slurm import JobRecord, find_records, gather, job_state  # noqa: E402
+from recipes.config import ConfigError  # noqa: E402
+from recipes.slurm import JobRecord, cluster_of, find_records, gather, job_state  # noqa: E402
 
 
 def last_step(run_dir: Path) -> str:
@@ -35,9 +38,9 @@ def shown(path: object) -> str:
     return text if text.isprintable() else repr(text)
 
 
-def report(record: JobRecord) -> str:
-    state, restarts = job_state(record.job_id)
-    log = gather(record)
+def report(record: JobRecord, cluster) -> str:
+    state, restarts = job_state(record.job_id, cluster)
+    log = gather(record, cluster)
     return (f"{record.job_id:>8}  {state:<11} {restarts:>8}  {last_step(Path(record.run_dir)):>9}  "
             f"{shown(record.run_dir)}  {shown(log) if log else '(no log yet)'}")
 
@@ -56,8 +59,16 @@ def main() -> int:
         return 1
     print(f"experiment {', '.join(sorted({r.experiment for r in records}))}")
     print(f"{'job':>8}  {'state':<11} {'restarts':>8}  {'last step':>9}  run dir  log")
-    for record in records:
-        print(report(record), flush=True)
+    clusters = {}  # one connection per login node for all the jobs submitted there
+    try:
+        for record in records:
+            where = json.dumps(record.ssh, sort_keys=True)
+            if where not in clusters:
+                clusters[where] = cluster_of(record)
+            print(report(record, clusters[where]), flush=True)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -111,12 +111,17 @@ class GpuConfig:
 
 @dataclass
 class SshTunnelConfig:
-    """Submit from this machine to a cluster's login node over SSH (nemo-run's SSHTunnel)."""
+    """Submit from this machine to a cluster's login node over SSH (executor.slurm.tunnel=ssh, nemo-run's
+    SSHTunnel). host, job_dir and repo are required then; every field is optional in the schema so that each can be
+    set on its own on the command line (executor.slurm.ssh.host=...)."""
 
-    host: str
-    user: str
-    job_dir: str  # on the cluster's shared storage: nemo-run's job folders and the runs
-    identity: Optional[str] = None  # private key file; None: the SSH agent or ~/.ssh defaults
+    host: Optional[str] = None  # the login node
+    user: Optional[str] = None  # None: your user name here, as ssh does
+    port: int = 22
+    identity: Optional[str] = None  # private key file here; None: the SSH agent or ~/.ssh defaults
+    job_dir: Optional[str] = None  # absolute, on the cluster's shared storage: job folders (experiments/), runs (runs/)
+    repo: Optional[str] = None  # absolute path of this repository's checkout on the cluster: the job imports it
+    python: Optional[str] = None  # the cluster's Python with torch; None: `python` (the container's, or on PATH)
 
 
 @dataclass
@@ -138,7 +143,7 @@ class SlurmConfig:
     mem: Optional[str] = None  # sbatch --mem, e.g. 0 (all of it) or 200G
     sbatch_args: dict[str, str] = field(default_factory=dict)  # any other sbatch option: {qos: high}
     tunnel: str = "local"  # local: this machine can run sbatch; ssh: submit through executor.slurm.ssh
-    ssh: Optional[SshTunnelConfig] = None
+    ssh: SshTunnelConfig = field(default_factory=SshTunnelConfig)
     retries: int = 0  # resubmissions of a failed job (nemo-run max_retries)
     dependency: Optional[str] = None  # afterany, afterok, ...: each point of a -m sweep waits for the previous one
 
@@ -275,8 +280,12 @@ def load_option(group: str, name: str) -> Any:
     return from_dict(schema, yaml.safe_load(path.read_text()), group)
 
 
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
 def save_config(cfg: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    path.write_text(dump_config(cfg))
 
 
 def load_config(path: Path | str) -> Config:

@@ -10,24 +10,31 @@ pyxis is told to pass them into the container (`--container-env`), and the scrip
 (which shows no value, even under nemo-run's `set -x`) that each one arrived. With `dependency` set, each point
 of a `-m` sweep waits for the previous point's job (sbatch `--dependency=TYPE:JOBID`).
 
+With `tunnel: ssh` this machine needs no Slurm: nemo-run's SSHTunnel (recipes.ssh) copies the job folder to
+`ssh.job_dir/experiments` on the login node and runs sbatch there. The job runs the checkout at `ssh.repo` with
+`ssh.python`, reading the resolved config uploaded to its run directory under `ssh.job_dir/runs` and writing its
+metrics there; the sbatch script names only those cluster paths (a dry run renders it without connecting).
+
 Each submitted run gets a record, `slurm_job.json`, in its run directory and in its nemo-run experiment folder:
-`launch/status.py` reads it to report the job's state and gather its logs.
+`launch/status.py` reads it to report the job's state and gather its logs (and, over SSH, its metrics) here.
 """
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
+import posixpath
 import re
 import shlex
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from recipes.config import REPO_ROOT, ConfigError, SlurmConfig
+from recipes.config import REPO_ROOT, Config, ConfigError, SlurmConfig, SshTunnelConfig, dump_config
 
 
 if TYPE_CHECKING:  # launch/status.py reads jobs back without importing the planner (and torch)
@@ -50,8 +57,10 @@ class JobRecord:
     experiment_id: str
     job_id: str
     job_name: str
-    log_dir: str  # where srun writes log-<job name>_<job id>_<restart>.out
+    log_dir: str  # where srun writes log-<job name>_<job id>_<restart>.out (on the login node, over SSH)
     run_dir: str
+    ssh: Optional[dict] = None  # executor.slurm.ssh of a job submitted over SSH; None: this machine is the login node
+    remote_run_dir: Optional[str] = None  # over SSH: where the job writes metrics.jsonl and summary.json
 
     def save(self, *folders: Path) -> None:
         for folder in folders:
@@ -67,14 +76,47 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "run"
 
 
-def check_slurm_settings(slurm: SlurmConfig, nemo_run_home: Path, run_dir: str) -> None:
+@dataclass
+class Site:
+    """Where the job finds what it needs on the cluster: this machine (tunnel=local) or the login node's storage."""
+
+    repo: str  # this repository's checkout, imported by the job
+    storage: str  # the folder holding the job folders and the run directory (mounted into a container)
+    job_root: str  # nemo-run's job folders: <experiment>/<experiment id>/<task>
+    run_dir: str
+    python: str
+    ssh: Optional[SshTunnelConfig] = None  # the login node, when submitting over SSH
+
+
+def job_site(cfg: Config, run_dir: Path, nemo_run_home: Path) -> Site:
+    slurm = cfg.executor.slurm
+    ssh = ssh_settings(slurm)
+    if ssh is None:
+        return Site(str(REPO_ROOT), str(Path(cfg.run.root).resolve()), str(nemo_run_home / "experiments"),
+                    str(run_dir), "python" if slurm.container_image else sys.executable)
+    from recipes.ssh import check_ssh_settings, remote_run_dir
+
+    check_ssh_settings(ssh)
+    return Site(ssh.repo, ssh.job_dir, posixpath.join(ssh.job_dir, "experiments"),
+                remote_run_dir(ssh, run_dir, Path(cfg.run.root).resolve()), ssh.python or "python", ssh)
+
+
+def ssh_settings(slurm: SlurmConfig) -> Optional[SshTunnelConfig]:
+    """executor.slurm.ssh when the tunnel is ssh, None for the local tunnel."""
     if slurm.tunnel not in ("local", "ssh"):
         raise ConfigError(f"executor.slurm.tunnel={slurm.tunnel!r}; valid values: local, ssh")
-    if slurm.tunnel == "ssh" and slurm.ssh is None:
-        raise ConfigError("executor.slurm.tunnel=ssh needs executor.slurm.ssh={host: ..., user: ..., job_dir: ...}")
-    if slurm.tunnel == "ssh":
-        raise ConfigError("executor.slurm.tunnel=ssh: submission over SSH is not implemented yet; run launch/run.py "
-                          "on the cluster's login node with executor.slurm.tunnel=local")
+    if slurm.tunnel == "local":
+        return None
+    missing = [f"executor.slurm.ssh.{name}" for name in ("host", "job_dir", "repo") if not getattr(slurm.ssh, name)]
+    if missing:
+        raise ConfigError(f"executor.slurm.tunnel=ssh needs {', '.join(missing)}: the login node, the job folder "
+                          "on the cluster's shared storage and this repository's checkout there (absolute paths)")
+    return replace(slurm.ssh, user=slurm.ssh.user or getpass.getuser())
+
+
+def check_slurm_settings(slurm: SlurmConfig, job_root: Path | str, run_dir: str) -> None:
+    """`job_root` and `run_dir` as the sbatch script names them: on the login node when the tunnel is ssh."""
+    root_setting = "executor.slurm.ssh.job_dir" if ssh_settings(slurm) else "executor.nemo_run_home"
     bad = [key for key in slurm.env_vars if not ENV_NAME.match(key)]
     if bad:
         raise ConfigError(f"executor.slurm.env_vars: {bad} are not environment variable names ([A-Za-z_][A-Za-z0-9_]*)")
@@ -89,36 +131,45 @@ def check_slurm_settings(slurm: SlurmConfig, nemo_run_home: Path, run_dir: str) 
     if bad:
         raise ConfigError(f"executor.slurm.sbatch_args: {bad} are not sbatch option names (e.g. qos, mail-type)")
     if slurm.container_image is None:  # nemo-run then rewrites every "/nemo_run" in the script to the job folder
-        clash = [path for path in (str(nemo_run_home), run_dir) if "/nemo_run" in path]
+        clash = [path for path in (str(job_root), run_dir) if "/nemo_run" in path]
         if clash:
             raise ConfigError(f"{clash[0]!r} contains '/nemo_run', which nemo-run rewrites in the sbatch script of "
-                              "a job without a container; rename that folder (executor.nemo_run_home, run.root or "
-                              "run.dir)")
-    if not SAFE_PATH.match(str(nemo_run_home)):
+                              f"a job without a container; rename that folder ({root_setting}, run.root or run.dir)")
+    if not SAFE_PATH.match(str(job_root)):
         raise ConfigError(
-            f"executor.nemo_run_home={str(nemo_run_home)!r}: nemo-run writes the job folder unquoted into the sbatch "
-            "script, so it may hold only letters, digits and _ . / + -; choose another executor.nemo_run_home"
+            f"{root_setting}: {str(job_root)!r}: nemo-run writes the job folder unquoted into the sbatch script, so "
+            f"it may hold only letters, digits and _ . / + -; choose another {root_setting}"
         )
 
 
-def _secret_checks(names: list[str]) -> Optional[str]:
-    """Script lines that stop the job, naming the secret, when one did not reach it (printenv prints no value)."""
-    return "\n".join(f'printenv {name} >/dev/null || {{ echo "error: secret {name} did not reach the job: export it '
-                     f'where you submit, and keep sbatch --export=ALL" >&2; exit 1; }}' for name in names) or None
+def _setup_lines(site: Site, secrets: list[str]) -> Optional[str]:
+    """Script lines before srun: a Python given by path brings its folder (torchrun is there) onto PATH, and the
+    job stops, naming the secret, when one did not reach it (printenv prints no value)."""
+    path = posixpath.dirname(site.python)
+    lines = [f'export PATH={shlex.quote(path)}:"$PATH"'] if path else []
+    lines += [f'printenv {name} >/dev/null || {{ echo "error: secret {name} did not reach the job: export it where '
+              f'you submit, and keep sbatch --export=ALL" >&2; exit 1; }}' for name in secrets]
+    return "\n".join(lines) or None
 
 
-def make_executor(plan: Plan, nemo_run_home: Path, job_name_prefix: str, after: Optional[str] = None):
-    """nemo-run's SlurmExecutor for the plan; the job folder is under nemo_run_home/experiments (LocalTunnel).
-    `after`: the nemo-run handle of a job this one waits for (slurm.dependency)."""
+def make_executor(plan: Plan, site: Site, job_name_prefix: str, after: Optional[str] = None):
+    """nemo-run's SlurmExecutor for the plan; its job folder is under site.job_root, reached through a LocalTunnel
+    or over SSH. `after`: the nemo-run handle of a job this one waits for (slurm.dependency)."""
     import nemo_run as run
 
     cfg = plan.cfg
     slurm = cfg.executor.slurm
-    check_slurm_settings(slurm, nemo_run_home, cfg.run.dir)
+    check_slurm_settings(slurm, site.job_root, site.run_dir)
+    if site.ssh is None:
+        tunnel = run.LocalTunnel(job_dir=site.job_root)
+    else:
+        from recipes.ssh import tunnel as ssh_tunnel
+
+        tunnel = ssh_tunnel(site.ssh, job_dir=site.job_root)
     mounts = list(slurm.container_mounts)
-    if slurm.container_image:  # the job imports this repo in place and writes into the run root
-        mounts += [f"{REPO_ROOT}:{REPO_ROOT}", f"{Path(cfg.run.root).resolve()}:{Path(cfg.run.root).resolve()}"]
-    env = {"PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1", "LOGLEVEL": "WARNING",
+    if slurm.container_image:  # the job imports this repo in place and writes into the run's storage
+        mounts += [f"{site.repo}:{site.repo}", f"{site.storage}:{site.storage}"]
+    env = {"PYTHONPATH": site.repo, "PYTHONUNBUFFERED": "1", "LOGLEVEL": "WARNING",
            **slurm.gpu_env.get(cfg.gpu.name, {}), **slurm.env_vars}
     sbatch_args = {**({"export": "ALL"} if slurm.secret_env else {}), **slurm.sbatch_args}
     cpu_bind = [f"--cpu-bind={slurm.cpu_bind}"] if slurm.cpu_bind else []
@@ -136,27 +187,42 @@ def make_executor(plan: Plan, nemo_run_home: Path, job_name_prefix: str, after: 
         container_mounts=mounts,
         env_vars={key: shlex.quote(str(value)) for key, value in env.items()},
         container_env=list(slurm.secret_env) or None,
-        setup_lines=_secret_checks(slurm.secret_env),
+        setup_lines=_setup_lines(site, slurm.secret_env),
         srun_args=[f"--mpi={slurm.mpi}", *cpu_bind, *slurm.srun_args],
         additional_parameters=sbatch_args or None,
         dependencies=[after] if after else [],
         dependency_type=slurm.dependency or "afterok",
         launcher="torchrun" if plan.processes > 1 else None,
-        tunnel=run.LocalTunnel(job_dir=str(nemo_run_home / "experiments")),
+        tunnel=tunnel,
         packager=run.Packager(),  # no copy: the nodes import this repo where it is (shared storage)
         poll_estimated_start_time=False,
         retries=slurm.retries,
     )
 
 
-def _task(plan: Plan, config_path: Path):
+def _task(plan: Plan, site: Site):
     import nemo_run as run
 
     from recipes.plan import ENGINE_MODULE
 
-    python = "python" if plan.cfg.executor.slurm.container_image else sys.executable
-    return run.Script(path=ENGINE_MODULE[plan.cfg.engine], m=True, entrypoint=python,
-                      args=[shlex.quote(str(config_path))])
+    config = posixpath.join(site.run_dir, "config.yaml")
+    return run.Script(path=ENGINE_MODULE[plan.cfg.engine], m=True, entrypoint=shlex.quote(site.python),
+                      args=[shlex.quote(config)])
+
+
+def _prepare_login_node(cfg: Config, site: Site) -> None:
+    """Over SSH, before nemo-run submits: the checkout and Python are there, and the run's config is uploaded
+    (its run.dir the cluster's). Every failure is a ConfigError naming the setting to fix."""
+    from recipes.ssh import check_remote_checkout, tunnel, upload
+
+    session = tunnel(site.ssh, job_dir=site.job_root)
+    session.connect()
+    try:
+        check_remote_checkout(session, site.ssh, None if cfg.executor.slurm.container_image else site.python)
+        remote_cfg = replace(cfg, run=replace(cfg.run, dir=site.run_dir), dryrun=False)
+        upload(session, dump_config(remote_cfg), posixpath.join(site.run_dir, "config.yaml"))
+    finally:
+        session.cleanup()
 
 
 def submit(plan: Plan, config_path: Path, experiment: str, dryrun: bool) -> int:
@@ -167,13 +233,17 @@ def submit(plan: Plan, config_path: Path, experiment: str, dryrun: bool) -> int:
     nemo_run_home = Path(cfg.executor.nemo_run_home).expanduser().resolve()
     os.environ["NEMORUN_HOME"] = str(nemo_run_home)  # nemo-run's own job list (.slurm_jobs) lives there
     run_dir = config_path.parent
-    if not dryrun:
+    site = job_site(cfg, run_dir, nemo_run_home)
+    ssh = site.ssh
+    after = _latest_job.get(slug(experiment)) if cfg.executor.slurm.dependency else None
+    executor = make_executor(plan, site, job_name_prefix=f"{slug(cfg.run.name)}.", after=after)
+    if not dryrun and ssh is None:
         _require_sbatch()
         require_secrets(cfg.executor.slurm.secret_env)
-    after = _latest_job.get(slug(experiment)) if cfg.executor.slurm.dependency else None
-    executor = make_executor(plan, nemo_run_home, job_name_prefix=f"{slug(cfg.run.name)}.", after=after)
+    elif not dryrun:  # secrets come from the login node's environment: sbatch runs there
+        _prepare_login_node(cfg, site)
     with run.Experiment(slug(experiment), executor=executor, base_dir=str(nemo_run_home), log_level="WARN") as exp:
-        exp.add(_task(plan, config_path), name=TASK)
+        exp.add(_task(plan, site), name=TASK)
         if dryrun:
             exp.dryrun(log=False, delete_exp_dir=False)
             script = Path(exp._exp_dir, f"{TASK}_sbatch.sh")
@@ -188,14 +258,16 @@ def submit(plan: Plan, config_path: Path, experiment: str, dryrun: bool) -> int:
         job = exp.jobs[0]
         job_id = _job_id(job.handle)
         _latest_job[slug(experiment)] = job.handle
-        record = JobRecord(slug(experiment), exp._id, job_id, f"{slug(cfg.run.name)}.{TASK}",
-                           str(Path(job.executor.job_dir)), str(run_dir))
+        log_dir = posixpath.join(job.executor.tunnel.job_dir, Path(job.executor.job_dir).name)
+        record = JobRecord(slug(experiment), exp._id, job_id, f"{slug(cfg.run.name)}.{TASK}", log_dir, str(run_dir),
+                           asdict(ssh) if ssh else None, site.run_dir if ssh else None)
         shutil.copy(Path(exp._exp_dir, f"{TASK}_sbatch.sh"), run_dir / "sbatch.sh")
         record.save(run_dir, Path(exp._exp_dir))
     print(f"submitted   Slurm job {job_id}, experiment {record.experiment_id}\n"
           + (f"after       job {_job_id(after)} ({cfg.executor.slurm.dependency})\n" if after else "")
-          + f"logs        {record.log_dir}/log-{record.job_name}_{job_id}_<restart>.out\n"
-          f"run dir     {run_dir}\n"
+          + f"logs        {record.log_dir}/log-{record.job_name}_{job_id}_<restart>.out"
+          + (f" on {ssh.host}\nremote run  {site.run_dir} on {ssh.host} (status gathers it here)" if ssh else "")
+          + f"\nrun dir     {run_dir}\n"
           f"status      python launch/status.py {shlex.quote(str(run_dir))}", flush=True)
     return 0
 
@@ -220,17 +292,39 @@ def _require_sbatch() -> None:
 # ---- reading jobs back ----
 
 
-def _run(*command: str) -> str:
-    done = subprocess.run(command, capture_output=True, text=True)
-    return done.stdout if done.returncode == 0 else ""
+class LocalCluster:
+    """Slurm's commands and the jobs' files on this machine (the local tunnel: a login node, shared storage)."""
+
+    def run(self, *command: str) -> str:
+        done = subprocess.run(command, capture_output=True, text=True)
+        return done.stdout if done.returncode == 0 else ""
+
+    def listdir(self, folder: str) -> list[str]:
+        return os.listdir(folder) if os.path.isdir(folder) else []
+
+    def fetch(self, path: str, local: Path) -> None:
+        shutil.copy(path, local)
 
 
-def job_state(job_id: str) -> tuple[str, int]:
+LOCAL = LocalCluster()
+
+
+def cluster_of(record: JobRecord):
+    """Where the record's job is read back: this machine, or the login node it was submitted to over SSH."""
+    if record.ssh is None:
+        return LOCAL
+    from recipes.ssh import SshCluster
+
+    return SshCluster(SshTunnelConfig(**record.ssh))
+
+
+def job_state(job_id: str, cluster=LOCAL) -> tuple[str, int]:
     """(state, restarts) of a job: the controller's view (kept MinJobAge after the end), else accounting."""
-    fields = dict(item.split("=", 1) for item in _run("scontrol", "show", "job", "-o", job_id).split() if "=" in item)
+    shown = cluster.run("scontrol", "show", "job", "-o", job_id)
+    fields = dict(item.split("=", 1) for item in shown.split() if "=" in item)
     if "JobState" in fields:
         return fields["JobState"], int(fields.get("Restarts", 0))
-    lines = _run("sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State").split()
+    lines = cluster.run("sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State").split()
     return (lines[0].split()[0] if lines else "UNKNOWN"), 0
 
 
@@ -238,21 +332,35 @@ def job_state(job_id: str) -> tuple[str, int]:
 SLURM_LOG = re.compile(r"^log-(?P<name>.+)_(?P<job>\d+)_(?P<restart>\d+)\.(?P<stream>out|err)$")
 
 
-def newest_log(record: JobRecord) -> Optional[Path]:
-    """The srun log of the job's latest start: log-<name>_<job id>_<restart>.out with the highest restart."""
+def newest_log(record: JobRecord, names: list[str]) -> Optional[str]:
+    """Of the file names in the job's log folder, the srun log of its latest start:
+    log-<name>_<job id>_<restart>.out with the highest restart."""
     logs = []
-    for path in Path(record.log_dir).glob(f"log-*_{record.job_id}_*.out"):
-        match = SLURM_LOG.match(path.name)
+    for name in names:
+        match = SLURM_LOG.match(name)
         if match and match["job"] == record.job_id and match["stream"] == "out":
-            logs.append((int(match["restart"]), path))
+            logs.append((int(match["restart"]), name))
     return max(logs)[1] if logs else None
 
 
-def gather(record: JobRecord) -> Optional[Path]:
-    """Copy the newest log into the run directory as train.log (metrics.jsonl is written there by the job)."""
-    log = newest_log(record)
-    if log is not None and Path(record.run_dir).is_dir():
-        shutil.copy(log, Path(record.run_dir) / "train.log")
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json")  # what the job writes into its run directory
+
+
+def gather(record: JobRecord, cluster=LOCAL) -> Optional[str]:
+    """Copy the newest log into the run directory as train.log and, for a job that ran over SSH, the metrics and
+    summary it wrote on the cluster; return the log's path (on the cluster)."""
+    run_dir = Path(record.run_dir)
+    name = newest_log(record, cluster.listdir(record.log_dir))
+    log = posixpath.join(record.log_dir, name) if name else None
+    if not run_dir.is_dir():
+        return log
+    if log is not None:
+        cluster.fetch(log, run_dir / "train.log")
+    if record.remote_run_dir:
+        present = set(cluster.listdir(record.remote_run_dir))
+        for output in RUN_OUTPUTS:
+            if output in present:
+                cluster.fetch(posixpath.join(record.remote_run_dir, output), run_dir / output)
     return log
 
 

@@ -1,7 +1,7 @@
 """executor=slurm: the sbatch script launch/run.py renders, and real jobs on a real single-node Slurm.
 
-The cluster tests need the Slurm that scripts/slurm/start.sh brings up (.ci/run starts it before pytest). Without
-`sbatch` on PATH they skip, saying so; with FP8_RECIPES_REQUIRE_SLURM=1 (set by .ci/run) they fail instead.
+The cluster tests need the Slurm that scripts/slurm/start.sh brings up (.ci/run starts it before pytest): the
+`cluster` fixture (tests/conftest.py) skips them without it, or fails them under FP8_RECIPES_REQUIRE_SLURM=1.
 Every job is a CPU run of tiny_llama with short sequences and few steps; every wait is bounded.
 """
 
@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -118,17 +117,6 @@ def test_slurm_refuses_what_it_cannot_run(tmp_path):
 
 
 # ---- real jobs ----
-
-
-@pytest.fixture(scope="module")
-def cluster() -> None:
-    if shutil.which("sbatch") is None:
-        message = "no Slurm here (sbatch not on PATH): start one with `sudo scripts/slurm/start.sh`"
-        if os.environ.get("FP8_RECIPES_REQUIRE_SLURM") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    nodes = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%t"], capture_output=True, text=True)
-    assert nodes.returncode == 0 and nodes.stdout.split(), f"Slurm does not answer ({nodes.stderr}): scripts/slurm/start.sh"
 
 
 def submit(tmp_path: Path, *overrides: str, run_dir: Path | None = None, env: dict | None = None) -> JobRecord:

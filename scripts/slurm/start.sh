@@ -27,18 +27,7 @@ fi
 
 install_packages() {
     command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null && return
-    echo "slurm/start.sh: installing slurm-wlm and munge (apt-get)"
-    export DEBIAN_FRONTEND=noninteractive
-    local log=/tmp/fp8-recipes-slurm-apt.log
-    apt-get update -qq >"$log" 2>&1 || { cat "$log" >&2; die "apt-get update failed"; }
-    # policy-rc.d 101: the packages must not start their services themselves; this script starts them.
-    local made_policy=
-    if [ ! -e /usr/sbin/policy-rc.d ]; then
-        printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && made_policy=1
-    fi
-    apt-get install -y -qq --no-install-recommends slurm-wlm munge >>"$log" 2>&1 \
-        || { cat "$log" >&2; die "apt-get install slurm-wlm munge failed"; }
-    [ -z "$made_policy" ] || rm -f /usr/sbin/policy-rc.d
+    "$(dirname "$0")/apt-install.sh" slurm-wlm munge || die "installing slurm-wlm and munge failed"
 }
 
 write_config() {
