@@ -37,7 +37,9 @@ STEPS = 4
 TOLERANCE = {"bf16": (2e-3, 2e-3), "fp8_delayed": (2e-3, 5e-2)}
 
 
-def make_config(run_dir: Path, cache_dir: Path, precision: str, gpus: int, interval: int = 0) -> Path:
+def make_config(
+    run_dir: Path, cache_dir: Path, precision: str, gpus: int, interval: int = 0, activation_checkpointing: bool = False
+) -> Path:
     cfg = Config(
         model=dataclasses.replace(load_option("model", "tiny_llama"), seq_length=64),
         precision=dataclasses.replace(load_option("precision", precision), fp8_param_gather=False),
@@ -46,7 +48,7 @@ def make_config(run_dir: Path, cache_dir: Path, precision: str, gpus: int, inter
         data=dataclasses.replace(load_option("data", "text"), cache_dir=str(cache_dir)),
         trainer=TrainerConfig(
             max_steps=STEPS, micro_batch_size=2, global_batch_size=8, warmup_steps=2, log_interval=1,
-            checkpoint=CheckpointConfig(interval=interval, keep_last=0),
+            checkpoint=CheckpointConfig(interval=interval, keep_last=0), activation_checkpointing=activation_checkpointing,
         ),
     )
     cfg.run.dir = str(run_dir)
@@ -114,6 +116,19 @@ def test_fp8_delayed_under_fsdp_matches_one_process_and_resumes_exactly(tmp_path
     resumed = curve(one_dir)
     assert [s for s, *_ in resumed] == [3, 4]
     assert_close(resumed, uninterrupted[2:], "fp8_delayed")
+
+
+def test_activation_checkpointing_changes_nothing_even_for_delayed_scaling(tmp_path, cache_dir):
+    # The recomputed forward quantizes with the scales of the first one and records the same amaxes again, so the
+    # run is bit-identical, the amax histories included.
+    for checkpointed in (False, True):
+        config_path = make_config(tmp_path / str(checkpointed), cache_dir, "fp8_delayed", 1, interval=STEPS,
+                                  activation_checkpointing=checkpointed)
+        assert torch_engine.main([str(config_path)]) == 0
+    assert curve(tmp_path / "True") == curve(tmp_path / "False")
+    # Weights, Adam moments and amax histories after the last step, byte for byte (DCP's data file).
+    saved = [(tmp_path / str(c) / "checkpoints" / "step_00000004" / "__0_0.distcp").read_bytes() for c in (False, True)]
+    assert saved[0] == saved[1]
 
 
 def test_delayed_scaling_state_is_the_same_on_every_rank():
