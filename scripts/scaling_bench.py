@@ -179,7 +179,8 @@ def report(runs: list[Run], done: dict[str, Path], gpus: int) -> list[str]:
     parity = [r for r in runs if r.part == "a" and r.gpus == gpus]
     if parity:
         lines += ["a) loss, 1 GPU vs {} GPUs, same global batch".format(gpus), "",
-                  "| precision | steps | final loss 1 GPU | final loss N GPUs | max rel. loss diff |", "|---|---|---|---|---|"]
+                  "| precision | steps | final loss 1 GPU | final loss N GPUs | max rel. loss diff |",
+                  "|---|---|---|---|---|"]
         for run in parity:
             one = next(r for r in runs if r.part == "a" and r.precision == run.precision and r.gpus == 1)
             if run.name in done and one.name in done:

@@ -48,7 +48,8 @@ def make_config(
         data=dataclasses.replace(load_option("data", "text"), cache_dir=str(cache_dir)),
         trainer=TrainerConfig(
             max_steps=STEPS, micro_batch_size=2, global_batch_size=8, warmup_steps=2, log_interval=1,
-            checkpoint=CheckpointConfig(interval=interval, keep_last=0), activation_checkpointing=activation_checkpointing,
+            checkpoint=CheckpointConfig(interval=interval, keep_last=0),
+            activation_checkpointing=activation_checkpointing,
         ),
     )
     cfg.run.dir = str(run_dir)

@@ -68,7 +68,7 @@ def update_delayed_scaling(
         dist.all_reduce(newest, op=dist.ReduceOp.MAX)
         histories[:, :, 0] = newest
     reduced = histories.amax(dim=-1) if algo == AmaxComputeAlgo.max else histories[:, :, 0]
-    scales = torch.stack([tensorwise_scale(reduced[:, role], role_dtypes[role], margin) for role in range(NUM_ROLES)], 1)
+    scales = torch.stack([tensorwise_scale(reduced[:, r], role_dtypes[r], margin) for r in range(NUM_ROLES)], dim=1)
     histories = histories.roll(1, dims=-1)
     histories[:, :, 0] = 0
     torch._foreach_copy_([state.amax_history for state in states], list(histories.unbind(0)))
