@@ -252,7 +252,8 @@ def describe(plan: Plan) -> str:
     gib = 2**30
     capacity = f" of {cfg.gpu.memory_gb:.0f} GB" if cfg.gpu.memory_gb else ""
     over = (
-        "  <- does not fit: use fewer layers (model.num_layers=N) or a smaller trainer.micro_batch_size"
+        "  <- does not fit: use more GPUs (executor.gpus, executor.nodes), trainer.activation_checkpointing=true, "
+        "fewer layers (model.num_layers=N) or a smaller trainer.micro_batch_size"
         if cfg.gpu.memory_gb and mem.total > cfg.gpu.memory_gb * 1e9
         else ""
     )

@@ -288,6 +288,11 @@ def _walk(before: dict, after: dict, prefix: str) -> list[tuple[str, Any, Any]]:
 def restore(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Model, FP8 state and optimizer from `checkpoint` into this (possibly sharded) model and its optimizer (RNG
     separately, last: see set_rng_state). Every rank calls it."""
+    if not (checkpoint.path / ".metadata").is_file():
+        raise CheckpointError(
+            f"cannot resume from {checkpoint.path}: it holds no torch.distributed.checkpoint shards (an earlier "
+            "version of the engine wrote the whole state into checkpoint.pt). Use a new run.dir."
+        )
     model_state, optimizer_state = get_state_dict(model, optimizer)
     try:
         dcp.load(
