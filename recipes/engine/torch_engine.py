@@ -7,9 +7,8 @@ folder holding that file, and the metrics are written there. Builds the model fr
 conf/model, swaps its block linears for FP8 ones as the precision asks, trains with AdamW under BF16 autocast,
 and writes `metrics.jsonl` and `summary.json` into the run directory. Several processes train fully sharded
 data-parallel (FSDP2, `recipes.engine.fsdp`; NCCL on GPUs, Gloo on CPUs), each reading its own slice of every
-global batch. With
-`trainer.checkpoint.interval` set it checkpoints as it goes, and a start in a run directory that holds a
-checkpoint continues from the newest one (`recipes.engine.checkpoint`).
+global batch. With `trainer.checkpoint.interval` set it checkpoints as it goes, and a start in a run directory
+that holds a checkpoint continues from the newest one (`recipes.engine.checkpoint`).
 """
 
 from __future__ import annotations
