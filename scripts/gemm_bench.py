@@ -88,14 +88,14 @@ def median_ms(gemms: list[Callable[[], torch.Tensor]], warmup: int, repeats: int
     return statistics.median(times)
 
 
-def bench_shape(label: str, m: int, n: int, k: int, args) -> list[dict]:
+def bench_shape(label: str, m: int, n: int, k: int, warmup: int = 5, repeats: int = 30) -> list[dict]:
     input_sets = [
         variants(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
         for _ in range(2)
     ]
     rows = []
     for variant in input_sets[0]:
-        ms = median_ms([inputs[variant] for inputs in input_sets], args.warmup, args.repeats)
+        ms = median_ms([inputs[variant] for inputs in input_sets], warmup, repeats)
         rows.append({"shape": label, "M": m, "N": n, "K": k, "variant": variant, "ms": ms, "tflops": 2 * m * n * k / ms / 1e9})
     baseline = rows[0]["ms"]
     for row in rows:
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shapes = [("sweep M=N=8192", 8192, 8192, k) for k in K_SWEEP]
     shapes += [shape for name in MODELS for shape in model_gemm_shapes(name)]
-    rows = [row for shape in shapes for row in bench_shape(*shape, args)]
+    rows = [row for shape in shapes for row in bench_shape(*shape, args.warmup, args.repeats)]
     args.out.mkdir(parents=True, exist_ok=True)
     with (args.out / "gemm.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

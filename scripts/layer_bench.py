@@ -8,6 +8,15 @@ engine's `optimizer_step`. No embedding or output layer: the blocks are what FP8
 as in the engine. Each precision gets the same model code, compile settings, batch and seed; reported numbers
 are medians over the steps after warm-up. Model TFLOP/s use `recipes.metrics.flops_per_token` without the
 output layer, with causal attention counted half (Megatron-LM); a second column counts it whole (PaLM, torchtitan). Writes results.csv, results.md and provenance.json into --out.
+
+`--peer torchao` adds torchao's float8 tensorwise training (`convert_to_float8_training`, recipe "tensorwise") on
+the same blocks in the same process, as the outside reference for the per-tensor recipes.
+
+With `--profile`, the BF16 step's kernel time is split into GEMMs / attention / other, and the "limit" column is
+the step speedup if every linear-layer GEMM ran at the FP8/BF16 rate ratio that `scripts/gemm_bench.py` measures
+for this model's four fprop GEMM shapes (per-tensor, timed here in the same process) and quantization cost
+nothing: bf16_kernels / (bf16_kernels - gemm + gemm / ratio). dgrad and wgrad have the same FLOPs as fprop with
+transposed shapes; the fprop ratio stands in for theirs.
 """
 
 from __future__ import annotations
@@ -20,19 +29,45 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from recipes.config import ConfigError, ModelConfig, PrecisionConfig, TrainerConfig, load_option  # noqa: E402
+from recipes.config import ConfigError, ModelConfig, TrainerConfig, load_option  # noqa: E402
 from recipes.engine.training import build_optimizer, compile_blocks, optimizer_step  # noqa: E402
 from recipes.fp8 import convert_to_fp8  # noqa: E402
 from recipes.metrics import flops_per_token  # noqa: E402
 from recipes.models.transformer import RotaryEmbedding, TransformerBlock, init_weights  # noqa: E402
 from recipes.profiling import profile_kernels  # noqa: E402
 from recipes.provenance import provenance  # noqa: E402
+from gemm_bench import bench_shape, model_gemm_shapes  # noqa: E402  (scripts/, this file's directory)
+
+TORCHAO_PEER = "torchao_tensorwise"
+
+
+class Variant(NamedTuple):
+    """One column of the study: a name and how it turns the BF16 blocks into its precision."""
+
+    name: str
+    convert: Callable[[nn.ModuleList], None]
+
+
+def precision_variant(name: str) -> Variant:
+    precision = load_option("precision", name)
+    return Variant(precision.name, lambda layers: convert_to_fp8(layers, precision))
+
+
+def torchao_variant() -> Variant:
+    def convert(layers: nn.ModuleList) -> None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(layers, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+
+    return Variant(TORCHAO_PEER, convert)
 
 
 class DecoderStack(nn.Module):
@@ -47,12 +82,14 @@ class DecoderStack(nn.Module):
         return x
 
 
-def bench_one(model_cfg: ModelConfig, precision: PrecisionConfig, args, device: torch.device) -> dict:
+def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.device) -> dict:
     torch.manual_seed(args.seed)
+    torch._dynamo.reset()
+    counters.clear()
     with torch.device(device):
         stack = DecoderStack(model_cfg)
     init_weights(stack, model_cfg)
-    convert_to_fp8(stack.layers, precision)
+    variant.convert(stack.layers)
     if args.compile:
         compile_blocks(stack.layers)
     trainer = TrainerConfig(lr=1e-5, warmup_steps=0, max_steps=args.steps)
@@ -80,13 +117,13 @@ def bench_one(model_cfg: ModelConfig, precision: PrecisionConfig, args, device: 
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
-        print(f"  {precision.name:>14} step {step + 1}/{args.warmup + args.steps}: {time.perf_counter() - start:.3f} s", flush=True)
+        print(f"  {variant.name:>18} step {step + 1}/{args.warmup + args.steps}: {time.perf_counter() - start:.3f} s", flush=True)
     step_time = statistics.median(times)
     kernel_profile = None
     if args.profile and device.type == "cuda":
         kernel_profile = profile_kernels(training_step)
         shares = ", ".join(f"{k} {v:.0%}" for k, v in kernel_profile["share"].items())
-        print(f"  {precision.name:>14} profile: {kernel_profile['total_ms']:.1f} ms of kernels: {shares}", flush=True)
+        print(f"  {variant.name:>18} profile: {kernel_profile['total_ms']:.1f} ms of kernels: {shares}", flush=True)
         for kernel in kernel_profile["top_kernels"][:12]:
             print(f"      {kernel['ms']:8.2f} ms  {kernel['category']:>9}  {kernel['name']}")
     tokens = args.micro_batches * model_cfg.seq_length
@@ -97,7 +134,8 @@ def bench_one(model_cfg: ModelConfig, precision: PrecisionConfig, args, device: 
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {
-        **row_identity(model_cfg, precision, args),
+        **row_identity(model_cfg, variant, args),
+        "graph_breaks": sum(counters["graph_break"].values()),
         "median_step_s": step_time,
         "min_step_s": min(times),
         "max_step_s": max(times),
@@ -110,25 +148,34 @@ def bench_one(model_cfg: ModelConfig, precision: PrecisionConfig, args, device: 
     }
 
 
-def bench_or_report(model_cfg: ModelConfig, precision: PrecisionConfig, args, device: torch.device) -> dict:
+def bench_or_report(model_cfg: ModelConfig, variant: Variant, args, device: torch.device) -> dict:
     """A recipe that fails (no kernel, a compile error) is reported in the table, and the study goes on."""
     try:
-        return bench_one(model_cfg, precision, args, device)
+        return bench_one(model_cfg, variant, args, device)
     except Exception as error:  # noqa: BLE001 - any failure of one recipe is a result to report
-        print(f"  {precision.name:>14} FAILED: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
+        print(f"  {variant.name:>18} FAILED: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        return {**row_identity(model_cfg, precision, args), "error": str(error)[:500]}
+        return {**row_identity(model_cfg, variant, args), "error": str(error)[:500]}
 
 
-def row_identity(model_cfg: ModelConfig, precision: PrecisionConfig, args) -> dict:
+def gemm_limit(model_name: str, bf16_profile: dict) -> dict:
+    """The FP8 step-speedup limit from the BF16 profile's GEMM share and the per-tensor GEMM ratio (module doc)."""
+    shapes = [row for shape in model_gemm_shapes(model_name) for row in bench_shape(*shape)]
+    ms = {variant: sum(r["ms"] for r in shapes if r["variant"] == variant) for variant in ("bf16", "tensorwise")}
+    ratio = ms["bf16"] / ms["tensorwise"]
+    total, gemm = bf16_profile["total_ms"], bf16_profile["ms"]["gemm"]
+    return {"gemm_share": gemm / total, "gemm_fp8_ratio": ratio, "limit": total / (total - gemm + gemm / ratio)}
+
+
+def row_identity(model_cfg: ModelConfig, variant: Variant, args) -> dict:
     """The columns that say what a result row measured."""
     return {
         "model": model_cfg.name,
         "layers": model_cfg.num_layers,
         "seq_length": model_cfg.seq_length,
         "micro_batches": args.micro_batches,
-        "precision": precision.name,
+        "precision": variant.name,
     }
 
 
@@ -142,6 +189,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", action="append", help="conf/model option(s); repeat for several (default llama3_8b)")
     parser.add_argument("--layers", type=int, action="append", help="decoder layers per --model, same order (default 4)")
     parser.add_argument("--precisions", default="bf16,fp8_current", help="comma-separated conf/precision options")
+    parser.add_argument("--peer", choices=["torchao"], help="add torchao's float8 tensorwise training as a column")
     parser.add_argument("--micro-batches", type=int, default=8, help="gradient-accumulation micro-batches per step")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per precision")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, autotuning)")
@@ -161,19 +209,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def markdown_table(rows: list[dict]) -> str:
     lines = [
         "| model | layers | seq | precision | median step (ms) | model TFLOP/s (Megatron, causal) | "
-        "TFLOP/s (full attention) | speedup vs bf16 | peak mem (GiB) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "TFLOP/s (full attention) | speedup vs bf16 | limit | gain captured | peak mem (GiB) | "
+        "kernels: GEMM / attention / other (ms) | graph breaks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "error" in row:
             lines.append(f"| {row['model']} | {row['layers']} | {row['seq_length']} | {row['precision']} | "
-                         f"failed: {row['error'].splitlines()[0][:80]} | | | | |")
+                         f"failed: {row['error'].splitlines()[0][:80]} | | | | | | | | |")
             continue
         speedup = f"{row['speedup_vs_bf16']:.3f}x" if row["speedup_vs_bf16"] is not None else "n/a"
+        limit = f"{row['limit']:.3f}x" if row.get("limit") else "n/a"
+        captured = f"{row['gain_captured']:.0%}" if row.get("gain_captured") is not None else "n/a"
+        split = " / ".join(f"{row['profile']['ms'][k]:.1f}" for k in ("gemm", "attention", "other")) if row.get("profile") else "n/a"
         lines.append(
             f"| {row['model']} | {row['layers']} | {row['seq_length']} | {row['precision']} | "
             f"{row['median_step_s'] * 1e3:.1f} | {row['model_tflops']:.1f} | {row['model_tflops_full_attention']:.1f} | "
-            f"{speedup} | {row['peak_memory_gib']:.1f} |"
+            f"{speedup} | {limit} | {captured} | {row['peak_memory_gib']:.1f} | {split} | {row['graph_breaks']} |"
         )
     return "\n".join(lines)
 
@@ -182,39 +234,51 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        precisions = [load_option("precision", name) for name in args.precisions.split(",")]
+        variants = [precision_variant(name) for name in args.precisions.split(",")]
         models = [load_option("model", name) for name in args.model]
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if args.peer == "torchao":
+        variants.append(torchao_variant())
     rows = []
     for model_cfg, layers in zip(models, args.layers):
         model_cfg = dataclasses.replace(model_cfg, num_layers=layers)
         if args.seq_length:
             model_cfg = dataclasses.replace(model_cfg, seq_length=args.seq_length)
         print(f"{model_cfg.name}: {layers} layers, seq {model_cfg.seq_length}, {args.micro_batches} micro-batches/step", flush=True)
-        results = [bench_or_report(model_cfg, precision, args, device) for precision in precisions]
+        results = [bench_or_report(model_cfg, variant, args, device) for variant in variants]
         baseline = next((r for r in results if r["precision"] == "bf16" and "error" not in r), None)
+        limit = gemm_limit(model_cfg.name, baseline["profile"]) if baseline and baseline["profile"] else {}
+        if limit:
+            print(f"  GEMM share of the bf16 step {limit['gemm_share']:.0%}, per-tensor FP8/BF16 GEMM ratio "
+                  f"{limit['gemm_fp8_ratio']:.2f}: limit {limit['limit']:.3f}x", flush=True)
         for result in results:
             timed = baseline and "error" not in result
             result["speedup_vs_bf16"] = baseline["median_step_s"] / result["median_step_s"] if timed else None
+            result.update(limit)
+            if limit and result["speedup_vs_bf16"] is not None:
+                result["gain_captured"] = (result["speedup_vs_bf16"] - 1) / (limit["limit"] - 1)
         rows += results
-    table = markdown_table(rows)
-    print(table)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        with (args.out / "results.csv").open("w", newline="") as f:
-            fields = list(dict.fromkeys(key for row in rows for key in row if key != "profile"))
-            writer = csv.DictWriter(f, fieldnames=fields)
-            writer.writeheader()
-            writer.writerows({key: value for key, value in row.items() if key != "profile"} for row in rows)
-        profiles = {f"{row['model']}/{row['precision']}": row["profile"] for row in rows if row.get("profile")}
-        if profiles:
-            (args.out / "profiles.json").write_text(json.dumps(profiles, indent=2) + "\n")
-        (args.out / "results.md").write_text(table + "\n")
-        command = "python scripts/layer_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
-        (args.out / "provenance.json").write_text(json.dumps({"command": command, **provenance()}, indent=2) + "\n")
+        if args.out:  # after every model, so a run cut short keeps what it measured
+            write_results(rows, args, argv)
+    print(markdown_table(rows))
     return 0
+
+
+def write_results(rows: list[dict], args, argv: list[str] | None) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    with (args.out / "results.csv").open("w", newline="") as f:
+        fields = list(dict.fromkeys(key for row in rows for key in row if key != "profile"))
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows({key: value for key, value in row.items() if key != "profile"} for row in rows)
+    profiles = {f"{row['model']}/{row['precision']}": row["profile"] for row in rows if row.get("profile")}
+    if profiles:
+        (args.out / "profiles.json").write_text(json.dumps(profiles, indent=2) + "\n")
+    (args.out / "results.md").write_text(markdown_table(rows) + "\n")
+    command = "python scripts/layer_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    (args.out / "provenance.json").write_text(json.dumps({"command": command, **provenance()}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

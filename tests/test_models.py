@@ -107,6 +107,11 @@ def test_tiny_llama_parameter_count():
     assert count_parameters(load_option("model", "tiny_llama")) == 3_311_872
 
 
+def test_convergence_study_model_is_about_100m_parameters():
+    # 2*320*896 + 12*(896*(896+2*128) + 896*896 + 896*2*2432 + 2432*896 + 2*896) + 896
+    assert count_parameters(load_option("model", "llama3_100m")) == 101_062_528
+
+
 # ---- RoPE ----
 
 

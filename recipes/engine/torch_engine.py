@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from recipes.config import Config, load_config
+from recipes.config import Config, Recipe, load_config
 from recipes.data import make_dataset
 from recipes.engine import checkpoint
 from recipes.engine.console import print_step, print_summary
@@ -33,6 +33,7 @@ from recipes.engine.training import (
     NonFiniteError, build_optimizer, checkpoint_blocks, compile_blocks, learning_rate, optimizer_step,
 )
 from recipes.fp8 import convert_to_fp8
+from recipes.fp8.gemm import use_tf32_for_mx_emulation
 from recipes.metrics import MetricsWriter, StepMetrics, step_metrics, summarize, write_summary
 from recipes.models.transformer import Transformer
 from recipes.provenance import provenance
@@ -62,6 +63,8 @@ def build_model(cfg: Config, device: torch.device) -> nn.Module:
         model = Transformer(cfg.model)
     model.init_weights(generator)
     convert_to_fp8(model.layers, cfg.precision)
+    if cfg.precision.recipe == Recipe.mxfp8 and cfg.precision.emulate and device.type == "cuda":
+        use_tf32_for_mx_emulation()
     if cfg.trainer.activation_checkpointing:
         checkpoint_blocks(model.layers)
     should_compile = cfg.trainer.compile if cfg.trainer.compile is not None else device.type == "cuda"

@@ -5,7 +5,13 @@ take), dispatched on the operands' scaling granularity:
 - 1x128 / 128x128 blocks: torch.nn.functional.scaled_mm on Hopper (cuBLAS block scaling, CUDA >= 12.9);
 - 1x32 MX blocks: torch.nn.functional.scaled_mm with E8M0 scales in the 32_4_4 layout on Blackwell;
 - emulated (only when the precision asks for it): the operands dequantized to FP32 and multiplied in FP32, the
-  same numbers a native block-scaled GEMM computes up to the order of FP32 accumulation.
+  same numbers a native block-scaled GEMM computes up to the order of FP32 accumulation. MX operands, whose
+  scales are powers of two, are exact in TF32 too: `use_tf32_for_mx_emulation` lets a GPU emulate MXFP8
+  on tensor cores (FP32 accumulation, as the native kernel) instead of FP32 SIMT, several times faster.
+
+The native block-scaled GEMMs are one opaque custom op (`fp8_recipes::block_scaled_mm`) for torch.compile: the
+op's argument checks and scale-layout fix-ups then stay out of the traced graph, so Dynamo never breaks the graph
+inside an FP8 linear (a break there runs the whole autograd.Function, quantization included, eagerly).
 
 There is no silent fallback: a block-scaled GEMM without a native kernel and without emulation raises.
 """
@@ -32,9 +38,31 @@ def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, fast_accu
             f"no native {a.block} x {b.block} block-scaled FP8 GEMM on {a.data.device}; "
             "set precision.emulate=true to emulate it"
         )
-    if a.block == MX_BLOCK:
-        return _mx_gemm(a, b, out_dtype)
-    return _blockwise_gemm(a, b, out_dtype)
+    return block_scaled_mm(a.data, a.scale_inv, list(a.block), b.data, b.scale_inv, list(b.block), out_dtype)
+
+
+def use_tf32_for_mx_emulation() -> None:
+    """Emulate MX GEMMs on tensor cores: an FP8 value times a power-of-two scale has at most 3 mantissa bits and
+    TF32 keeps 10, so TF32 inputs are exact and the products accumulate in FP32, as in the native kernel. The
+    engine calls this for an emulated MXFP8 run only; its other matmuls run in BF16 under autocast."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+
+@torch.library.custom_op("fp8_recipes::block_scaled_mm", mutates_args=())
+def block_scaled_mm(
+    a: torch.Tensor, a_scale_inv: torch.Tensor, a_block: list[int],
+    b: torch.Tensor, b_scale_inv: torch.Tensor, b_block: list[int],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    a_operand, b_operand = Float8Tensor(a, a_scale_inv, tuple(a_block)), Float8Tensor(b, b_scale_inv, tuple(b_block))
+    if a_operand.block == MX_BLOCK:
+        return _mx_gemm(a_operand, b_operand, out_dtype)
+    return _blockwise_gemm(a_operand, b_operand, out_dtype)
+
+
+@block_scaled_mm.register_fake
+def _(a, a_scale_inv, a_block, b, b_scale_inv, b_block, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 def _blockwise_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
