@@ -68,7 +68,7 @@ def test_dryrun_renders_the_sbatch_script_from_the_config(tmp_path):
     probe = tmp_path / "probe"
     evil = f"a b $(touch {probe}) `touch {probe}`; touch {probe} \"dq\" 's'\nline2 $HOME"
     script = dryrun_script(tmp_path, "executor=slurm", "gpu=h100", "executor.nodes=2", "trainer.global_batch_size=64",
-                           "executor.slurm.account=acct", "executor.slurm.partition=batch",
+                           "precision.fp8_param_gather=false", "executor.slurm.account=acct", "executor.slurm.partition=batch",
                            f"+executor.slurm.env_vars.FP8_PROBE={hydra_quoted(evil)}",
                            "+executor.slurm.sbatch_args.qos=high")
     for line in ("#SBATCH --account=acct", "#SBATCH --partition=batch", "#SBATCH --nodes=2",
