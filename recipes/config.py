@@ -188,6 +188,7 @@ class TrainerConfig:
     grad_clip: float = 1.0
     seed: int = 1234
     compile: Optional[bool] = None  # None: compile on GPU, not on CPU
+    activation_checkpointing: bool = False  # recompute each transformer block in the backward (saves memory)
     log_interval: int = 10
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # resumes from the newest one found
 

@@ -89,6 +89,12 @@ def _validate_model(model: ModelConfig) -> None:
 
 def _validate_precision(cfg: Config) -> None:
     precision, gpu = cfg.precision, cfg.gpu
+    if precision.fp8_param_gather and cfg.engine == "torch" and world_size(cfg) > 1:
+        raise ConfigError(
+            f"precision.fp8_param_gather=true (NeMo's {precision.name} preset) is not supported by the torch engine: "
+            "its FSDP2 all-gathers BF16 weights and each FP8 layer quantizes the gathered weight. "
+            "Set precision.fp8_param_gather=false."
+        )
     if precision.recipe == Recipe.bf16:
         return
     if precision.fp8_format is None:
@@ -154,7 +160,7 @@ def _validate_batch(cfg: Config) -> None:
 
 @dataclass
 class MemoryEstimate:
-    """Per-GPU bytes for one data-parallel replica holding the whole model (the torch engine has no sharding yet)."""
+    """Per-GPU bytes: one process holds the whole model; several shard it (FSDP2, recipes.engine.fsdp)."""
 
     weights: float
     gradients: float
@@ -169,20 +175,39 @@ class MemoryEstimate:
 def estimate_memory(cfg: Config, parameters: int) -> MemoryEstimate:
     """FP32 master weights and gradients, two FP32 Adam moments, and the tensors saved for the backward.
 
+    Over N > 1 processes (FSDP2) each holds 1/N of the weights, gradients and moments, plus the BF16 weights
+    all-gathered at a time (the root's embedding and output layer, a layer and the next one prefetched); with
+    gradient accumulation the whole model's FP32 gradients are accumulated unsharded until the last
+    micro-batch's reduce-scatter (no reduce-scatter per micro-batch: less traffic, more memory).
+
     Saved per token and layer (approximate; compilation can recompute some): the two norm inputs and the
     residual (3h), Q, K, V (q + 2kv), attention output and its softmax statistics (2q), fc1 output and the
     activation (fc1 + f); inputs of the four GEMMs are saved once more in FP8 (1 byte) by the FP8 recipes.
+    With activation checkpointing only each layer's input (h) is kept, and one layer's tensors at a time.
     Plus the logits, in BF16 and as FP32 for the loss (6 bytes per vocabulary entry).
     """
-    m = cfg.model
+    m, t = cfg.model, cfg.trainer
     q, kv = m.num_attention_heads * m.kv_channels, m.num_query_groups * m.kv_channels
     fc1 = 2 * m.ffn_hidden_size if m.activation.value == "swiglu" else m.ffn_hidden_size
     per_token_layer = 2 * (3 * m.hidden_size + q + 2 * kv + 2 * q + fc1 + m.ffn_hidden_size)
     if cfg.precision.recipe != Recipe.bf16:
         per_token_layer += 2 * m.hidden_size + q + m.ffn_hidden_size
-    tokens = cfg.trainer.micro_batch_size * m.seq_length
-    activations = tokens * (m.num_layers * per_token_layer + 6 * m.vocab_size)
-    return MemoryEstimate(4.0 * parameters, 4.0 * parameters, 8.0 * parameters, float(activations))
+    tokens = t.micro_batch_size * m.seq_length
+    if t.activation_checkpointing:
+        saved_layers = m.num_layers * 2 * m.hidden_size + per_token_layer
+    else:
+        saved_layers = m.num_layers * per_token_layer
+    activations = tokens * (saved_layers + 6 * m.vocab_size)
+    dp = world_size(cfg)
+    if dp == 1:
+        return MemoryEstimate(4.0 * parameters, 4.0 * parameters, 8.0 * parameters, float(activations))
+    root = 2 * m.vocab_size * m.hidden_size
+    gathered = 2.0 * (root + 2 * (parameters - root) / m.num_layers)
+    accumulates = t.global_batch_size > t.micro_batch_size * dp
+    # The sharded gradients exist only from the last micro-batch's reduce-scatter to the optimizer step, while
+    # the unsharded ones are freed layer by layer: the peak is the larger of the two.
+    gradients = 4.0 * parameters if accumulates else 4.0 * parameters / dp
+    return MemoryEstimate(4.0 * parameters / dp + gathered, gradients, 8.0 * parameters / dp, float(activations))
 
 
 @dataclass
@@ -227,7 +252,8 @@ def describe(plan: Plan) -> str:
     gib = 2**30
     capacity = f" of {cfg.gpu.memory_gb:.0f} GB" if cfg.gpu.memory_gb else ""
     over = (
-        "  <- does not fit: use fewer layers (model.num_layers=N) or a smaller trainer.micro_batch_size"
+        "  <- does not fit: use more GPUs (executor.gpus, executor.nodes), trainer.activation_checkpointing=true, "
+        "fewer layers (model.num_layers=N) or a smaller trainer.micro_batch_size"
         if cfg.gpu.memory_gb and mem.total > cfg.gpu.memory_gb * 1e9
         else ""
     )
@@ -238,10 +264,12 @@ def describe(plan: Plan) -> str:
         + (f", format {cfg.precision.fp8_format.value}" if cfg.precision.fp8_format else "")
         + (", emulated" if cfg.precision.emulate else "")
         + ")",
-        f"gpu         {cfg.gpu.name} ({cfg.gpu.arch}), {plan.processes} process(es) on {cfg.executor.nodes} node(s), "
+        f"gpu         {cfg.gpu.name} ({cfg.gpu.arch}), {plan.processes} process(es) on {cfg.executor.nodes} node(s)"
+        + (" sharding the model (FSDP2)" if plan.processes > 1 else "") + ", "
         f"executor {describe_executor(cfg)}, engine {cfg.engine}",
         f"batch       micro {t.micro_batch_size} x {plan.processes} processes x {accumulation} accumulation = "
-        f"global {t.global_batch_size} sequences; {t.max_steps} steps, lr {t.lr} (warm-up {t.warmup_steps}, cosine to {t.min_lr})",
+        f"global {t.global_batch_size} sequences; {t.max_steps} steps, lr {t.lr} (warm-up {t.warmup_steps}, cosine to {t.min_lr})"
+        + ("; activation checkpointing" if t.activation_checkpointing else ""),
         f"data        {cfg.data.name} ({cfg.data.kind.value}" + (f", {cfg.data.path}" if cfg.data.path else "") + ")",
         f"memory/GPU  ~{mem.total / gib:,.1f} GiB{capacity} (weights {mem.weights / gib:,.1f}, grads "
         f"{mem.gradients / gib:,.1f}, Adam {mem.optimizer / gib:,.1f}, activations {mem.activations / gib:,.1f}){over}",

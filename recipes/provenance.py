@@ -44,6 +44,7 @@ def versions() -> dict:
         "cuda": torch.version.cuda,
         "triton": _version("triton"),
         "megatron-core": _version("megatron-core"),
+        "torchao": _version("torchao"),
     }
     return {name: version for name, version in found.items() if version is not None}
 

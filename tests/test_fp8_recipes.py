@@ -24,7 +24,7 @@ from recipes.config import AmaxComputeAlgo, Fp8Format, ModelConfig, PrecisionCon
 from recipes.fp8 import convert_to_fp8
 from recipes.fp8.blockwise import quantize_blockwise
 from recipes.fp8.current_scaling import quantize_tensorwise
-from recipes.fp8.delayed_scaling import quantize_delayed
+from recipes.fp8.delayed_scaling import DelayedScalingState, quantize_delayed, update_delayed_scaling
 from recipes.fp8.formats import E4M3, E5M2
 from recipes.fp8.gemm import fp8_gemm
 from recipes.fp8.linear import (
@@ -39,6 +39,7 @@ from recipes.fp8.linear import (
     fp8_linear,
     recipe_from_config,
     set_weight_cache_mode,
+    update_fp8_scaling,
 )
 from recipes.fp8.mxfp8 import mx_scale_exponent, quantize_mx, swizzle_32_4_4, to_e8m0
 from recipes.fp8.tensor import Float8Tensor
@@ -160,8 +161,20 @@ HISTORY_LEN = 3
 AMAX_SEQUENCE = [3.0, 200.0, 1.5, 2.0, 5.0, 0.75, 4.0]
 
 
-def new_state(history_len: int = HISTORY_LEN):
-    return torch.zeros(3, history_len), torch.ones(3)
+def new_state(history_len: int = HISTORY_LEN) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax_history, scale) of a fresh DelayedScalingState."""
+    state = DelayedScalingState(history_len)
+    return state.amax_history, state.scale
+
+
+def quantize_delayed_use(x, dtype, state, role, algo, margin):
+    """One micro-batch's use of `role`: quantize with the current scale, then close the history slot (the engine
+    calls update_delayed_scaling once after each micro-batch's backward)."""
+    quantized = quantize_delayed(x, dtype, state, role)
+    holder = DelayedScalingState(state[0].shape[1])
+    holder.amax_history, holder.scale = state  # the same tensors: the update is in place
+    update_delayed_scaling([holder], (dtype,) * 3, algo, margin)
+    return quantized
 
 
 def expected_delayed_scales(amaxes, algo: AmaxComputeAlgo, margin: int, fp8_max: float, history_len: int):
@@ -186,7 +199,7 @@ def test_delayed_scale_sequence(algo, margin, dtype):
         assert expected[4] == ref_scale(200.0, fp8_max, margin) and expected[5] == ref_scale(5.0, fp8_max, margin)
     for t, amax in enumerate(AMAX_SEQUENCE):
         x = with_amax((32, 48), amax, seed=100 + t, sign=-1.0 if t % 2 else 1.0)
-        q = quantize_delayed(x, dtype, state, GRAD, algo, margin)
+        q = quantize_delayed_use(x, dtype, state, GRAD, algo, margin)
         # Scale: bitwise fl32(fp8_max / reduce / 2**margin) (division by 2**margin is exact in FP32 here), and
         # scale_inv its FP32 reciprocal (correctly rounded, float64 -> FP32 once).
         scale_inv_ref = torch.tensor(1.0 / expected[t], dtype=torch.float64).float()
@@ -204,15 +217,15 @@ def test_delayed_first_use_scale_one_and_zero_tensor():
     state = new_state()
     z = torch.zeros(16, 16)
     for _ in range(2):  # an all-zero tensor keeps the scale at 1: no NaN, no inf
-        q = quantize_delayed(z, E4M3, state, INPUT, AmaxComputeAlgo.max, 0)
+        q = quantize_delayed_use(z, E4M3, state, INPUT, AmaxComputeAlgo.max, 0)
         assert q.scale_inv.item() == 1.0 and (q.data.double() == 0).all()
         assert torch.isfinite(deq64(q)).all()
     assert state[1][INPUT].item() == 1.0
     x = with_amax((16, 16), 896.0, seed=3)
-    q = quantize_delayed(x, E4M3, state, INPUT, AmaxComputeAlgo.max, 0)
+    q = quantize_delayed_use(x, E4M3, state, INPUT, AmaxComputeAlgo.max, 0)
     assert q.scale_inv.item() == 1.0  # still scale 1 (history of zeros) ...
     assert torch.equal(q.data.double(), ref_cast(x, 1.0, E4M3))  # ... so 896 saturates to 448
-    q = quantize_delayed(x, E4M3, state, INPUT, AmaxComputeAlgo.max, 0)
+    q = quantize_delayed_use(x, E4M3, state, INPUT, AmaxComputeAlgo.max, 0)
     assert q.scale_inv.item() == 2.0  # 448 / 896 = 1/2, exact
 
 
@@ -220,9 +233,9 @@ def test_delayed_roles_are_independent():
     state = new_state()
     amax = {INPUT: 10.0, WEIGHT: 1000.0, GRAD: 0.1}
     for role, a in amax.items():
-        quantize_delayed(with_amax((8, 8), a, seed=role), E4M3, state, role, AmaxComputeAlgo.max, 0)
+        quantize_delayed_use(with_amax((8, 8), a, seed=role), E4M3, state, role, AmaxComputeAlgo.max, 0)
     for role, a in amax.items():
-        q = quantize_delayed(with_amax((8, 8), 1.0, seed=9), E4M3, state, role, AmaxComputeAlgo.max, 0)
+        q = quantize_delayed_use(with_amax((8, 8), 1.0, seed=9), E4M3, state, role, AmaxComputeAlgo.max, 0)
         assert q.scale_inv.item() == torch.tensor(1.0 / ref_scale(a, 448.0), dtype=torch.float64).float().item()
 
 
@@ -230,15 +243,15 @@ def test_delayed_roles_are_independent():
 @pytest.mark.parametrize("algo", [AmaxComputeAlgo.max, AmaxComputeAlgo.most_recent], ids=["max", "most_recent"])
 def test_delayed_non_finite_poisons(bad, algo):
     state = new_state()
-    quantize_delayed(with_amax((8, 16), 2.0, seed=1), E4M3, state, INPUT, algo, 0)  # warm-up: a finite scale
+    quantize_delayed_use(with_amax((8, 16), 2.0, seed=1), E4M3, state, INPUT, algo, 0)  # warm-up: a finite scale
     x = with_amax((8, 16), 2.0, seed=2)
     x[3, 4] = bad
-    q = quantize_delayed(x, E4M3, state, INPUT, algo, 0)
+    q = quantize_delayed_use(x, E4M3, state, INPUT, algo, 0)
     # This use: NaN, not a silent saturation of inf to 448 with the old (finite) scale.
     assert torch.isnan(q.scale_inv) and torch.isnan(q.data.double()).all()
     assert not (q.data.double().abs() == 448.0).any()
     # The history is poisoned: the next (finite) tensor quantizes to NaN as well.
-    q = quantize_delayed(with_amax((8, 16), 2.0, seed=3), E4M3, state, INPUT, algo, 0)
+    q = quantize_delayed_use(with_amax((8, 16), 2.0, seed=3), E4M3, state, INPUT, algo, 0)
     assert torch.isnan(q.scale_inv) and torch.isnan(deq64(q)).all()
 
 
@@ -276,8 +289,8 @@ def assert_gemm_exact(out, a64, b64, out_unit_roundoff):
 
 def test_delayed_through_fp8_linear_updates_each_row_once_per_use():
     # Fp8Linear with DelayedScaling, history 3. x amaxes: 100 first, then small: if the input row were recorded
-    # twice per forward (e.g. once more for the transposed wgrad operand), the 100 would drop out of the window
-    # one forward early. The grad row must move only in backward, once.
+    # twice per micro-batch, the 100 would drop out of the window one micro-batch early. Quantizing leaves the
+    # scales alone; update_fp8_scaling after the backward moves all three rows on, once.
     recipe = delayed_recipe()
     module = linear_module(64, 32, recipe)
     w = module.weight.detach()
@@ -295,16 +308,16 @@ def test_delayed_through_fp8_linear_updates_each_row_once_per_use():
         exp_w = expected_delayed_scales([w_amax] * (t + 1), AmaxComputeAlgo.max, 0, 448.0, HISTORY_LEN)[t]
         exp_dy = expected_delayed_scales(dy_amax[: t + 1], AmaxComputeAlgo.max, 0, 57344.0, HISTORY_LEN)[t]
         x, dy = xs[t].clone().requires_grad_(True), dys[t]
-        grad_scale_before = scale[GRAD].item()
+        scales_before = scale.clone()
         y = module(x)
-        # After the forward: input and weight rows hold the scale for the *next* use; the grad row is unchanged.
+        y.backward(dy)
+        assert torch.equal(scale, scales_before), t  # forward and backward only record amaxes
+        update_fp8_scaling(module)
+        # After the update: every row holds the scale for the *next* use.
         nxt = lambda seq, fmax: expected_delayed_scales(seq + [1.0], AmaxComputeAlgo.max, 0, fmax, HISTORY_LEN)[-1]
         assert scale[INPUT].item() == nxt(x_amax[: t + 1], 448.0), t
         assert scale[WEIGHT].item() == nxt([w_amax] * (t + 1), 448.0), t
-        assert scale[GRAD].item() == grad_scale_before, t
-        y.backward(dy)
         assert scale[GRAD].item() == nxt(dy_amax[: t + 1], 57344.0), t
-        assert scale[INPUT].item() == nxt(x_amax[: t + 1], 448.0), t  # backward did not touch it
         # The GEMMs used this use's delayed scales (the ones before the update), within the exactness bounds of
         # assert_gemm_exact: operands quantized here with exp_x / exp_w / exp_dy.
         xq = ref_cast(x.detach(), exp_x, E4M3) / exp_x
@@ -327,6 +340,7 @@ def test_delayed_state_dict_round_trip():
         dy = with_amax((32, 64), 1e-3 * seed, seed=seed + 50).bfloat16()
         y = module(x)
         y.backward(dy)
+        update_fp8_scaling(module)
         out = (y.detach(), x.grad, module.weight.grad.clone())
         module.weight.grad = None
         return out
@@ -354,10 +368,12 @@ def test_delayed_fp8_linear_non_finite_input():
     module = linear_module(64, 32, delayed_recipe())
     x = with_amax((16, 64), 2.0, seed=1).bfloat16()
     module(x)  # warm-up
+    update_fp8_scaling(module)
     x_bad = x.clone()
     x_bad[3, 3] = float("inf")
     y = module(x_bad)
     assert torch.isnan(y).all()  # NaN for this use, not 448 * old scale_inv
+    update_fp8_scaling(module)
     y = module(x)
     assert torch.isnan(y).all()  # the input history is poisoned
 
@@ -705,10 +721,11 @@ def run_recipe(name: str, operands, **kw):
     assert type(recipe) is RECIPE_CLASSES[name]
     extra = ()
     if name == "delayed":
-        hist, scale = torch.zeros(3, 16), torch.ones(3)
-        extra = (hist, scale)
+        state = DelayedScalingState(16)
+        extra = (state.amax_history, state.scale)
         xw, ww, dyw = warmup_tensors(operands)
         fp8_linear(xw.requires_grad_(True), ww.requires_grad_(True), recipe, extra).backward(dyw)
+        update_delayed_scaling([state], (E4M3, E4M3, E5M2), recipe.amax_compute_algo, recipe.margin)
     xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     y = fp8_linear(xr, wr, recipe, extra)
     y.backward(dy)

@@ -352,6 +352,9 @@ ERROR_CASES = {
                      "dryrun=true"), ("precision.num_layers_at_end_in_bf16 = 6", "model.num_layers=4")),
     "local_nodes": (("executor.nodes=2", "dryrun=true"), ("executor=local", "executor.nodes=1")),
     "engine_megatron": (("engine=megatron", "dryrun=true"), ("engine=megatron", "not available", "torch")),
+    "fp8_param_gather": (("executor.gpus=2", "dryrun=true"),  # fp8_current, as NeMo's preset: FP8 weight all-gather
+                         ("precision.fp8_param_gather=true", "not supported by the torch engine",
+                          "precision.fp8_param_gather=false")),
     # hidden 200 keeps heads % groups and the even rotary dimension valid; only the FP8 check rejects it
     "fp8_dims": (("model.hidden_size=200", "dryrun=true"), ("divisible by 16", "hidden_size = 200")),
     "gpu_count": (_gpu_count_case(), (f"executor.gpus={max(2, torch.cuda.device_count() + 1)}",

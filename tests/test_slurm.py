@@ -67,7 +67,7 @@ def test_dryrun_renders_the_sbatch_script_from_the_config(tmp_path):
     probe = tmp_path / "probe"
     evil = f"a b $(touch {probe}) `touch {probe}`; touch {probe} \"dq\" 's'\nline2 $HOME"
     script = dryrun_script(tmp_path, "executor=slurm", "gpu=h100", "executor.nodes=2", "trainer.global_batch_size=64",
-                           "executor.slurm.account=acct", "executor.slurm.partition=batch",
+                           "precision.fp8_param_gather=false", "executor.slurm.account=acct", "executor.slurm.partition=batch",
                            f"+executor.slurm.env_vars.FP8_PROBE={hydra_quoted(evil)}",
                            "+executor.slurm.sbatch_args.qos=high")
     for line in ("#SBATCH --account=acct", "#SBATCH --partition=batch", "#SBATCH --nodes=2",
@@ -88,6 +88,7 @@ def test_multi_node_script_runs_one_torchrun_per_node_with_a_rendezvous_on_the_f
     secret = f"s3cret-{uuid.uuid4().hex}"
     monkeypatch.setenv("FP8_TEST_SECRET", secret)
     script = dryrun_script(tmp_path, "executor=slurm", "gpu=gb200", "executor.nodes=2", "trainer.global_batch_size=64",
+                           "precision.fp8_param_gather=false",
                            "executor.slurm.secret_env=[FP8_TEST_SECRET,HF_TOKEN]", "executor.slurm.cpu_bind=cores")
     lines = script.splitlines()
     assert {"#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --export=ALL"} <= set(lines)
@@ -151,7 +152,8 @@ def steps(run_dir: Path) -> list[int]:
 
 
 def test_two_process_job_trains_and_reports_back(cluster, tmp_path):
-    record = submit(tmp_path, "executor.gpus=2", "trainer.max_steps=4", "executor.slurm.cpu_bind=none")
+    record = submit(tmp_path, "executor.gpus=2", "trainer.max_steps=4", "executor.slurm.cpu_bind=none",
+                    "precision.fp8_param_gather=false")
     assert wait_for(record.job_id, FINISHED) == "COMPLETED"
     [(job, state, restarts, last_step, rest)] = status(tmp_path / "run", tmp_path)
     assert (job, state, restarts, last_step) == (record.job_id, "COMPLETED", "0", "4")

@@ -1,4 +1,5 @@
-"""End to end through launch/run.py and nemo-run: real training runs on the CPU, their metrics files, DDP, NaN stop."""
+"""End to end through launch/run.py and nemo-run: real training runs on the CPU, their metrics files, several
+processes (FSDP2), NaN stop."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def test_training_run_loss_falls(tmp_path, cache_dir, precision):
     assert cfg.precision.name == precision and cfg.gpu.name == "cpu"
 
 
-def test_two_processes_train_data_parallel_through_torchrun(tmp_path, cache_dir):
+def test_two_processes_train_sharded_through_torchrun(tmp_path, cache_dir):
     run_dir = tmp_path / "ddp"
     result = launch(tmp_path, cache_dir, "executor.gpus=2", "trainer.max_steps=3", "precision=bf16", f"run.dir={run_dir}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -4,10 +4,9 @@ A run started again with the same run directory (a Slurm requeue, a resubmission
 `trainer.max_steps`) continues from the newest checkpoint there, and continues exactly: everything a step depends
 on is restored.
 
-    model          parameters and persistent buffers (the FP32 master weights)
+    model          parameters and persistent buffers (the FP32 master weights; delayed scaling's amax histories)
     optimizer      AdamW moments and step counts
-    fp8            FP8 scaling state outside the model's state_dict, by module name (delayed scaling's amax
-                   histories are buffers, hence in `model`; see fp8_state)
+    fp8            FP8 scaling state outside the model's state_dict, by module name (see fp8_state)
     step           the data position: sample i is a pure function of (seed, i) (MicroBatches.get), so the step
                    alone says where the data stream continues
     rng            torch CPU and CUDA, Python `random`, NumPy, for each rank
@@ -15,13 +14,19 @@ on is restored.
 
 On disk, under `<run dir>/checkpoints/` (or `trainer.checkpoint.dir`):
 
-    step_00000050/checkpoint.pt
-    step_00000100/checkpoint.pt
+    step_00000050/.metadata, __0_0.distcp, __1_0.distcp, ...   model and optimizer (torch.distributed.checkpoint)
+    step_00000050/checkpoint.pt                                 step, fp8, rng, config; written last
     step_00000150.tmp-<pid>/            a save that was killed midway: never read, removed by the next save
 
-A save writes into the temporary folder, fsyncs, and renames it to `step_<N>` (a rename is atomic), so a folder
-named `step_<N>` is always complete. Data-parallel state is replicated: rank 0 alone writes (each rank's RNG
-state is gathered to it), every rank reads.
+Model and optimizer go through torch.distributed.checkpoint (DCP) with get_state_dict/set_state_dict: under
+FSDP every rank writes its own shards in parallel, nothing is gathered to one process (a full state of Llama 3
+70B with its Adam moments would be 1.1 TB on rank 0), and a run may resume on another number of processes
+(DCP reshards on load); one process writes the same format. Parameter names are those of the plain model,
+whatever wraps it (FSDP, activation checkpointing, compile). Rank 0 alone writes checkpoint.pt (each rank's RNG
+state is gathered to it) once every rank's shards are on disk; every rank reads it.
+
+A save writes into the temporary folder (DCP fsyncs its files; checkpoint.pt is fsynced), and renames it to
+`step_<N>` (a rename is atomic), so a folder named `step_<N>` is always complete.
 """
 
 from __future__ import annotations
@@ -38,7 +43,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from recipes.config import Config, ConfigError, to_dict
 from recipes.metrics import StepMetrics
@@ -94,8 +102,7 @@ def fp8_state(model: nn.Module) -> dict[str, Any]:
     history and a scale per operand as persistent buffers of each FP8 linear layer (`DelayedScalingState`), so
     they travel in the model's state_dict and need nothing here. This hook is for a recipe whose state cannot be a
     buffer: its modules define `fp8_state_dict()` and `load_fp8_state_dict(state)`. Either way the state must be
-    replicated over data-parallel ranks (amaxes reduced over the group, or DDP's buffer broadcast from rank 0),
-    since rank 0's copy is the one saved.
+    replicated over data-parallel ranks (delayed scaling reduces its amaxes over them), since one copy is saved.
     """
     return {name: m.fp8_state_dict() for name, m in model.named_modules() if hasattr(m, "fp8_state_dict")}
 
@@ -151,41 +158,45 @@ def save(
     directory: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, rank: int,
     world_size: int, device: torch.device,
 ) -> Optional[Path]:
-    """Write step `step`'s checkpoint (every rank calls this; rank 0 writes) and prune old ones. Returns the folder
-    on rank 0."""
+    """Write step `step`'s checkpoint (every rank calls this and writes its shards) and prune old ones. Returns
+    the folder on rank 0."""
     rng = [rng_state(device)]
     if world_size > 1:
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, rng[0])
         rng = gathered
+    temporary = _temporary_dir(directory, step, rank, world_size)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary, no_dist=world_size == 1)
     final = None
-    if rank == 0:
-        state = {
-            "step": step,
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "fp8": fp8_state(model),
-            "rng": rng,
-            "config": to_dict(cfg),
-        }
-        final = _write_atomically(directory, step, state)
+    if rank == 0:  # dcp.save returns once every rank's shards and the metadata are written
+        state = {"step": step, "fp8": fp8_state(model), "rng": rng, "config": to_dict(cfg)}
+        with open(temporary / FILE, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        final = _publish(directory, temporary, step)
         prune(directory, cfg.trainer.checkpoint.keep_last)
     if world_size > 1:
         dist.barrier()  # nobody runs ahead (and possibly fails) before the checkpoint is on disk
     return final
 
 
-def _write_atomically(directory: Path, step: int, state: dict) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"step_{step:08d}"
-    temporary = directory / f"{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(temporary, ignore_errors=True)
-    temporary.mkdir()
-    with open(temporary / FILE, "wb") as file:
-        torch.save(state, file)
-        file.flush()
-        os.fsync(file.fileno())
+def _temporary_dir(directory: Path, step: int, rank: int, world_size: int) -> Path:
+    """The folder this save writes into, made by rank 0 and named with its process id, the same on every rank."""
+    temporary = [directory / f"step_{step:08d}.tmp-{os.getpid()}"]
+    if rank == 0:
+        shutil.rmtree(temporary[0], ignore_errors=True)
+        temporary[0].mkdir(parents=True)
+    if world_size > 1:
+        dist.broadcast_object_list(temporary, src=0)
+    return temporary[0]
+
+
+def _publish(directory: Path, temporary: Path, step: int) -> Path:
+    """Rename the finished temporary folder to step_<N>, atomically."""
     _fsync_dir(temporary)
+    final = directory / f"step_{step:08d}"
     replaced = None
     if final.exists():  # the same step saved again: moved aside (a name that is never read), then replaced
         replaced = directory / f"{final.name}.tmp-replaced-{os.getpid()}"
@@ -275,13 +286,23 @@ def _walk(before: dict, after: dict, prefix: str) -> list[tuple[str, Any, Any]]:
 
 
 def restore(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Model, FP8 state and optimizer from `checkpoint` (RNG separately, last: see set_rng_state)."""
+    """Model, FP8 state and optimizer from `checkpoint` into this (possibly sharded) model and its optimizer (RNG
+    separately, last: see set_rng_state). Every rank calls it."""
+    if not (checkpoint.path / ".metadata").is_file():
+        raise CheckpointError(
+            f"cannot resume from {checkpoint.path}: it holds no torch.distributed.checkpoint shards (an earlier "
+            "version of the engine wrote the whole state into checkpoint.pt). Use a new run.dir."
+        )
+    model_state, optimizer_state = get_state_dict(model, optimizer)
     try:
-        model.load_state_dict(checkpoint.state["model"])
-    except RuntimeError as error:
+        dcp.load(
+            {"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint.path,
+            no_dist=not dist.is_initialized(),
+        )
+    except (CheckpointException, RuntimeError) as error:  # missing or misshapen entries
         raise CheckpointError(f"cannot resume from {checkpoint.path}: the model does not match it: {error}") from None
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     load_fp8_state(model, checkpoint.state["fp8"])
-    optimizer.load_state_dict(checkpoint.state["optimizer"])
 
 
 def rank_rng(checkpoint: Checkpoint, rank: int) -> dict[str, Any]:

@@ -5,10 +5,10 @@
 Reads only the resolved YAML written by `launch/run.py` (no Hydra, no nemo-run); the run directory is the
 folder holding that file, and the metrics are written there. Builds the model from
 conf/model, swaps its block linears for FP8 ones as the precision asks, trains with AdamW under BF16 autocast,
-and writes `metrics.jsonl` and `summary.json` into the run directory. Several processes train data-parallel
-(DDP; NCCL on GPUs, Gloo on CPUs), each reading its own slice of every global batch. With
-`trainer.checkpoint.interval` set it checkpoints as it goes, and a start in a run directory that holds a
-checkpoint continues from the newest one (`recipes.engine.checkpoint`).
+and writes `metrics.jsonl` and `summary.json` into the run directory. Several processes train fully sharded
+data-parallel (FSDP2, `recipes.engine.fsdp`; NCCL on GPUs, Gloo on CPUs), each reading its own slice of every
+global batch. With `trainer.checkpoint.interval` set it checkpoints as it goes, and a start in a run directory
+that holds a checkpoint continues from the newest one (`recipes.engine.checkpoint`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ from recipes.config import Config, Recipe, load_config
 from recipes.data import make_dataset
 from recipes.engine import checkpoint
 from recipes.engine.console import print_step, print_summary
+from recipes.engine.fsdp import data_parallel_mesh, shard_model
 from recipes.engine.training import (
-    NonFiniteError, build_optimizer, compile_blocks, learning_rate, optimizer_step, prepare_fp8_weight_caching,
+    NonFiniteError, build_optimizer, checkpoint_blocks, compile_blocks, learning_rate, optimizer_step,
+    prepare_fp8_weight_caching,
 )
 from recipes.fp8 import convert_to_fp8
 from recipes.fp8.gemm import use_tf32_for_mx_emulation
@@ -65,6 +67,8 @@ def build_model(cfg: Config, device: torch.device, num_micro_batches: int) -> nn
     if cfg.precision.recipe == Recipe.mxfp8 and cfg.precision.emulate and device.type == "cuda":
         use_tf32_for_mx_emulation()
     prepare_fp8_weight_caching(model, num_micro_batches)
+    if cfg.trainer.activation_checkpointing:
+        checkpoint_blocks(model.layers)
     should_compile = cfg.trainer.compile if cfg.trainer.compile is not None else device.type == "cuda"
     if should_compile:
         compile_blocks(model.layers)
@@ -90,15 +94,15 @@ def train(cfg: Config, run_dir: Path) -> dict:
     rank, world_size, device = setup_distributed()
     is_logger = rank == 0
     accumulation = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * world_size)
-    model = raw_model = build_model(cfg, device, accumulation)
+    model = build_model(cfg, device, accumulation)
+    if world_size > 1:
+        shard_model(model, data_parallel_mesh(device, world_size))
+    optimizer = build_optimizer(model, cfg.trainer, device)
     checkpoints = checkpoint.checkpoint_dir(cfg, run_dir)
     resumed = checkpoint.load_latest(checkpoints, cfg, device)
-    if world_size > 1:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = build_optimizer(model, cfg.trainer, device)
     first_step = 1
     if resumed:
-        checkpoint.restore(resumed, raw_model, optimizer)
+        checkpoint.restore(resumed, model, optimizer)
         checkpoint.set_rng_state(checkpoint.rank_rng(resumed, rank), device)
         first_step = resumed.step + 1
         if is_logger:
@@ -143,7 +147,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
                 if step == 1 or step % cfg.trainer.log_interval == 0 or step == cfg.trainer.max_steps:
                     print_step(metrics, cfg.trainer.max_steps)
             if checkpoint.is_due(cfg, step):
-                saved = checkpoint.save(checkpoints, step, raw_model, optimizer, cfg, rank, world_size, device)
+                saved = checkpoint.save(checkpoints, step, model, optimizer, cfg, rank, world_size, device)
                 if saved:
                     print(f"saved checkpoint of step {step} to {saved}", flush=True)
     finally:
@@ -155,9 +159,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
         write_summary(run_dir, summary)
         print_summary(summary, run_dir)
     if world_size > 1:
-        # Every rank waits for rank 0's summary. The wait also lets Gloo's worker thread release the last
-        # all-reduce (it needs the GIL), which it could not do while DDP's destructor holds the GIL and joins it.
-        dist.barrier()
+        dist.barrier()  # every rank waits for rank 0's summary
         dist.destroy_process_group()
     return summary
 

@@ -26,7 +26,7 @@ from torch import nn
 from recipes.config import AmaxComputeAlgo, ConfigError, PrecisionConfig, Recipe
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise
 from recipes.fp8.current_scaling import quantize_tensorwise
-from recipes.fp8.delayed_scaling import DelayedScalingState, quantize_delayed
+from recipes.fp8.delayed_scaling import NUM_ROLES, DelayedScalingState, quantize_delayed, update_delayed_scaling
 from recipes.fp8.formats import forward_and_backward_dtypes
 from recipes.fp8.gemm import fp8_gemm
 from recipes.fp8.mxfp8 import quantize_mx
@@ -77,7 +77,7 @@ class DelayedScaling(Fp8Recipe):
     stateful = True
 
     def quantize(self, t, role, state):
-        return quantize_delayed(t, self.dtype(role), state, role, self.amax_compute_algo, self.margin)
+        return quantize_delayed(t, self.dtype(role), state, role)
 
 
 @dataclass(frozen=True)
@@ -265,3 +265,14 @@ def set_weight_cache_mode(model: nn.Module, mode: str) -> None:
     for layer in model.modules():
         if isinstance(layer, Fp8Linear) and layer.weight_cache is not None:
             layer.weight_cache.mode = mode
+
+
+def update_fp8_scaling(model: nn.Module) -> None:
+    """Once after each micro-batch's backward: the delayed-scaling layers of `model` fold this micro-batch's amaxes
+    into their histories and scales, reduced over the data-parallel ranks (recipes.fp8.delayed_scaling). Nothing
+    to do for the other recipes, whose scales come from the tensor at hand."""
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.fp8_state is not None]
+    if layers:
+        recipe = layers[0].recipe  # convert_to_fp8 gives every layer of a model the same recipe
+        dtypes = tuple(recipe.dtype(role) for role in range(NUM_ROLES))
+        update_delayed_scaling([m.fp8_state for m in layers], dtypes, recipe.amax_compute_algo, recipe.margin)

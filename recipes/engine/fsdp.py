@@ -1,0 +1,57 @@
+"""Fully sharded data parallelism (PyTorch FSDP2, `fully_shard`) for the torch engine's several processes.
+
+Every process holds 1/N of each parameter, its gradient and its AdamW moments (FP32, as DTensors sharded along
+dimension 0 over a one-dimensional DeviceMesh). Each decoder layer is one FSDP group, and the root module (the
+embedding, final norm and output layer) another:
+
+    forward     a layer's BF16 parameters are all-gathered just before it runs (MixedPrecisionPolicy param_dtype),
+                so every layer, FP8 linears included, sees its whole weight as a plain BF16 tensor, exactly the
+                weight one process would cast under autocast; they are freed again after the layer (reshard after
+                forward) except in the last layer and the root, whose backward starts at once
+    backward    all-gathered again, then the gradients reduce-scattered in FP32 (reduce_dtype) and averaged
+    optimizer   AdamW updates the FP32 shards in place
+
+Gradient accumulation: the micro-batches before the last one of a step skip the reduce-scatter
+(`set_gradient_sync`) and FSDP accumulates their unsharded gradients in FP32 (the reduce dtype); the last one
+reduce-scatters the sum, once per optimizer step. Resharding after forward stays on during accumulation: it
+costs an all-gather per layer and micro-batch, which overlaps with compute, and saves holding every layer's BF16
+weights at once (16 GB for Llama 3 8B).
+
+Buffers are not sharded: RoPE tables, and delayed scaling's amax histories, which
+`recipes.fp8.update_fp8_scaling` keeps identical on every rank by all-reducing (max) the amaxes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from recipes.models.transformer import Transformer
+
+
+def data_parallel_mesh(device: torch.device, world_size: int) -> DeviceMesh:
+    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+
+
+def shard_model(model: Transformer, mesh: DeviceMesh) -> None:
+    """Apply FSDP2 in place, bottom-up: each decoder layer, then the root. Call after compiling the layers (the
+    order torchtitan uses; Dynamo leaves FSDP's hooks out of the compiled graphs)."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    last = len(model.layers) - 1
+    for index, layer in enumerate(model.layers):
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=index < last)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Whether the next backward reduce-scatters gradients (FSDP) or only accumulates them; one process: no-op."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+
+
+def replicated(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole value of a tensor that may be a DTensor (e.g. a gradient norm computed over shards)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,162 @@
+"""Several processes through FSDP2 on the CPU (Gloo, torchrun): two processes train the same global batch as one,
+to a stated tolerance, in BF16 and in FP8 delayed scaling (whose amax histories are reduced over the ranks);
+sharded checkpoints resume exactly, and on another number of processes; the planner's view of sharding.
+
+Runs are tiny_llama with 64-token sequences on the bundled text, global batch 8 in micro-batches of 2: one
+process accumulates 4 micro-batches per step, each of two processes 2 (so gradient accumulation without
+reduce-scatter is exercised too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes.config import CheckpointConfig, Config, ConfigError, TrainerConfig, load_config, load_option, save_config
+from recipes.engine import checkpoint, torch_engine
+from recipes.plan import estimate_memory, validate
+
+from test_train import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 4
+# Relative differences allowed between 1 and 2 processes at every step: (loss, gradient norm). The processes
+# compute the same micro-batches from the same weights; what differs is by design:
+# - FSDP all-gathers BF16 weights, so norm weights are BF16-rounded (one process: FP32 under autocast), and an
+#   FP8 layer quantizes the BF16-rounded weight and produces its weight gradient in BF16 (one process: from and
+#   to FP32), as Megatron does with BF16 parameters;
+# - the order of FP32 gradient sums;
+# - delayed scaling: one process updates its scales after each of its 4 micro-batches, two processes after each
+#   of their 2, with the amaxes of both.
+# Measured over these 4 steps: BF16 loss and norm <= 2e-4; FP8 losses <= 7e-4, gradient norms <= 2.3e-2.
+TOLERANCE = {"bf16": (2e-3, 2e-3), "fp8_delayed": (2e-3, 5e-2)}
+
+
+def make_config(
+    run_dir: Path, cache_dir: Path, precision: str, gpus: int, interval: int = 0, activation_checkpointing: bool = False
+) -> Path:
+    cfg = Config(
+        model=dataclasses.replace(load_option("model", "tiny_llama"), seq_length=64),
+        precision=dataclasses.replace(load_option("precision", precision), fp8_param_gather=False),
+        gpu=load_option("gpu", "cpu"),
+        executor=dataclasses.replace(load_option("executor", "local"), gpus=gpus),
+        data=dataclasses.replace(load_option("data", "text"), cache_dir=str(cache_dir)),
+        trainer=TrainerConfig(
+            max_steps=STEPS, micro_batch_size=2, global_batch_size=8, warmup_steps=2, log_interval=1,
+            checkpoint=CheckpointConfig(interval=interval, keep_last=0),
+            activation_checkpointing=activation_checkpointing,
+        ),
+    )
+    cfg.run.dir = str(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    return run_dir / "config.yaml"
+
+
+def torchrun(*args: str) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", *args]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def curve(run_dir: Path) -> list[tuple[int, float, float]]:
+    return [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(run_dir)]
+
+
+def assert_close(two: list, one: list, precision: str) -> None:
+    loss_tolerance, norm_tolerance = TOLERANCE[precision]
+    assert [s for s, *_ in two] == [s for s, *_ in one]
+    for (step, loss, norm), (_, loss_ref, norm_ref) in zip(two, one):
+        assert loss == pytest.approx(loss_ref, rel=loss_tolerance), step
+        assert norm == pytest.approx(norm_ref, rel=norm_tolerance), step
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def test_two_processes_match_one_in_bf16(tmp_path, cache_dir):
+    assert torch_engine.main([str(make_config(tmp_path / "one", cache_dir, "bf16", 1))]) == 0
+    torchrun("-m", "recipes.engine.torch_engine", str(make_config(tmp_path / "two", cache_dir, "bf16", 2)))
+    one, two = curve(tmp_path / "one"), curve(tmp_path / "two")
+    assert one[-1][1] < one[0][1] - 1.0  # real text: the loss falls, so a wrong batch split would show
+    assert [s for s, *_ in two] == list(range(1, STEPS + 1))
+    assert_close(two, one, "bf16")
+
+
+def test_fp8_delayed_under_fsdp_matches_one_process_and_resumes_exactly(tmp_path, cache_dir, capsys):
+    assert torch_engine.main([str(make_config(tmp_path / "one", cache_dir, "fp8_delayed", 1))]) == 0
+    run_dir = tmp_path / "two"
+    config_path = make_config(run_dir, cache_dir, "fp8_delayed", 2, interval=2)
+    torchrun("-m", "recipes.engine.torch_engine", str(config_path))
+    uninterrupted = curve(run_dir)
+    assert [s for s, *_ in uninterrupted] == list(range(1, STEPS + 1))
+    assert_close(uninterrupted, curve(tmp_path / "one"), "fp8_delayed")
+    step_2 = run_dir / "checkpoints" / "step_00000002"
+    assert {p.name for p in step_2.iterdir()} >= {"checkpoint.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"}
+
+    # As if killed after step 4's metrics but before its checkpoint: the resumed run redoes steps 3 and 4, from
+    # each rank's shards of the weights, Adam moments and the amax histories.
+    checkpoint.shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
+    torchrun("-m", "recipes.engine.torch_engine", str(config_path))
+    assert curve(run_dir) == uninterrupted  # bit-identical
+
+    # The same sharded checkpoint, resumed by one process: DCP reshards on load.
+    one_dir = tmp_path / "resharded"
+    checkpoint.shutil.copytree(step_2, one_dir / "checkpoints" / step_2.name)
+    capsys.readouterr()
+    assert torch_engine.main([str(make_config(one_dir, cache_dir, "fp8_delayed", 1, interval=2))]) == 0
+    assert "resuming from step 2 of" in capsys.readouterr().out
+    resumed = curve(one_dir)
+    assert [s for s, *_ in resumed] == [3, 4]
+    assert_close(resumed, uninterrupted[2:], "fp8_delayed")
+
+
+def test_activation_checkpointing_changes_nothing_even_for_delayed_scaling(tmp_path, cache_dir):
+    # The recomputed forward quantizes with the scales of the first one and records the same amaxes again, so the
+    # run is bit-identical, the amax histories included.
+    for checkpointed in (False, True):
+        config_path = make_config(tmp_path / str(checkpointed), cache_dir, "fp8_delayed", 1, interval=STEPS,
+                                  activation_checkpointing=checkpointed)
+        assert torch_engine.main([str(config_path)]) == 0
+    assert curve(tmp_path / "True") == curve(tmp_path / "False")
+    # Weights, Adam moments and amax histories after the last step, byte for byte (DCP's data file).
+    saved = [(tmp_path / str(c) / "checkpoints" / "step_00000004" / "__0_0.distcp").read_bytes() for c in (False, True)]
+    assert saved[0] == saved[1]
+
+
+def test_delayed_scaling_state_is_the_same_on_every_rank():
+    torchrun(str(REPO / "tests" / "workers" / "delayed_scaling_ranks.py"))
+
+
+def planned(tmp_path: Path, precision: str, gpus: int, **trainer) -> Config:
+    cfg = load_config(make_config(tmp_path, tmp_path, precision, gpus))
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, **trainer))
+
+
+def test_fp8_param_gather_is_refused_for_several_processes_only(tmp_path):
+    cfg = planned(tmp_path, "fp8_current", 2)
+    gather = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, fp8_param_gather=True))
+    with pytest.raises(ConfigError, match="not supported by the torch engine.*fp8_param_gather=false"):
+        validate(gather)
+    validate(cfg)
+    validate(dataclasses.replace(gather, executor=dataclasses.replace(gather.executor, gpus=1)))
+
+
+def test_memory_estimate_shards_over_processes(tmp_path):
+    parameters = 3_311_872
+    one = estimate_memory(planned(tmp_path, "bf16", 1), parameters)
+    two = estimate_memory(planned(tmp_path, "bf16", 2, global_batch_size=4), parameters)  # no accumulation
+    assert two.optimizer == one.optimizer / 2 and two.gradients == one.gradients / 2
+    assert one.weights / 2 < two.weights < one.weights  # shards plus the BF16 layers gathered at a time
+    accumulating = estimate_memory(planned(tmp_path, "bf16", 2), parameters)
+    assert accumulating.gradients == one.gradients  # FP32 gradients accumulate unsharded until the last micro-batch
+    recomputed = estimate_memory(planned(tmp_path, "bf16", 2, activation_checkpointing=True), parameters)
+    assert recomputed.activations < accumulating.activations
