@@ -78,6 +78,9 @@ def _validate_launch(cfg: Config) -> None:
     if cfg.executor.name == "slurm" and cfg.executor.slurm is None:
         raise ConfigError("executor.slurm is missing: choose executor=slurm (conf/executor/slurm.yaml) rather than "
                           "executor.name=slurm")
+    if cfg.engine == "megatron" and cfg.gpu.arch == "cpu" and not cfg.dryrun:
+        raise ConfigError("engine=megatron needs CUDA GPUs (megatron-core's rotary embedding and RNG tracker call "
+                          "torch.cuda); on this machine use engine=torch, or dryrun=true to see the plan")
     if cfg.executor.gpus < 1:
         raise ConfigError(f"executor.gpus must be at least 1 (got {cfg.executor.gpus})")
     if cfg.executor.name == "local" and cfg.gpu.arch != "cpu" and not cfg.dryrun:

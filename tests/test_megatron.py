@@ -308,3 +308,56 @@ def test_local_spec_refuses_what_it_cannot_run(hydra_compose):
     sp = hydra_compose("engine=megatron", "precision=bf16", "gpu=cpu", "parallel.tp=2", "executor.gpus=2")
     with pytest.raises(ConfigError, match="parallel.sp=false"):
         layer_spec(sp, use_te=False)
+
+
+# ---- the engine's CPU-testable parts: data, the iteration line, refusing a CPU ----
+
+
+def test_megatron_datasets_give_each_data_parallel_rank_its_slice(hydra_compose, tmp_path):
+    from recipes.data import tokenizer
+    from recipes.megatron.data import MicroBatches, build_train_dataset, byte_tokenizer
+
+    assert (byte_tokenizer().eod, byte_tokenizer().vocab_size) == (tokenizer.EOD, tokenizer.VOCAB_SIZE)
+    for data in ("text", "mock"):
+        cfg = hydra_compose("engine=megatron", "precision=bf16", "gpu=cpu", f"data={data}",
+                            f"data.cache_dir={tmp_path / 'cache'}", "trainer.max_steps=3",
+                            "trainer.micro_batch_size=2", "trainer.global_batch_size=8")
+        dataset = build_train_dataset(cfg, rank=0)
+        dp = 2
+        step = [MicroBatches(dataset, cfg, r, dp).get(2, m) for m in range(2) for r in range(dp)]
+        rows = torch.cat([b["tokens"] for b in step])
+        assert rows.shape == (8, cfg.model.seq_length)
+        expected = torch.stack([dataset[8 + i]["tokens"] for i in range(8)])  # step 2's samples, in order
+        assert torch.equal(rows, expected)
+        assert torch.equal(step[0]["labels"][:, :-1], step[0]["tokens"][:, 1:])
+        assert int(rows.max()) <= tokenizer.EOD
+
+
+def test_iteration_line_is_megatrons_and_the_report_reads_it(tmp_path):
+    from recipes.engine.console import megatron_iteration_line
+    from recipes.metrics import StepMetrics
+    from recipes.report.parse import read_log
+
+    steps = [StepMetrics(step=s, loss=2.0 + s, grad_norm=0.5, lr=1e-4, step_time_s=1.0 + s / 10,
+                         tokens_per_s_per_gpu=1000.0, model_tflops_per_gpu=400.0 + s, mfu=0.4,
+                         peak_memory_gib=10.0) for s in (9, 10)]
+    line = megatron_iteration_line(steps, max_steps=100, global_batch_size=128)
+    assert "] iteration       10/     100 | consumed samples:         1280 | elapsed time per iteration (ms): 1950.0 |" in line
+    assert "| lm loss: 1.150000E+01 | loss scale: 1.0 | grad norm: 0.500 |" in line
+    log = tmp_path / "train.log"
+    log.write_text(line + "\n")
+    (record,) = read_log(log, "train.log").steps
+    assert (record.step, record.loss, record.time_s, record.tflops_per_gpu) == (10, 11.5, 1.95, 409.5)
+    assert record.global_batch_size == 128 and record.nan_iterations == 0
+
+
+def test_engine_and_plan_refuse_a_cpu_with_the_fix(hydra_compose, tmp_path):
+    from recipes.config import save_config
+    from recipes.engine.megatron_engine import main
+
+    cfg = hydra_compose("engine=megatron", "precision=bf16", "gpu=cpu")
+    with pytest.raises(ConfigError, match="engine=megatron needs CUDA GPUs.*engine=torch"):
+        validate(cfg)
+    if not torch.cuda.is_available():
+        save_config(cfg, tmp_path / "config.yaml")
+        assert main([str(tmp_path / "config.yaml")]) == 1
