@@ -82,7 +82,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     losses = output_tensor.float().view(-1)
     mask = loss_mask.float().view(-1)
     loss = torch.sum(losses * mask) / mask.sum()
-    return loss, {"lm loss": loss.detach()}
+    # A copy: the schedule divides the returned loss in place, which would scale a view of it too.
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def forward_step(device: torch.device, data_iterator, model):
