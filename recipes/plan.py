@@ -78,15 +78,23 @@ def _validate_launch(cfg: Config) -> None:
     if cfg.executor.name == "slurm" and cfg.executor.slurm is None:
         raise ConfigError("executor.slurm is missing: choose executor=slurm (conf/executor/slurm.yaml) rather than "
                           "executor.name=slurm")
-    if cfg.engine == "megatron" and cfg.gpu.arch == "cpu" and not cfg.dryrun:
-        raise ConfigError("engine=megatron needs CUDA GPUs (megatron-core's rotary embedding and RNG tracker call "
-                          "torch.cuda); on this machine use engine=torch, or dryrun=true to see the plan")
+    if cfg.engine == "megatron":
+        _validate_megatron_runtime(cfg)
     if cfg.executor.gpus < 1:
         raise ConfigError(f"executor.gpus must be at least 1 (got {cfg.executor.gpus})")
     if cfg.executor.name == "local" and cfg.gpu.arch != "cpu" and not cfg.dryrun:
         available = torch.cuda.device_count()
         if cfg.executor.gpus > available:
             raise ConfigError(f"executor.gpus={cfg.executor.gpus} but this machine has {available} GPU(s)")
+
+
+def _validate_megatron_runtime(cfg: Config) -> None:
+    if cfg.gpu.arch == "cpu" and not cfg.dryrun:
+        raise ConfigError("engine=megatron needs CUDA GPUs (megatron-core's rotary embedding and RNG tracker call "
+                          "torch.cuda); on this machine use engine=torch, or dryrun=true to see the plan")
+    if cfg.trainer.checkpoint.interval and _runs_here(cfg) and importlib.util.find_spec("psutil") is None:
+        raise ConfigError("trainer.checkpoint.interval on engine=megatron: megatron-core's distributed checkpoints "
+                          "need psutil (pip install psutil), or set trainer.checkpoint.interval=0")
 
 
 def _validate_model(model: ModelConfig) -> None:

@@ -96,11 +96,11 @@ def forward_step(device: torch.device, data_iterator, model):
 def step_loss(losses_reduced: list[dict]) -> torch.Tensor:
     """The step's loss on every rank: mean of the micro-batches' losses on the last pipeline stage, averaged over
     data (and context) parallel ranks, then sent from the last stage down the pipeline."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    loss = torch.zeros((), device=device)
+    loss = torch.zeros((), device=torch.cuda.current_device())
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         loss = torch.stack([x["lm loss"] for x in losses_reduced]).mean()
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        dist.all_reduce(loss, group=parallel_state.get_data_parallel_group(with_context_parallel=True))  # a sum
+        loss /= parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     dist.broadcast(loss, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                    group=parallel_state.get_pipeline_model_parallel_group())
     return loss
