@@ -3,8 +3,6 @@
 data=text: the repo's Megatron indexed dataset (the bundled byte-tokenized corpus, or data.path) as a GPTDataset;
 data=mock: MockGPTDataset. Both come from BlendedMegatronDatasetBuilder, as in Megatron-LM's pretrain_gpt.py.
 The tokens are already ids; the tokenizer only tells the dataset the vocabulary and the end-of-document id.
-megatron-core's "null" tokenizer of vocab_size V has ids 0..V-1 and EOD = V, which with V = 256 is exactly the
-repo's byte tokenizer (bytes 0-255, EOD 256).
 
 Sample i of the run is the same function of (data, seed, i) on every rank, and a step's samples are the torch
 engine's: data-parallel rank r takes its slice of each global batch (MicroBatches).
@@ -12,6 +10,7 @@ engine's: data-parallel rank r takes its slice of each global batch (MicroBatche
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -23,11 +22,21 @@ from recipes.data import build_corpus, tokenizer
 from recipes.data.dataset import existing_prefix
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-from megatron.core.tokenizers import MegatronTokenizer
 
 
-def byte_tokenizer():
-    return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=tokenizer.EOD)
+@dataclass(frozen=True)
+class ByteTokenizer:
+    """What megatron-core's datasets ask of a tokenizer: the repo's byte tokenizer's vocabulary size and
+    end-of-document id (recipes.data.tokenizer); no padding id. megatron-core's own "null" tokenizer has the same
+    ids but another name in each version ("null" in 0.16, "null-text" in 0.19)."""
+
+    vocab_size: int = tokenizer.VOCAB_SIZE
+    eod: int = tokenizer.EOD
+
+    @property
+    def unique_identifiers(self) -> dict:
+        """Part of the key under which megatron-core caches a dataset's sample index."""
+        return {"class": type(self).__name__, "vocab_size": self.vocab_size, "eod": self.eod}
 
 
 def dataset_config(cfg: Config, prefix: str | None) -> GPTDatasetConfig:
@@ -37,7 +46,7 @@ def dataset_config(cfg: Config, prefix: str | None) -> GPTDatasetConfig:
         sequence_length=cfg.model.seq_length,
         blend=([prefix], None) if prefix else None,
         split="100,0,0",  # every document is training data
-        tokenizer=byte_tokenizer(),
+        tokenizer=ByteTokenizer(),
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
