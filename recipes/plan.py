@@ -225,6 +225,7 @@ def _validate_parallel(cfg: Config) -> None:
     divisible = {
         "model.num_attention_heads": m.num_attention_heads,
         "model.ffn_hidden_size": m.ffn_hidden_size,
+        "model.vocab_size": m.vocab_size,  # the embedding and output layer are split over TP ranks by vocabulary
     }
     for name, value in divisible.items():
         if value % p.tp:

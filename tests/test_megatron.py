@@ -190,7 +190,9 @@ def test_without_a_layout_the_run_is_data_parallel_and_overrides_make_the_gpu_pr
 
 INVALID = {
     "heads": (("model=llama3_8b", "parallel.tp=3", "executor.gpus=3"), "num_attention_heads=32 is not divisible"),
-    "query groups": (("model=nemotron4_15b", "parallel.tp=6", "executor.gpus=6"), "must be a multiple or a divisor"),
+    "vocabulary": (("model.vocab_size=330", "parallel.tp=4", "executor.gpus=4"), "model.vocab_size=330 is not divisible"),
+    "query groups": (("model.num_attention_heads=12", "model.num_query_groups=3", "parallel.tp=2", "executor.gpus=2"),
+                     "model.num_query_groups=3 must be a multiple or a divisor of parallel.tp=2"),
     "layers": (("model=llama3_8b", "parallel.pp=3", "executor.gpus=3"), "not divisible by parallel.pp x parallel.vp"),
     "virtual stages": (("model=llama3_8b", "parallel.pp=2", "parallel.vp=3", "executor.gpus=2"),
                        "parallel.pp x parallel.vp = 2 x 3 = 6"),
