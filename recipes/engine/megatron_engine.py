@@ -19,6 +19,7 @@ embedding and RNG tracker call torch.cuda unconditionally.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -152,7 +153,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
             elapsed = time.perf_counter() - start
             metrics = step_metrics(cfg, step, loss_value, grad_norm_value, lr, elapsed, world_size,
                                    torch.cuda.max_memory_allocated(device) / 2**30)
-            if not (torch.isfinite(torch.tensor(loss_value)) and torch.isfinite(torch.tensor(grad_norm_value))):
+            if not (math.isfinite(loss_value) and math.isfinite(grad_norm_value)):
                 # Megatron's optimizer has stepped already; the run stops here, before any checkpoint of it.
                 if writer:
                     writer.write(metrics)

@@ -143,7 +143,9 @@ def ddp_config(cfg: Config) -> DistributedDataParallelConfig:
         reuse_grad_buf_for_mxfp8_param_ag=fp8_param_gather and precision.recipe == Recipe.mxfp8,
         use_megatron_fsdp=p.fsdp,
         data_parallel_sharding_strategy="optim_grads_params" if p.fsdp else "no_shard",
-        check_for_nan_in_grad=True,
+        # A NaN or inf is the engine's to record in metrics.jsonl and stop on (as the torch engine does), not a
+        # stack trace from inside the gradient reduction.
+        check_for_nan_in_grad=False,
     )
 
 
