@@ -4,8 +4,9 @@ data=text: the repo's Megatron indexed dataset (the bundled byte-tokenized corpu
 data=mock: MockGPTDataset. Both come from BlendedMegatronDatasetBuilder, as in Megatron-LM's pretrain_gpt.py.
 The tokens are already ids; the tokenizer only tells the dataset the vocabulary and the end-of-document id.
 
-Sample i of the run is the same function of (data, seed, i) on every rank, and a step's samples are the torch
-engine's: data-parallel rank r takes its slice of each global batch (MicroBatches).
+Sample i of the run is the same function of (data, seed, i) on every rank (megatron-core's shuffle, not the torch
+engine's), and the samples of a step follow the torch engine's rule: data-parallel rank r takes its slice of each
+global batch (MicroBatches), so a resumed run reads exactly what an uninterrupted one would.
 """
 
 from __future__ import annotations
