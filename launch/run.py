@@ -17,12 +17,12 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from recipes.config import CONF_DIR, Config, ConfigError, save_config  # noqa: E402
-from recipes.hydra_schema import check_override_keys, register_schema  # noqa: E402
+from recipes.hydra_schema import check_override_keys, register_schema, to_config  # noqa: E402
 from recipes.launcher import launch  # noqa: E402
 from recipes.plan import describe, make_plan, resolve  # noqa: E402
 
@@ -50,7 +50,7 @@ def main(dict_cfg: DictConfig) -> None:
     dict_cfg.run.dir = str(directory)
     config_path = directory / "config.yaml"
     try:
-        cfg: Config = resolve(OmegaConf.to_object(dict_cfg))
+        cfg: Config = resolve(to_config(dict_cfg))
         plan = make_plan(cfg, config_path)
     except ConfigError as error:
         if directory.is_dir() and not any(directory.iterdir()):

@@ -48,6 +48,14 @@ class AmaxComputeAlgo(str, enum.Enum):
     most_recent = "most_recent"
 
 
+class Recompute(str, enum.Enum):
+    """Activation recomputation (megatron-core's recompute_granularity): memory traded for a second forward."""
+
+    none = "none"
+    selective = "selective"  # core attention only: drops the largest per-token tensors for little extra compute
+    full = "full"  # every layer keeps only its input and recomputes the rest in the backward
+
+
 class DataKind(str, enum.Enum):
     indexed = "indexed"  # a Megatron indexed dataset (.bin/.idx); the bundled text corpus when no path is given
     mock = "mock"  # uniformly random tokens: for throughput, not for loss curves
@@ -96,6 +104,29 @@ class PrecisionConfig:
     num_layers_at_end_in_bf16: int = 0
     fp8_param_gather: bool = False  # all-gather FP8 weights (sharded engines only)
     emulate: bool = False  # allow a recipe without native kernels on this GPU to run emulated (labelled as such)
+
+
+@dataclass
+class ParallelConfig:
+    """How engine=megatron splits the model over GPUs: world size = tp x pp x cp x dp (dp is what is left).
+
+    conf/layout/published.yaml fills these (and the batch sizes and nodes) from NVIDIA's published layouts in
+    conf/layouts.yaml; a value given on the command line wins. The torch engine runs data-parallel only.
+    """
+
+    tp: int = 1  # tensor parallel: each linear layer's weight split over tp GPUs
+    pp: int = 1  # pipeline parallel: consecutive layers on pp GPUs
+    vp: int = 1  # virtual pipeline: model chunks per pipeline rank (interleaved 1F1B schedule); 1: none
+    cp: int = 1  # context parallel: each sequence split over cp GPUs
+    sp: Optional[bool] = None  # sequence parallel (norms, dropout split along the sequence); None: on when tp > 1
+    fsdp: bool = False  # Megatron-FSDP: parameters, gradients and optimizer states sharded over data parallel
+    pp_embedding_loss_as_layers: bool = False  # the pipeline split counts the embedding and the loss as a layer each
+    distributed_optimizer: bool = True  # optimizer states (and FP32 master weights) sharded over data parallel
+    recompute: Recompute = Recompute.none
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp > 1 if self.sp is None else self.sp
 
 
 @dataclass
@@ -208,8 +239,9 @@ class Config:
     executor: ExecutorConfig
     data: DataConfig
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
-    engine: str = "torch"
+    engine: str = "torch"  # torch (recipes.engine.torch_engine) or megatron (recipes.engine.megatron_engine)
     dryrun: bool = False
 
 

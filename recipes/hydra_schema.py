@@ -13,11 +13,31 @@ import typing
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from recipes.config import Config, ConfigError
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
+
+from recipes.config import CONF_DIR, Config, ConfigError
+from recipes.layouts import published_layout
 
 
 def register_schema() -> None:
+    """The schema, and the resolver through which layout=published reads conf/layouts.yaml."""
     ConfigStore.instance().store(name="config_schema", node=Config)
+    if not OmegaConf.has_resolver("published_layout"):
+        OmegaConf.register_new_resolver("published_layout", published_layout)
+
+
+def to_config(composed: DictConfig) -> Config:
+    """The composed config as the schema's dataclasses, interpolations resolved. A ConfigError raised by a resolver
+    (layout=published without a row) comes back as that ConfigError: OmegaConf wraps it and keeps only its text."""
+    try:
+        return OmegaConf.to_object(composed)
+    except InterpolationResolutionError as error:
+        prefix = f"{ConfigError.__name__} raised while resolving interpolation: "
+        first_line = str(error).splitlines()[0]
+        if first_line.startswith(prefix):
+            raise ConfigError(first_line[len(prefix):]) from None
+        raise
 
 
 def _unwrap_dataclass(hint: typing.Any) -> type | None:
@@ -35,8 +55,8 @@ def check_override_keys(overrides: list[str]) -> None:
     parsed = OverridesParser.create().parse_overrides(overrides)
     for override in parsed:
         key = override.key_or_group
-        if key.split(".")[0] == "hydra":
-            continue
+        if key.split(".")[0] == "hydra" or (CONF_DIR / key).is_dir():
+            continue  # Hydra's own settings, or a group choice (layout=published: a group with no field of its own)
         node: type | None = Config
         walked: list[str] = []
         for part in key.split("."):

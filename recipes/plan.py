@@ -7,16 +7,18 @@ stack trace from inside an engine, and a recipe is never silently replaced by an
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from recipes.config import Config, ConfigError, Fp8Format, ModelConfig, Recipe, load_option
+from recipes.config import Config, ConfigError, Fp8Format, ModelConfig, Recipe, Recompute, load_option
 from recipes.models.transformer import count_parameters
 
-ENGINE_MODULE = {"torch": "recipes.engine.torch_engine"}
+ENGINE_MODULE = {"torch": "recipes.engine.torch_engine", "megatron": "recipes.engine.megatron_engine"}
 
 # Substrings of torch.cuda.get_device_name() -> conf/gpu option; "gb200" before "b200" (it contains it).
 KNOWN_GPUS = (("gb200", "gb200"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"))
@@ -50,10 +52,20 @@ def world_size(cfg: Config) -> int:
     return cfg.executor.gpus * cfg.executor.nodes
 
 
+def model_parallel_size(cfg: Config) -> int:
+    """GPUs that hold one copy of the model: tensor x pipeline x context parallel (1 for the torch engine)."""
+    return cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+
+
+def data_parallel_size(cfg: Config) -> int:
+    return world_size(cfg) // model_parallel_size(cfg)
+
+
 def validate(cfg: Config) -> None:
     """Raise ConfigError for the first thing that cannot run."""
     _validate_launch(cfg)
     _validate_model(cfg.model)
+    _validate_parallel(cfg)
     _validate_precision(cfg)
     _validate_batch(cfg)
 
@@ -66,12 +78,23 @@ def _validate_launch(cfg: Config) -> None:
     if cfg.executor.name == "slurm" and cfg.executor.slurm is None:
         raise ConfigError("executor.slurm is missing: choose executor=slurm (conf/executor/slurm.yaml) rather than "
                           "executor.name=slurm")
+    if cfg.engine == "megatron":
+        _validate_megatron_runtime(cfg)
     if cfg.executor.gpus < 1:
         raise ConfigError(f"executor.gpus must be at least 1 (got {cfg.executor.gpus})")
     if cfg.executor.name == "local" and cfg.gpu.arch != "cpu" and not cfg.dryrun:
         available = torch.cuda.device_count()
         if cfg.executor.gpus > available:
             raise ConfigError(f"executor.gpus={cfg.executor.gpus} but this machine has {available} GPU(s)")
+
+
+def _validate_megatron_runtime(cfg: Config) -> None:
+    if cfg.gpu.arch == "cpu" and not cfg.dryrun:
+        raise ConfigError("engine=megatron needs CUDA GPUs (megatron-core's rotary embedding and RNG tracker call "
+                          "torch.cuda); on this machine use engine=torch, or dryrun=true to see the plan")
+    if cfg.trainer.checkpoint.interval and _runs_here(cfg) and importlib.util.find_spec("psutil") is None:
+        raise ConfigError("trainer.checkpoint.interval on engine=megatron: megatron-core's distributed checkpoints "
+                          "need psutil (pip install psutil), or set trainer.checkpoint.interval=0")
 
 
 def _validate_model(model: ModelConfig) -> None:
@@ -88,28 +111,34 @@ def _validate_model(model: ModelConfig) -> None:
 
 
 def _validate_precision(cfg: Config) -> None:
-    precision, gpu = cfg.precision, cfg.gpu
-    if precision.fp8_param_gather and cfg.engine == "torch" and world_size(cfg) > 1:
-        raise ConfigError(
-            f"precision.fp8_param_gather=true (NeMo's {precision.name} preset) is not supported by the torch engine: "
-            "its FSDP2 all-gathers BF16 weights and each FP8 layer quantizes the gathered weight. "
-            "Set precision.fp8_param_gather=false."
-        )
+    precision, gpu, megatron = cfg.precision, cfg.gpu, cfg.engine == "megatron"
     if precision.recipe == Recipe.bf16:
         return
     if precision.fp8_format is None:
         raise ConfigError(f"precision={precision.name}: set precision.fp8_format (hybrid or e4m3)")
+    if megatron and precision.emulate:
+        raise ConfigError("precision.emulate=true is the torch engine's (engine=torch): engine=megatron runs "
+                          "Transformer Engine's kernels, which are native or absent")
     if precision.recipe == Recipe.mxfp8 and gpu.arch != "blackwell" and not precision.emulate:
         raise ConfigError(
             f"precision=mxfp8 runs natively only on Blackwell GPUs (b200, gb200); gpu={gpu.name} is {gpu.arch}. "
-            "Choose fp8_current or fp8_blockwise, or set precision.emulate=true to emulate it (slow; labelled)."
+            "Choose fp8_current or fp8_blockwise"
+            + (" (engine=megatron cannot emulate)." if megatron else ", or set precision.emulate=true to emulate it (slow; labelled).")
         )
-    if precision.recipe == Recipe.blockwise and gpu.arch != "hopper" and not precision.emulate:
+    # Transformer Engine runs Float8BlockScaling on Hopper and Blackwell; the torch engine's native path is
+    # cuBLAS's sm90 block-scaled GEMM only.
+    block_archs = ("hopper", "blackwell") if megatron else ("hopper",)
+    if precision.recipe == Recipe.blockwise and gpu.arch not in block_archs and not precision.emulate:
         raise ConfigError(
-            f"precision=fp8_blockwise runs natively on Hopper GPUs (h100, h200; cuBLAS block scaling, CUDA >= 12.9); "
-            f"gpu={gpu.name} is {gpu.arch}. Set precision.emulate=true to emulate it (slow; labelled)."
+            f"precision=fp8_blockwise runs natively on {' and '.join(a.capitalize() for a in block_archs)} GPUs with "
+            f"CUDA >= 12.9 (block-scaled "
+            f"GEMMs); gpu={gpu.name} is {gpu.arch}."
+            + ("" if megatron else " Set precision.emulate=true to emulate it (slow; labelled).")
         )
-    if precision.recipe == Recipe.blockwise and precision.fp8_format != Fp8Format.e4m3 and not precision.emulate:
+    if precision.recipe == Recipe.blockwise and _runs_here(cfg):
+        _require_cuda(12, 9, "precision=fp8_blockwise (cuBLAS block scaling)")
+    if (precision.recipe == Recipe.blockwise and not megatron and precision.fp8_format != Fp8Format.e4m3
+            and not precision.emulate):
         raise ConfigError(
             "precision=fp8_blockwise: cuBLAS block-scaled GEMMs on Hopper take E4M3 operands only (no E5M2 "
             "gradients); set precision.fp8_format=e4m3, as conf/precision/fp8_blockwise.yaml does"
@@ -120,7 +149,39 @@ def _validate_precision(cfg: Config) -> None:
             f"precision.num_layers_at_start_in_bf16 + precision.num_layers_at_end_in_bf16 = {bf16_layers} is more "
             f"than model.num_layers={cfg.model.num_layers}"
         )
+    if megatron:
+        _validate_megatron_fp8(cfg)
     _validate_gemm_dims(cfg)
+
+
+def _validate_megatron_fp8(cfg: Config) -> None:
+    """What megatron-core's TransformerConfig would reject, and FP8 without Transformer Engine."""
+    precision = cfg.precision
+    bf16_layers = precision.num_layers_at_start_in_bf16 + precision.num_layers_at_end_in_bf16
+    if bf16_layers and precision.recipe == Recipe.delayed:
+        raise ConfigError("engine=megatron: delayed scaling cannot keep first/last layers in BF16 (megatron-core "
+                          "rejects it); set precision.num_layers_at_start_in_bf16=0 precision.num_layers_at_end_in_bf16=0")
+    per_stage = cfg.model.num_layers // cfg.parallel.pp
+    for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+        if getattr(precision, name) > per_stage:
+            raise ConfigError(f"engine=megatron: precision.{name}={getattr(precision, name)} is more than the "
+                              f"{per_stage} layers of one pipeline stage (model.num_layers / parallel.pp)")
+    if _runs_here(cfg) and importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError(f"precision={precision.name} on engine=megatron needs Transformer Engine, which this "
+                          "Python lacks: run it in the NeMo container (executor=slurm), use precision=bf16, or "
+                          "engine=torch for its own FP8 recipes")
+
+
+def _runs_here(cfg: Config) -> bool:
+    """The job will run on this machine's GPUs: what this Python can do is what the job can do."""
+    return cfg.executor.name == "local" and cfg.gpu.arch != "cpu" and not cfg.dryrun
+
+
+def _require_cuda(major: int, minor: int, what: str) -> None:
+    version = torch.version.cuda
+    if version is None or tuple(int(v) for v in version.split(".")[:2]) < (major, minor):
+        raise ConfigError(f"{what} needs CUDA >= {major}.{minor}; this PyTorch is built with CUDA {version}. "
+                          "Install a PyTorch built for CUDA 12.9 or newer, or choose fp8_current")
 
 
 # Every dimension an FP8 GEMM contracts or produces must be a multiple of the recipe's block (16 for cuBLAS's
@@ -144,8 +205,58 @@ def _validate_gemm_dims(cfg: Config) -> None:
             )
 
 
+def _validate_parallel(cfg: Config) -> None:
+    """The parallel layout: what the torch engine cannot split, and what megatron-core cannot divide."""
+    p, m = cfg.parallel, cfg.model
+    sizes = {"tp": p.tp, "pp": p.pp, "vp": p.vp, "cp": p.cp}
+    if cfg.engine == "torch":
+        split = [f"parallel.{name}={size}" for name, size in sizes.items() if size != 1] + (["parallel.fsdp=true"] if p.fsdp else [])
+        if split:
+            raise ConfigError(f"engine=torch runs data-parallel only; {', '.join(split)} needs engine=megatron "
+                              "(or layout=none for data parallelism on the torch engine)")
+        return
+    for name, size in sizes.items():
+        if size < 1:
+            raise ConfigError(f"parallel.{name} must be at least 1 (got {size})")
+    world, model_parallel = world_size(cfg), model_parallel_size(cfg)
+    if world % model_parallel:
+        raise ConfigError(f"executor.gpus x executor.nodes = {world} GPUs is not a multiple of parallel.tp x pp x cp "
+                          f"= {p.tp} x {p.pp} x {p.cp} = {model_parallel}; change executor.nodes or the layout")
+    divisible = {
+        "model.num_attention_heads": m.num_attention_heads,
+        "model.ffn_hidden_size": m.ffn_hidden_size,
+        "model.vocab_size": m.vocab_size,  # the embedding and output layer are split over TP ranks by vocabulary
+    }
+    for name, value in divisible.items():
+        if value % p.tp:
+            raise ConfigError(f"{name}={value} is not divisible by parallel.tp={p.tp}: each tensor-parallel rank "
+                              f"takes an equal share; choose parallel.tp among {_divisors(value, 8)}")
+    # megatron-core splits query groups over TP ranks, or replicates them when there are fewer groups than ranks.
+    if m.num_query_groups % p.tp and p.tp % m.num_query_groups:
+        raise ConfigError(f"model.num_query_groups={m.num_query_groups} must be a multiple or a divisor of "
+                          f"parallel.tp={p.tp}")
+    if p.sp and p.tp == 1:
+        raise ConfigError("parallel.sp=true needs tensor parallelism (parallel.tp > 1): sequence parallelism splits "
+                          "what tensor parallelism replicates")
+    if p.vp > 1 and p.pp == 1:
+        raise ConfigError(f"parallel.vp={p.vp} interleaves pipeline stages and needs parallel.pp > 1; set parallel.vp=1")
+    chunks = p.pp * p.vp
+    split_layers = m.num_layers + (2 if p.pp_embedding_loss_as_layers else 0)
+    if split_layers % chunks:
+        counted = " (+ embedding and loss)" if p.pp_embedding_loss_as_layers else ""
+        raise ConfigError(f"model.num_layers{counted} = {split_layers} is not divisible by parallel.pp x parallel.vp "
+                          f"= {p.pp} x {p.vp} = {chunks} model chunks; change model.num_layers, parallel.pp or parallel.vp")
+    if p.cp > 1 and m.seq_length % (2 * p.cp):
+        raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by 2 x parallel.cp = {2 * p.cp}: context "
+                          "parallelism gives each rank two chunks (one early, one late) to balance causal attention")
+
+
+def _divisors(value: int, largest: int) -> list[int]:
+    return [d for d in range(1, largest + 1) if value % d == 0]
+
+
 def _validate_batch(cfg: Config) -> None:
-    trainer, dp = cfg.trainer, world_size(cfg)
+    trainer, dp = cfg.trainer, data_parallel_size(cfg)
     per_step = trainer.micro_batch_size * dp
     if trainer.global_batch_size % per_step:
         fixed = max(per_step, round(trainer.global_batch_size / per_step) * per_step)
@@ -160,54 +271,124 @@ def _validate_batch(cfg: Config) -> None:
 
 @dataclass
 class MemoryEstimate:
-    """Per-GPU bytes: one process holds the whole model; several shard it (FSDP2, recipes.engine.fsdp)."""
+    """Per-GPU bytes on the busiest GPU: the torch engine's whole model, or 1/N of it under FSDP2; megatron-core's
+    first pipeline stage, with the output layer's logits added."""
 
     weights: float
     gradients: float
     optimizer: float
-    activations: float
+    activations: float  # with the configured parallel.recompute
+    activations_full_recompute: float  # what parallel.recompute=full would leave
 
     @property
     def total(self) -> float:
         return self.weights + self.gradients + self.optimizer + self.activations
 
 
+# Bytes per parameter of (weights, gradients, optimizer states).
+#   torch engine: FP32 master weights are the model's weights; FP32 gradients; two FP32 Adam moments.
+#   megatron-core: BF16 weights (FP8 with fp8_param_gather), FP32 gradient buffer (main_grad), and FP32 master
+#   weights + two moments in the optimizer, which the distributed optimizer shards over data parallel
+#   (Megatron's 18 bytes per parameter become 6 + 12 / DP; Megatron-FSDP shards all three).
+TORCH_BYTES = (4.0, 4.0, 8.0)
+MEGATRON_BYTES = (2.0, 4.0, 12.0)
+
+
+def activation_bytes_per_token_layer(cfg: Config) -> tuple[float, float]:
+    """Bytes one token leaves saved for the backward in one layer: (replicated over TP ranks, split over them).
+
+    The two norm inputs and the residual (3h) are replicated over TP ranks unless sequence parallelism splits
+    them; Q, K, V (q + 2kv), the attention output and its softmax statistics (2q), fc1's output and the
+    activation (fc1 + f) are split. The torch engine's FP8 recipes save the four GEMM inputs once more in FP8
+    (1 byte); Transformer Engine saves the FP8 copy instead of the BF16 one, which is counted here as BF16 (an upper
+    bound). Selective recompute drops the attention output and statistics.
+    """
+    m = cfg.model
+    q, kv = m.num_attention_heads * m.kv_channels, m.num_query_groups * m.kv_channels
+    fc1 = 2 * m.ffn_hidden_size if m.activation.value == "swiglu" else m.ffn_hidden_size
+    attention_core = 0 if cfg.parallel.recompute == Recompute.selective else 2 * q
+    norms_and_residual = 2.0 * 3 * m.hidden_size
+    split = 2.0 * (q + 2 * kv + attention_core + fc1 + m.ffn_hidden_size)
+    if cfg.precision.recipe != Recipe.bf16 and cfg.engine == "torch":
+        norms_and_residual += 2 * m.hidden_size
+        split += q + m.ffn_hidden_size
+    return norms_and_residual, split
+
+
 def estimate_memory(cfg: Config, parameters: int) -> MemoryEstimate:
-    """FP32 master weights and gradients, two FP32 Adam moments, and the tensors saved for the backward.
+    """Weights, gradients and optimizer states of the busiest GPU's share of the model, and the activations it
+    keeps for the backward (approximate: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    Transformer Models", with flash attention and GQA).
+
+    With pipeline parallelism the first stage keeps activations of min(pp, micro-batches) micro-batches of its
+    num_layers / pp layers, x (1 + (pp - 1) / (pp x vp)) with the interleaved schedule. The logits (BF16 and FP32
+    for the loss: 6 bytes per vocabulary entry, split over TP) live on the last stage and are added as an
+    upper bound.
+    """
+    if cfg.engine == "torch":
+        return _torch_engine_memory(cfg, parameters)
+    m, p = cfg.model, cfg.parallel
+    embedding = m.vocab_size * m.hidden_size
+    per_layer = (parameters - 2 * embedding) / m.num_layers  # final norm counted into the layers: negligible
+    stage_layers = math.ceil(m.num_layers / p.pp)
+    stage_parameters = (stage_layers * per_layer + embedding * (2 if p.pp == 1 else 1)) / p.tp
+    weight_bytes, grad_bytes, optimizer_bytes = MEGATRON_BYTES
+    if cfg.precision.recipe != Recipe.bf16 and cfg.precision.fp8_param_gather:
+        weight_bytes = 1.0
+    shards = data_parallel_size(cfg) * p.cp  # megatron's data-parallel group for optimizer states includes CP
+    if p.fsdp:
+        weight_bytes, grad_bytes = weight_bytes / shards, grad_bytes / shards
+    if p.distributed_optimizer or p.fsdp:
+        optimizer_bytes /= shards
+
+    tokens = cfg.trainer.micro_batch_size * m.seq_length / p.cp
+    replicated, split = activation_bytes_per_token_layer(cfg)
+    sp = p.sequence_parallel
+    per_layer_activations = tokens * ((replicated / p.tp if sp else replicated) + split / p.tp)
+    layer_input = tokens * 2.0 * m.hidden_size / (p.tp if sp else 1)  # all that full recompute keeps per layer
+    micro_batches = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * data_parallel_size(cfg))
+    in_flight = min(p.pp, micro_batches) * (1 + (p.pp - 1) / (p.pp * p.vp) if p.vp > 1 else 1)
+    logits = tokens * 6.0 * m.vocab_size / p.tp
+    kept = stage_layers * in_flight
+    no_recompute = kept * per_layer_activations + logits
+    full_recompute = kept * layer_input + per_layer_activations + logits  # plus the one layer being recomputed
+    activations = full_recompute if p.recompute == Recompute.full else no_recompute
+    return MemoryEstimate(
+        weight_bytes * stage_parameters,
+        grad_bytes * stage_parameters,
+        optimizer_bytes * stage_parameters,
+        float(activations),
+        float(full_recompute),
+    )
+
+
+def _torch_engine_memory(cfg: Config, parameters: int) -> MemoryEstimate:
+    """FP32 master weights and gradients, two FP32 Adam moments, and the tensors saved for the backward
+    (activation_bytes_per_token_layer, no tensor parallelism).
 
     Over N > 1 processes (FSDP2) each holds 1/N of the weights, gradients and moments, plus the BF16 weights
     all-gathered at a time (the root's embedding and output layer, a layer and the next one prefetched); with
     gradient accumulation the whole model's FP32 gradients are accumulated unsharded until the last
-    micro-batch's reduce-scatter (no reduce-scatter per micro-batch: less traffic, more memory).
-
-    Saved per token and layer (approximate; compilation can recompute some): the two norm inputs and the
-    residual (3h), Q, K, V (q + 2kv), attention output and its softmax statistics (2q), fc1 output and the
-    activation (fc1 + f); inputs of the four GEMMs are saved once more in FP8 (1 byte) by the FP8 recipes.
-    With activation checkpointing only each layer's input (h) is kept, and one layer's tensors at a time.
-    Plus the logits, in BF16 and as FP32 for the loss (6 bytes per vocabulary entry).
+    micro-batch's reduce-scatter (no reduce-scatter per micro-batch: less traffic, more memory). With activation
+    checkpointing only each layer's input (h) is kept, and one layer's tensors at a time.
     """
     m, t = cfg.model, cfg.trainer
-    q, kv = m.num_attention_heads * m.kv_channels, m.num_query_groups * m.kv_channels
-    fc1 = 2 * m.ffn_hidden_size if m.activation.value == "swiglu" else m.ffn_hidden_size
-    per_token_layer = 2 * (3 * m.hidden_size + q + 2 * kv + 2 * q + fc1 + m.ffn_hidden_size)
-    if cfg.precision.recipe != Recipe.bf16:
-        per_token_layer += 2 * m.hidden_size + q + m.ffn_hidden_size
+    per_token_layer = sum(activation_bytes_per_token_layer(cfg))
     tokens = t.micro_batch_size * m.seq_length
-    if t.activation_checkpointing:
-        saved_layers = m.num_layers * 2 * m.hidden_size + per_token_layer
-    else:
-        saved_layers = m.num_layers * per_token_layer
-    activations = tokens * (saved_layers + 6 * m.vocab_size)
+    logits = tokens * 6.0 * m.vocab_size
+    checkpointed = tokens * (m.num_layers * 2.0 * m.hidden_size + per_token_layer) + logits
+    activations = checkpointed if t.activation_checkpointing else tokens * m.num_layers * per_token_layer + logits
+    weights, gradients, optimizer = (b * parameters for b in TORCH_BYTES)
     dp = world_size(cfg)
-    if dp == 1:
-        return MemoryEstimate(4.0 * parameters, 4.0 * parameters, 8.0 * parameters, float(activations))
-    root = 2 * m.vocab_size * m.hidden_size
-    gathered = 2.0 * (root + 2 * (parameters - root) / m.num_layers)
-    accumulates = t.global_batch_size > t.micro_batch_size * dp
-    # The sharded gradients exist only from the last micro-batch's reduce-scatter to the optimizer step, while
-    # the unsharded ones are freed layer by layer: the peak is the larger of the two.
-    gradients = 4.0 * parameters if accumulates else 4.0 * parameters / dp
-    return MemoryEstimate(4.0 * parameters / dp + gathered, gradients, 8.0 * parameters / dp, float(activations))
+    if dp > 1:
+        root = 2 * m.vocab_size * m.hidden_size
+        gathered = 2.0 * (root + 2 * (parameters - root) / m.num_layers)
+        accumulates = t.global_batch_size > t.micro_batch_size * dp
+        # The sharded gradients exist only from the last micro-batch's reduce-scatter to the optimizer step, while
+        # the unsharded ones are freed layer by layer: the peak is the larger of the two.
+        weights, optimizer = weights / dp + gathered, optimizer / dp
+        gradients = gradients if accumulates else gradients / dp
+    return MemoryEstimate(weights, gradients, optimizer, float(activations), float(checkpointed))
 
 
 @dataclass
@@ -245,14 +426,26 @@ def describe_executor(cfg: Config) -> str:
     return f"slurm ({', '.join(filter(None, where))})"
 
 
+def describe_layout(cfg: Config) -> str:
+    p = cfg.parallel
+    parts = [f"tp {p.tp}", f"pp {p.pp}" + (f" (vp {p.vp})" if p.vp > 1 else ""), f"cp {p.cp}", f"dp {data_parallel_size(cfg)}"]
+    options = [name for name, on in (("sequence parallel", p.sequence_parallel), ("Megatron-FSDP", p.fsdp),
+                                     ("distributed optimizer", p.distributed_optimizer and not p.fsdp),
+                                     ("embedding and loss counted as layers", p.pp_embedding_loss_as_layers)) if on]
+    return " x ".join(parts) + "".join(f", {o}" for o in options) + f", recompute {p.recompute.value}"
+
+
 def describe(plan: Plan) -> str:
     cfg, mem = plan.cfg, plan.memory
     t = cfg.trainer
-    accumulation = t.global_batch_size // (t.micro_batch_size * plan.processes)
+    dp = data_parallel_size(cfg)
+    accumulation = t.global_batch_size // (t.micro_batch_size * dp)
     gib = 2**30
     capacity = f" of {cfg.gpu.memory_gb:.0f} GB" if cfg.gpu.memory_gb else ""
+    fixes = ("parallel.recompute=full, a larger parallel.tp or parallel.pp, " if cfg.engine == "megatron" else "")
     over = (
-        "  <- does not fit: use more GPUs (executor.gpus, executor.nodes), trainer.activation_checkpointing=true, "
+        f"  <- does not fit: use more GPUs (executor.gpus, executor.nodes), {fixes}"
+        f"{'' if cfg.engine == 'megatron' else 'trainer.activation_checkpointing=true, '}"
         "fewer layers (model.num_layers=N) or a smaller trainer.micro_batch_size"
         if cfg.gpu.memory_gb and mem.total > cfg.gpu.memory_gb * 1e9
         else ""
@@ -263,16 +456,20 @@ def describe(plan: Plan) -> str:
         f"precision   {cfg.precision.name} (recipe {cfg.precision.recipe.value}"
         + (f", format {cfg.precision.fp8_format.value}" if cfg.precision.fp8_format else "")
         + (", emulated" if cfg.precision.emulate else "")
-        + ")",
+        + ")"
+        + ("; weights all-gathered in BF16 (precision.fp8_param_gather is engine=megatron's)"
+           if cfg.precision.fp8_param_gather and cfg.engine == "torch" and plan.processes > 1 else ""),
         f"gpu         {cfg.gpu.name} ({cfg.gpu.arch}), {plan.processes} process(es) on {cfg.executor.nodes} node(s)"
         + (" sharding the model (FSDP2)" if plan.processes > 1 else "") + ", "
         f"executor {describe_executor(cfg)}, engine {cfg.engine}",
-        f"batch       micro {t.micro_batch_size} x {plan.processes} processes x {accumulation} accumulation = "
+        *([f"layout      {describe_layout(cfg)}"] if cfg.engine == "megatron" else []),
+        f"batch       micro {t.micro_batch_size} x {dp} data-parallel x {accumulation} accumulation = "
         f"global {t.global_batch_size} sequences; {t.max_steps} steps, lr {t.lr} (warm-up {t.warmup_steps}, cosine to {t.min_lr})"
         + ("; activation checkpointing" if t.activation_checkpointing else ""),
         f"data        {cfg.data.name} ({cfg.data.kind.value}" + (f", {cfg.data.path}" if cfg.data.path else "") + ")",
         f"memory/GPU  ~{mem.total / gib:,.1f} GiB{capacity} (weights {mem.weights / gib:,.1f}, grads "
-        f"{mem.gradients / gib:,.1f}, Adam {mem.optimizer / gib:,.1f}, activations {mem.activations / gib:,.1f}){over}",
+        f"{mem.gradients / gib:,.1f}, optimizer {mem.optimizer / gib:,.1f}, activations {mem.activations / gib:,.1f}; "
+        f"{mem.activations_full_recompute / gib:,.1f} with full recompute){over}",
         f"run dir     {cfg.run.dir}",
         f"command     {' '.join(plan.command)}",
     ]

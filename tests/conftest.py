@@ -1,4 +1,5 @@
-"""Fixtures shared by the test modules: the real single-node Slurm that the cluster tests submit to."""
+"""Fixtures shared by the test modules: the real single-node Slurm that the cluster tests submit to, and Hydra
+composition of conf/ in this process."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import shutil
 import subprocess
 
 import pytest
+
+from recipes.config import CONF_DIR, Config
 
 
 def missing(message: str) -> None:
@@ -23,3 +26,20 @@ def cluster() -> None:
         missing("no Slurm here (sbatch not on PATH): start one with `sudo scripts/slurm/start.sh`")
     nodes = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%t"], capture_output=True, text=True)
     assert nodes.returncode == 0 and nodes.stdout.split(), f"Slurm does not answer ({nodes.stderr}): scripts/slurm/start.sh"
+
+
+@pytest.fixture(scope="module")
+def hydra_compose():
+    """Compose conf/ in this process, as launch/run.py does (many combinations: too many subprocesses)."""
+    from hydra import compose, initialize_config_dir
+
+    from recipes.hydra_schema import register_schema, to_config
+    from recipes.plan import resolve
+
+    register_schema()
+
+    def composed(*overrides: str) -> Config:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return resolve(to_config(compose("config", overrides=list(overrides))))
+
+    return composed

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from recipes.config import CheckpointConfig, Config, ConfigError, TrainerConfig, load_config, load_option, save_config
+from recipes.config import CheckpointConfig, Config, TrainerConfig, load_config, load_option, save_config
 from recipes.engine import checkpoint, torch_engine
-from recipes.plan import estimate_memory, validate
+from recipes.plan import describe, estimate_memory, make_plan
 
 from test_train import read_metrics
 
@@ -141,13 +141,16 @@ def planned(tmp_path: Path, precision: str, gpus: int, **trainer) -> Config:
     return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, **trainer))
 
 
-def test_fp8_param_gather_is_refused_for_several_processes_only(tmp_path):
+def test_fp8_param_gather_is_engine_megatrons_and_the_plan_says_so(tmp_path):
+    """NeMo's FP8 presets ask for FP8 weight all-gather; the torch engine's FSDP2 gathers BF16 weights (each FP8
+    layer quantizes the gathered weight, the same FP8 recipe): accepted, and the plan says which gather runs."""
     cfg = planned(tmp_path, "fp8_current", 2)
     gather = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, fp8_param_gather=True))
-    with pytest.raises(ConfigError, match="not supported by the torch engine.*fp8_param_gather=false"):
-        validate(gather)
-    validate(cfg)
-    validate(dataclasses.replace(gather, executor=dataclasses.replace(gather.executor, gpus=1)))
+    note = "weights all-gathered in BF16"
+    assert note in describe(make_plan(gather, tmp_path / "config.yaml"))
+    assert note not in describe(make_plan(cfg, tmp_path / "config.yaml"))
+    one = dataclasses.replace(gather, executor=dataclasses.replace(gather.executor, gpus=1))
+    assert note not in describe(make_plan(one, tmp_path / "config.yaml"))
 
 
 def test_memory_estimate_shards_over_processes(tmp_path):

@@ -36,7 +36,7 @@ def make_dataset(cfg: DataConfig, seq_length: int, vocab_size: int, seed: int) -
         _check_vocab(tokenizer.VOCAB_SIZE - 1, vocab_size, "the bundled corpus (byte tokenizer)")
         prefix = build_corpus(cfg.cache_dir)
     else:
-        prefix = _existing_prefix(cfg.path)
+        prefix = existing_prefix(cfg.path)
     return PackedSequences(IndexedDataset(prefix), seq_length, vocab_size, seed)
 
 
@@ -117,7 +117,7 @@ class MockSequences:
         return rng.integers(0, self._vocab_size, size=self._length, dtype=np.int64)
 
 
-def _existing_prefix(path: str) -> str:
+def existing_prefix(path: str) -> str:
     prefix = str(Path(path).expanduser())
     if IndexedDataset.exists(prefix):
         return prefix

@@ -80,14 +80,15 @@ def is_due(cfg: Config, step: int) -> bool:
     return interval > 0 and (step % interval == 0 or step == cfg.trainer.max_steps)
 
 
-def complete_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every complete checkpoint in `directory`, oldest first; temporary folders are ignored."""
+def complete_checkpoints(directory: Path, marker: str = FILE) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint in `directory`, oldest first; temporary folders are ignored.
+    `marker` is the file an engine writes last into a checkpoint folder."""
     if not directory.is_dir():
         return []
     found = []
     for entry in directory.iterdir():
         match = _STEP_DIR.fullmatch(entry.name)
-        if match and (entry / FILE).is_file():
+        if match and (entry / marker).is_file():
             found.append((int(match.group(1)), entry))
     return sorted(found)
 
@@ -175,7 +176,7 @@ def save(
             torch.save(state, file)
             file.flush()
             os.fsync(file.fileno())
-        final = _publish(directory, temporary, step)
+        final = finish_save(directory, step, temporary)
         prune(directory, cfg.trainer.checkpoint.keep_last)
     if world_size > 1:
         dist.barrier()  # nobody runs ahead (and possibly fails) before the checkpoint is on disk
@@ -184,17 +185,23 @@ def save(
 
 def _temporary_dir(directory: Path, step: int, rank: int, world_size: int) -> Path:
     """The folder this save writes into, made by rank 0 and named with its process id, the same on every rank."""
-    temporary = [directory / f"step_{step:08d}.tmp-{os.getpid()}"]
-    if rank == 0:
-        shutil.rmtree(temporary[0], ignore_errors=True)
-        temporary[0].mkdir(parents=True)
+    temporary = [start_save(directory, step, tag=str(os.getpid())) if rank == 0 else None]
     if world_size > 1:
         dist.broadcast_object_list(temporary, src=0)
     return temporary[0]
 
 
-def _publish(directory: Path, temporary: Path, step: int) -> Path:
-    """Rename the finished temporary folder to step_<N>, atomically."""
+def start_save(directory: Path, step: int, tag: str) -> Path:
+    """An empty temporary folder for step `step`'s checkpoint, never read as a checkpoint (see prune)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    temporary = directory / f"step_{step:08d}.tmp-{tag}"
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir()
+    return temporary
+
+
+def finish_save(directory: Path, step: int, temporary: Path) -> Path:
+    """Publish a fully written temporary folder as `step_<N>` with one atomic rename."""
     _fsync_dir(temporary)
     final = directory / f"step_{step:08d}"
     replaced = None
@@ -216,11 +223,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def prune(directory: Path, keep_last: int) -> None:
+def prune(directory: Path, keep_last: int, marker: str = FILE) -> None:
     """Keep the newest `keep_last` checkpoints (all when 0) and remove the leftovers of killed saves."""
     for entry in directory.glob("step_*.tmp-*"):  # one writer per run: any other is a killed save's
         shutil.rmtree(entry, ignore_errors=True)
-    complete = complete_checkpoints(directory)
+    complete = complete_checkpoints(directory, marker)
     if keep_last > 0:
         for _, path in complete[:-keep_last]:
             shutil.rmtree(path)
@@ -236,13 +243,18 @@ def load_latest(directory: Path, cfg: Config, device: torch.device) -> Optional[
         return None
     step, path = complete[-1]
     state = torch.load(path / FILE, map_location=device, weights_only=True)
-    check_compatible(state["config"], cfg, path)
+    check_resumable(state["config"], step, cfg, path)
+    return Checkpoint(path, step, state)
+
+
+def check_resumable(saved: dict, step: int, cfg: Config, path: Path) -> None:
+    """Raise CheckpointError when this run cannot continue from the checkpoint of `step` at `path`."""
+    check_compatible(saved, cfg, path)
     if step > cfg.trainer.max_steps:
         raise CheckpointError(
             f"cannot resume from {path}: it is at step {step}, past trainer.max_steps={cfg.trainer.max_steps}. "
             f"Set trainer.max_steps >= {step}, or use a new run.dir."
         )
-    return Checkpoint(path, step, state)
 
 
 def check_compatible(saved: dict, cfg: Config, path: Path) -> None:

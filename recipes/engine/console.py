@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -18,6 +20,26 @@ def print_step(m: StepMetrics, max_steps: int) -> None:
         f"step {m.step:>5}/{max_steps} | loss {m.loss:.4f} | grad norm {m.grad_norm:.3f} | lr {m.lr:.2e} | "
         f"{m.step_time_s:.3f} s/step | {m.tokens_per_s_per_gpu:,.0f} tokens/s/GPU | "
         f"{m.model_tflops_per_gpu:.2f} TFLOP/s/GPU{mfu} | peak mem {m.peak_memory_gib:.2f} GiB"
+    )
+
+
+def megatron_iteration_line(interval: list[StepMetrics], max_steps: int, global_batch_size: int) -> str:
+    """Megatron-LM's iteration line (training.py training_log) for the steps since the last one: time, throughput
+    and loss averaged over them, learning rate and gradient norm of the last. BF16 has no loss scaling (1.0)."""
+    last = interval[-1]
+    nan = sum(1 for m in interval if m.loss != m.loss or m.grad_norm != m.grad_norm)
+    return (
+        f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {last.step:8d}/{max_steps:8d} |"
+        f" consumed samples: {last.step * global_batch_size:12d} |"
+        f" elapsed time per iteration (ms): {1000 * statistics.fmean(m.step_time_s for m in interval):.1f} |"
+        f" throughput per GPU (TFLOP/s/GPU): {statistics.fmean(m.model_tflops_per_gpu for m in interval):.1f} |"
+        f" learning rate: {last.lr:.6E} |"
+        f" global batch size: {global_batch_size:5d} |"
+        f" lm loss: {statistics.fmean(m.loss for m in interval):.6E} |"
+        f" loss scale: 1.0 |"
+        f" grad norm: {last.grad_norm:.3f} |"
+        f" number of skipped iterations: {0:3d} |"
+        f" number of nan iterations: {nan:3d} |"
     )
 
 

@@ -1,0 +1,206 @@
+"""The megatron-core engine: train from a resolved config file with tensor, pipeline, context and data parallelism.
+
+    torchrun --nproc-per-node=N -m recipes.engine.megatron_engine RUN_DIR/config.yaml
+
+Reads only the resolved YAML written by `launch/run.py`. The pieces are megatron-core's, put together as
+Megatron-LM's pretrain_gpt.py does:
+
+    parallel state        tensor x context x data x pipeline groups (cfg.parallel)      recipes.megatron.build
+    model                 GPTModel chunks, Transformer Engine spec (local without TE)   recipes.megatron.build
+    data                  GPTDataset / MockGPTDataset via BlendedMegatronDatasetBuilder recipes.megatron.data
+    schedule              get_forward_backward_func: no pipelining, 1F1B, interleaved 1F1B
+    gradients, optimizer  DistributedDataParallel (or Megatron-FSDP) + the distributed optimizer
+    checkpoints           dist_checkpointing, resharded on load               recipes.megatron.checkpoint
+
+and it writes what the torch engine writes: metrics.jsonl and summary.json (recipes.metrics), plus Megatron's
+iteration line every log interval, so reports read both engines alike. Needs CUDA GPUs: megatron-core's rotary
+embedding and RNG tracker call torch.cuda unconditionally.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from recipes.config import Config, ConfigError, load_config
+from recipes.engine import checkpoint
+from recipes.engine.console import megatron_iteration_line, print_summary
+from recipes.engine.training import NonFiniteError, learning_rate
+from recipes.megatron import parallel_state
+from recipes.megatron import checkpoint as megatron_checkpoint
+from recipes.megatron.build import build, initialize_parallel_state
+from recipes.megatron.data import MicroBatches, build_train_dataset
+from recipes.megatron.translate import ddp_config, optimizer_config
+from recipes.metrics import MetricsWriter, StepMetrics, step_metrics, summarize, write_summary
+from recipes.provenance import provenance
+from megatron.core.distributed import DistributedDataParallel, FullyShardedDataParallel, finalize_model_grads
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.utils import get_batch_on_this_cp_rank
+
+
+def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
+    if not torch.cuda.is_available():
+        raise ConfigError("engine=megatron needs CUDA GPUs (megatron-core's rotary embedding and RNG tracker call "
+                          "torch.cuda); on a CPU use engine=torch")
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+    initialize_parallel_state(cfg)
+    model_parallel_cuda_manual_seed(cfg.trainer.seed)  # same weights on data-parallel ranks, own on TP ranks
+    return rank, world_size, device
+
+
+def wrap(cfg: Config, config, chunks: list) -> list:
+    """Each chunk in DDP (or Megatron-FSDP) with gradient buffers; the schedule's hooks as Megatron-LM sets them:
+    gradient reduction deferred to the last micro-batch and overlapped with the backward, parameter all-gather
+    overlapped with the next forward."""
+    wrapper = FullyShardedDataParallel if cfg.parallel.fsdp else DistributedDataParallel
+    ddp = ddp_config(cfg)
+    # Only the first chunk buckets its gradients: interleaved chunks reduce whole as they finish (Megatron-LM).
+    model = [wrapper(config=config, ddp_config=ddp, module=chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
+    for chunk in model:
+        chunk.broadcast_params()  # identical starting weights on every data-parallel rank
+    one = len(model) == 1
+    config.no_sync_func = model[0].no_sync if one else [m.no_sync for m in model]
+    config.grad_sync_func = model[0].start_grad_sync if one else [m.start_grad_sync for m in model]
+    config.finalize_model_grads_func = finalize_model_grads
+    return model
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean cross-entropy over this micro-batch's unmasked tokens; megatron-core's schedule divides by the number
+    of micro-batches and multiplies by the context-parallel size."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss = torch.sum(losses * mask) / mask.sum()
+    # A copy: the schedule divides the returned loss in place, which would scale a view of it too.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(device: torch.device, data_iterator, model):
+    batch = {key: value.to(device, non_blocking=True) for key, value in next(data_iterator).items()}
+    batch = get_batch_on_this_cp_rank(batch)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def step_loss(losses_reduced: list[dict]) -> torch.Tensor:
+    """The step's loss on every rank: mean of the micro-batches' losses on the last pipeline stage, averaged over
+    data (and context) parallel ranks, then sent from the last stage down the pipeline."""
+    loss = torch.zeros((), device=torch.cuda.current_device())
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        loss = torch.stack([x["lm loss"] for x in losses_reduced]).mean()
+        dist.all_reduce(loss, group=parallel_state.get_data_parallel_group(with_context_parallel=True))  # a sum
+        loss /= parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    dist.broadcast(loss, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                   group=parallel_state.get_pipeline_model_parallel_group())
+    return loss
+
+
+def train(cfg: Config, run_dir: Path) -> dict:
+    rank, world_size, device = setup_distributed(cfg)
+    is_logger = rank == 0
+    config, chunks = build(cfg, device)
+    model = wrap(cfg, config, chunks)
+    optimizer = get_megatron_optimizer(optimizer_config(cfg), model)
+    checkpoints = checkpoint.checkpoint_dir(cfg, run_dir)
+    first_step = megatron_checkpoint.load_latest(checkpoints, cfg, model, optimizer) + 1
+    if is_logger and first_step > 1:
+        print(f"resuming from step {first_step - 1} of {checkpoints}", flush=True)
+
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    batches = MicroBatches(build_train_dataset(cfg, rank), cfg, dp_rank, dp_size)
+    num_micro_batches = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * dp_size)
+    forward_backward = get_forward_backward_func()
+    history: list[StepMetrics] = checkpoint.resume_metrics(run_dir, first_step - 1) if is_logger else []
+    writer = MetricsWriter(run_dir) if is_logger else None
+    last_logged = first_step - 1
+
+    try:
+        for step in range(first_step, cfg.trainer.max_steps + 1):
+            lr = learning_rate(step, cfg.trainer)
+            start = time.perf_counter()
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            # One iterator per model chunk, each over this step's micro-batches (the interleaved schedule pulls
+            # micro-batch m from chunk k's iterator when chunk k runs it).
+            iterators = [batches.of_step(step, num_micro_batches) for _ in model]
+            losses_reduced = forward_backward(
+                forward_step_func=partial(forward_step, device),
+                data_iterator=iterators if len(model) > 1 else iterators[0],
+                model=model if len(model) > 1 else model[0],
+                num_microbatches=num_micro_batches,
+                seq_length=cfg.model.seq_length // cfg.parallel.cp,
+                micro_batch_size=cfg.trainer.micro_batch_size,
+                decoder_seq_length=cfg.model.seq_length // cfg.parallel.cp,
+                forward_only=False,
+            )
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            _, grad_norm, _ = optimizer.step()
+            loss_value, grad_norm_value = step_loss(losses_reduced).item(), float(grad_norm)
+            elapsed = time.perf_counter() - start
+            metrics = step_metrics(cfg, step, loss_value, grad_norm_value, lr, elapsed, world_size,
+                                   torch.cuda.max_memory_allocated(device) / 2**30)
+            if not (math.isfinite(loss_value) and math.isfinite(grad_norm_value)):
+                # Megatron's optimizer has stepped already; the run stops here, before any checkpoint of it.
+                if writer:
+                    writer.write(metrics)
+                raise NonFiniteError(loss_value, grad_norm_value)
+            history.append(metrics)
+            if writer:
+                writer.write(metrics)
+                if step % cfg.trainer.log_interval == 0 or step == cfg.trainer.max_steps:
+                    interval = [m for m in history if m.step > last_logged]
+                    print(megatron_iteration_line(interval, cfg.trainer.max_steps, cfg.trainer.global_batch_size),
+                          flush=True)
+                    last_logged = step
+            if checkpoint.is_due(cfg, step):
+                saved = megatron_checkpoint.save(checkpoints, step, model, optimizer, cfg)
+                if saved and is_logger:
+                    print(f"saved checkpoint of step {step} to {saved}", flush=True)
+    finally:
+        if writer:
+            writer.close()
+    summary = {}
+    if is_logger and history:
+        summary = summarize(cfg, history, world_size, provenance())
+        write_summary(run_dir, summary)
+        print_summary(summary, run_dir)
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m recipes.engine.megatron_engine RUN_DIR/config.yaml", file=sys.stderr)
+        return 2
+    config_path = Path(args[0])
+    cfg = load_config(config_path)
+    try:
+        train(cfg, run_dir=config_path.parent)
+    except NonFiniteError as error:
+        print(f"error: training stopped: {error} (precision={cfg.precision.name})", file=sys.stderr)
+        return 1
+    except ConfigError as error:  # CheckpointError included
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

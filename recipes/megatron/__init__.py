@@ -1,0 +1,15 @@
+"""engine=megatron: the resolved config as megatron-core objects (translate), the model and parallel state built
+from them (build), and data through megatron-core's dataset builders (data). The training loop is
+recipes.engine.megatron_engine.
+
+Importing this package imports megatron.core once, without the warning it prints when Transformer Engine and Apex
+are missing: the local layer spec needs neither, and whether FP8 can run is decided in recipes.plan, with a fix.
+"""
+
+import warnings
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    from megatron.core import parallel_state
+
+__all__ = ["parallel_state"]

@@ -1,0 +1,80 @@
+"""Test-only: run recipes.engine.megatron_engine on CPUs (Gloo) by pointing megatron-core's CUDA calls at the CPU.
+
+    torchrun --nproc-per-node=N tests/megatron_on_cpu.py RUN_DIR/config.yaml
+
+megatron-core 0.16 cannot run without CUDA: its rotary embedding moves frequencies to torch.cuda.current_device(),
+its optimizer allocates on device="cuda" and checks parameters' type() strings for "torch.cuda.", and its layers
+use the CUDA RNG tracker, and its pipeline communication synchronizes CUDA. This module stubs exactly those, and replaces the engine's NCCL setup with Gloo, so that
+the engine's own code (schedules, DDP + distributed optimizer, data, checkpoint save/resume, metrics) runs
+unchanged on a CPU in the test suite. It is not a way to train: nothing here is imported by the package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+
+def _cpu(device):
+    if isinstance(device, str) and device.startswith("cuda") or isinstance(device, int):
+        return "cpu"
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class CudaToCpu(TorchFunctionMode):
+    """Tensors asked for on CUDA are made on the CPU; a CPU tensor's type() reads as its CUDA twin's."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], _cpu(args[1]), *args[2:])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+class NoRngTracker:
+    """The CUDA RNG tracker forks states for dropout and initialization; the tests use neither on the device."""
+
+    def fork(self, *args, **kwargs):
+        return contextlib.nullcontext()
+
+
+def install() -> None:
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.max_memory_allocated = lambda *args, **kwargs: 0
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # after pipeline sends and receives
+    CudaToCpu().__enter__()
+    import megatron.core.tensor_parallel as tensor_parallel
+    from megatron.core.tensor_parallel import random
+
+    random.get_cuda_rng_tracker = tensor_parallel.get_cuda_rng_tracker = lambda *args, **kwargs: NoRngTracker()
+
+    import recipes.engine.megatron_engine as engine
+
+    def setup_distributed(cfg):
+        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        engine.initialize_parallel_state(cfg)
+        torch.manual_seed(cfg.trainer.seed)
+        return rank, world_size, torch.device("cpu")
+
+    engine.setup_distributed = setup_distributed
+
+
+if __name__ == "__main__":
+    install()
+    from recipes.engine.megatron_engine import main
+
+    sys.exit(main(sys.argv[1:]))
