@@ -460,7 +460,7 @@ def describe(plan: Plan) -> str:
         + ("; weights all-gathered in BF16 (precision.fp8_param_gather is engine=megatron's)"
            if cfg.precision.fp8_param_gather and cfg.engine == "torch" and plan.processes > 1 else ""),
         f"gpu         {cfg.gpu.name} ({cfg.gpu.arch}), {plan.processes} process(es) on {cfg.executor.nodes} node(s)"
-        + (" sharding the model (FSDP2)" if plan.processes > 1 else "") + ", "
+        + (" sharding the model (FSDP2)" if plan.processes > 1 and cfg.engine == "torch" else "") + ", "
         f"executor {describe_executor(cfg)}, engine {cfg.engine}",
         *([f"layout      {describe_layout(cfg)}"] if cfg.engine == "megatron" else []),
         f"batch       micro {t.micro_batch_size} x {dp} data-parallel x {accumulation} accumulation = "

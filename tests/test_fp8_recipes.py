@@ -23,7 +23,7 @@ from torch import nn
 from recipes.config import AmaxComputeAlgo, Fp8Format, ModelConfig, PrecisionConfig, Recipe
 from recipes.fp8 import convert_to_fp8
 from recipes.fp8.blockwise import quantize_blockwise
-from recipes.fp8.current_scaling import quantize_tensorwise
+from recipes.fp8.current_scaling import quantize_tensorwise, tensorwise_scale
 from recipes.fp8.delayed_scaling import DelayedScalingState, quantize_delayed, update_delayed_scaling
 from recipes.fp8.formats import E4M3, E5M2
 from recipes.fp8.gemm import fp8_gemm
@@ -932,6 +932,7 @@ def accumulate(layer: Fp8Linear, xs: list[torch.Tensor], cached: bool) -> tuple[
         set_weight_cache_mode(layer, (CACHE_REFRESH if micro == 0 else CACHE_REUSE) if cached else CACHE_OFF)
         y = layer(x)
         y.float().square().mean().backward()
+        update_fp8_scaling(layer)
         outs.append(y.detach())
     set_weight_cache_mode(layer, CACHE_OFF)
     return outs, layer.weight.grad.clone()
@@ -968,14 +969,16 @@ def test_weight_cache_is_really_reused_and_refreshed():
 
 
 def test_weight_cache_records_the_weight_amax_once_per_optimizer_step():
-    """Delayed scaling with the cache: the weight row of the amax history moves once per step (the first
-    micro-batch), the input and gradient rows once per micro-batch."""
-    layer = linear_module(256, 128, delayed_recipe(history_len=8), seed=4)
+    """Delayed scaling with the cache: the weight is quantized in the first micro-batch only, so one slot of the
+    weight's amax history is filled per optimizer step (the input and gradient rows: one per micro-batch), and
+    the empty slots of the other micro-batches keep the weight's scale instead of resetting it."""
+    layer = linear_module(256, 128, delayed_recipe(history_len=8, algo=AmaxComputeAlgo.most_recent), seed=4)
     attach_weight_caches(layer)
     g = torch.Generator().manual_seed(6)
     xs = [torch.randn(64, 256, generator=g).bfloat16().requires_grad_() for _ in range(3)]
     accumulate(layer, xs, cached=True)
-    history = layer.fp8_state.amax_history
-    assert int((history[WEIGHT] > 0).sum()) == 1
+    history, scale = layer.fp8_state.amax_history, layer.fp8_state.scale
+    amax = layer.weight.detach().abs().amax()
+    assert history[WEIGHT].tolist() == [0, 0, 0, amax.item(), 0, 0, 0, 0]  # filled in micro-batch 1 of 3
     assert int((history[INPUT] > 0).sum()) == 3 and int((history[GRAD] > 0).sum()) == 3
-    assert history[WEIGHT, 0] == layer.weight.detach().abs().amax()
+    assert scale[WEIGHT] == tensorwise_scale(amax, E4M3)  # most_recent, yet not reset by the empty slots
