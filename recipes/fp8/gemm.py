@@ -9,9 +9,12 @@ take), dispatched on the operands' scaling granularity:
   scales are powers of two, are exact in TF32 too: `use_tf32_for_mx_emulation` lets a GPU emulate MXFP8
   on tensor cores (FP32 accumulation, as the native kernel) instead of FP32 SIMT, several times faster.
 
-The native block-scaled GEMMs are one opaque custom op (`fp8_recipes::block_scaled_mm`) for torch.compile: the
-op's argument checks and scale-layout fix-ups then stay out of the traced graph, so Dynamo never breaks the graph
-inside an FP8 linear (a break there runs the whole autograd.Function, quantization included, eagerly).
+The block-scaled GEMMs, native and emulated, are one opaque custom op (`fp8_recipes::block_scaled_mm`) for
+torch.compile: the op's argument checks and scale-layout fix-ups then stay out of the traced graph, so Dynamo never
+breaks the graph inside an FP8 linear (a break there runs the whole autograd.Function, quantization included,
+eagerly), and the emulation's FP8 -> FP32 decoding runs in ATen's kernels (the CPU's code), not in code Inductor
+generates: a compiled emulated-MXFP8 model on an H200 computed other gradients than the eager one
+(tests/test_gpu.py).
 
 There is no silent fallback: a block-scaled GEMM without a native kernel and without emulation raises.
 """
@@ -31,14 +34,12 @@ def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, fast_accu
         return torch._scaled_mm(
             a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=out_dtype, use_fast_accum=fast_accum
         )
-    if emulate:
-        return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
-    if not a.data.is_cuda:
+    if not emulate and not a.data.is_cuda:
         raise RuntimeError(
             f"no native {a.block} x {b.block} block-scaled FP8 GEMM on {a.data.device}; "
             "set precision.emulate=true to emulate it"
         )
-    return block_scaled_mm(a.data, a.scale_inv, list(a.block), b.data, b.scale_inv, list(b.block), out_dtype)
+    return block_scaled_mm(a.data, a.scale_inv, list(a.block), b.data, b.scale_inv, list(b.block), out_dtype, emulate)
 
 
 def use_tf32_for_mx_emulation() -> None:
@@ -52,16 +53,18 @@ def use_tf32_for_mx_emulation() -> None:
 def block_scaled_mm(
     a: torch.Tensor, a_scale_inv: torch.Tensor, a_block: list[int],
     b: torch.Tensor, b_scale_inv: torch.Tensor, b_block: list[int],
-    out_dtype: torch.dtype,
+    out_dtype: torch.dtype, emulate: bool,
 ) -> torch.Tensor:
     a_operand, b_operand = Float8Tensor(a, a_scale_inv, tuple(a_block)), Float8Tensor(b, b_scale_inv, tuple(b_block))
+    if emulate:
+        return (a_operand.dequantize() @ b_operand.dequantize().t()).to(out_dtype)
     if a_operand.block == MX_BLOCK:
         return _mx_gemm(a_operand, b_operand, out_dtype)
     return _blockwise_gemm(a_operand, b_operand, out_dtype)
 
 
 @block_scaled_mm.register_fake
-def _(a, a_scale_inv, a_block, b, b_scale_inv, b_block, out_dtype):
+def _(a, a_scale_inv, a_block, b, b_scale_inv, b_block, out_dtype, emulate):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 

@@ -53,9 +53,8 @@ def quantize_mx(x: torch.Tensor, dtype: torch.dtype) -> Float8Tensor:
 
 
 # An opaque op for torch.compile: Inductor mis-fuses the two MX quantizations of one tensor that an FP8 linear
-# makes (along K for fprop, along the tokens for wgrad). On a CPU (torch 2.13) compiling a model fails with an
-# Inductor assertion on their fused index ranges; on an H200 (torch 2.11) the compiled emulated-MXFP8 training run
-# had gradient norms 14x below BF16's from the first step, while the eager path matches BF16. Eager kernels here.
+# makes (along K for fprop, along the tokens for wgrad); compiling a model on a CPU (torch 2.13) fails with an
+# Inductor assertion on their fused index ranges. Eager kernels here, the same on every device.
 @torch.library.custom_op("fp8_recipes::quantize_mx", mutates_args=())
 def quantize_mx_op(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
