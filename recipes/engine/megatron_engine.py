@@ -29,9 +29,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from recipes.config import Config, ConfigError, load_config
+from recipes.config import Config, ConfigError
 from recipes.engine import checkpoint
 from recipes.engine.console import megatron_iteration_line, print_summary
+from recipes.engine.entry import engine_main
 from recipes.engine.training import NonFiniteError, learning_rate
 from recipes.megatron import parallel_state
 from recipes.megatron import checkpoint as megatron_checkpoint
@@ -185,22 +186,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m recipes.engine.megatron_engine RUN_DIR/config.yaml", file=sys.stderr)
-        return 2
-    config_path = Path(args[0])
-    cfg = load_config(config_path)
-    try:
-        train(cfg, run_dir=config_path.parent)
-    except NonFiniteError as error:
-        print(f"error: training stopped: {error} (precision={cfg.precision.name})", file=sys.stderr)
-        return 1
-    except ConfigError as error:  # CheckpointError included
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 0
-
+    return engine_main("recipes.engine.megatron_engine", train, argv)
 
 if __name__ == "__main__":
     sys.exit(main())

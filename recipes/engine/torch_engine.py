@@ -24,10 +24,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from recipes.config import Config, Recipe, load_config
+from recipes.config import Config, Recipe
 from recipes.data import make_dataset
 from recipes.engine import checkpoint
 from recipes.engine.console import print_step, print_summary
+from recipes.engine.entry import engine_main
 from recipes.engine.fsdp import data_parallel_mesh, shard_model
 from recipes.engine.training import (
     NonFiniteError, build_optimizer, checkpoint_blocks, compile_blocks, learning_rate, optimizer_step,
@@ -165,22 +166,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m recipes.engine.torch_engine RUN_DIR/config.yaml", file=sys.stderr)
-        return 2
-    config_path = Path(args[0])
-    cfg = load_config(config_path)
-    try:
-        train(cfg, run_dir=config_path.parent)
-    except NonFiniteError as error:
-        print(f"error: training stopped: {error} (precision={cfg.precision.name})", file=sys.stderr)
-        return 1
-    except checkpoint.CheckpointError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 0
-
+    return engine_main("recipes.engine.torch_engine", train, argv)
 
 if __name__ == "__main__":
     sys.exit(main())
