@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -310,7 +312,16 @@ def load_option(group: str, name: str) -> Any:
         options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
         raise ConfigError(f"no option '{name}' in conf/{group}; available: {', '.join(options)}")
     schema = typing.get_type_hints(Config)[group]
-    return from_dict(schema, yaml.safe_load(path.read_text()), group)
+    return from_dict(schema, yaml.safe_load(_resolve_env(path.read_text())), group)
+
+
+_OC_ENV = re.compile(r"""\$\{oc\.env:(\w+),\s*'?([^'}]*)'?\}""")
+
+
+def _resolve_env(text: str) -> str:
+    """OmegaConf's `${oc.env:NAME,default}`, the one interpolation an option file can resolve on its own (Hydra
+    resolves it when composing; tools that load a single option do it here)."""
+    return _OC_ENV.sub(lambda m: os.environ.get(m.group(1), m.group(2)), text)
 
 
 def dump_config(cfg: Config) -> str:

@@ -83,8 +83,6 @@ def plan_runs(parts: str, gpus: int, steps_a: int, steps_bc: int) -> list[Run]:
 
 def make_config(run: Run, run_dir: Path, gpu: str) -> Path:
     data = load_option("data", run.data)
-    if run.data == "text":  # conf/data/text.yaml names its cache through an environment interpolation
-        data = dataclasses.replace(data, cache_dir=os.environ.get("FP8_RECIPES_CACHE", "~/.cache/fp8-recipes"))
     cfg = Config(
         model=dataclasses.replace(load_option("model", run.model), **dict(run.model_overrides)),
         precision=dataclasses.replace(load_option("precision", run.precision), fp8_param_gather=False),

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from recipes.config import ConfigError, DataConfig, DataKind
+from recipes.config import ConfigError, DataConfig, DataKind, load_option
 from recipes.data import build_corpus, corpus, make_dataset
 from recipes.data.corpus import EXCLUDED_DIRS, stdlib_sources
 from recipes.data.megatron_indexed import IndexedDataset, IndexedDatasetBuilder, get_bin_path, get_idx_path
@@ -231,3 +231,12 @@ def test_mock_tokens_are_uniform_in_the_vocabulary_and_deterministic():
     assert not np.array_equal(make_dataset(cfg, seq_length=63, vocab_size=7, seed=2)[0], samples[0])
     assert data[10**18].shape == (64,)
     assert len(data) >= 10**18
+
+
+def test_a_single_data_option_resolves_its_cache_directory(monkeypatch):
+    """conf/data/text.yaml names its cache with OmegaConf's `${oc.env:...}`; load_option (tools that do not
+    compose with Hydra) resolves it the same way instead of handing on the literal text."""
+    monkeypatch.setenv("FP8_RECIPES_CACHE", "/somewhere/cache")
+    assert load_option("data", "text").cache_dir == "/somewhere/cache"
+    monkeypatch.delenv("FP8_RECIPES_CACHE")
+    assert load_option("data", "text").cache_dir == "~/.cache/fp8-recipes"
