@@ -18,7 +18,7 @@ caches FP8 weights across micro-batches the same way (`is_first_microbatch`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -135,9 +135,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, recipe: Fp8Recipe, cache_mode: str, cache_block, *cache_and_state):
         # Tensors are passed one by one (not as a module or tuple) so that Dynamo traces this function whole.
-        cache, state = cache_and_state[:4], cache_and_state[4:] or None
+        (data, scale_inv, t_data, t_scale_inv), state = cache_and_state[:4], cache_and_state[4:] or None
+        cached = Float8Tensor(data, scale_inv, cache_block), Float8Tensor(t_data, t_scale_inv, cache_block)
         x_fp8 = recipe.quantize(x, INPUT, state)
-        w_fp8, w_t = _weight_operands(recipe, weight, state, cache_mode, WeightCacheTensors(*cache, cache_block))
+        w_fp8, w_t = _weight_operands(recipe, weight, state, cache_mode, cached)
         y = fp8_gemm(x_fp8, w_fp8, x.dtype, recipe.fast_accum_fprop, recipe.emulate)
         if recipe.fp8_wgrad:
             x_t = _transposed(recipe, x_fp8, x, INPUT, state)
@@ -176,31 +177,19 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, state: 
     return _Fp8LinearFunction.apply(x, weight, recipe, cache.mode, cache.block, *cache.tensors(), *state)
 
 
-def _weight_operands(recipe, weight, state, cache_mode, cache) -> tuple[Float8Tensor, Optional[Float8Tensor]]:
-    """The FP8 weight for fprop, and its transpose for dgrad where the cache holds it (None: backward makes it)."""
+def _weight_operands(recipe, weight, state, cache_mode, cached) -> tuple[Float8Tensor, Optional[Float8Tensor]]:
+    """The FP8 weight for fprop, and its transpose for dgrad where the cache holds it (None: backward makes it).
+    `cached`: the cache's (weight, transpose) buffers, read in CACHE_REUSE and filled in place in CACHE_REFRESH."""
     if cache_mode == CACHE_REUSE:
-        return cache.weight(), cache.weight_t()
+        return cached
     w_fp8 = recipe.quantize(weight, WEIGHT, state)
     if cache_mode != CACHE_REFRESH:
         return w_fp8, None
     w_t = _transposed(recipe, w_fp8, weight, WEIGHT, state)
-    for buffer, value in zip(cache[:4], (w_fp8.data, w_fp8.scale_inv, w_t.data, w_t.scale_inv)):
-        buffer.copy_(value)
+    for buffer, value in zip(cached, (w_fp8, w_t)):
+        buffer.data.copy_(value.data)
+        buffer.scale_inv.copy_(value.scale_inv)
     return w_fp8, w_t
-
-
-class WeightCacheTensors(NamedTuple):
-    data: Optional[torch.Tensor]
-    scale_inv: Optional[torch.Tensor]
-    t_data: Optional[torch.Tensor]
-    t_scale_inv: Optional[torch.Tensor]
-    block: Optional[tuple[int, int]]  # the same for the weight and its transpose (per tensor, 128x128, 1x32)
-
-    def weight(self) -> Float8Tensor:
-        return Float8Tensor(self.data, self.scale_inv, self.block)
-
-    def weight_t(self) -> Float8Tensor:
-        return Float8Tensor(self.t_data, self.t_scale_inv, self.block)
 
 
 class Fp8WeightCache(nn.Module):
@@ -217,12 +206,13 @@ class Fp8WeightCache(nn.Module):
         for name, like in (("data", w_fp8.data), ("scale_inv", w_fp8.scale_inv),
                            ("t_data", w_t.data), ("t_scale_inv", w_t.scale_inv)):
             self.register_buffer(name, torch.empty_like(like, device=weight.device), persistent=False)
-        assert w_fp8.block == w_t.block
+        assert w_fp8.block == w_t.block  # per tensor, 128x128 and 1x32 blocks alike: fprop's and dgrad's agree
         self.block = w_fp8.block
         self.mode = CACHE_OFF
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.data, self.scale_inv, self.t_data, self.t_scale_inv
+
 
 class Fp8Linear(nn.Linear):
     """nn.Linear (no bias) computing its three GEMMs in FP8. Shares its weight Parameter with the layer it replaces;
