@@ -188,5 +188,6 @@ def train(cfg: Config, run_dir: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     return engine_main("recipes.engine.megatron_engine", train, argv)
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from recipes.config import Config, Recipe
+from recipes.config import Config
 from recipes.data import make_dataset
 from recipes.engine import checkpoint
 from recipes.engine.console import print_step, print_summary
@@ -35,7 +35,6 @@ from recipes.engine.training import (
     prepare_fp8_weight_caching,
 )
 from recipes.fp8 import convert_to_fp8
-from recipes.fp8.gemm import use_tf32_for_mx_emulation
 from recipes.metrics import MetricsWriter, StepMetrics, step_metrics, summarize, write_summary
 from recipes.models.transformer import Transformer
 from recipes.provenance import provenance
@@ -65,8 +64,6 @@ def build_model(cfg: Config, device: torch.device, num_micro_batches: int) -> nn
         model = Transformer(cfg.model)
     model.init_weights(generator)
     convert_to_fp8(model.layers, cfg.precision)
-    if cfg.precision.recipe == Recipe.mxfp8 and cfg.precision.emulate and device.type == "cuda":
-        use_tf32_for_mx_emulation()
     prepare_fp8_weight_caching(model, num_micro_batches)
     if cfg.trainer.activation_checkpointing:
         checkpoint_blocks(model.layers)
@@ -167,6 +164,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     return engine_main("recipes.engine.torch_engine", train, argv)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -6,8 +6,8 @@ take), dispatched on the operands' scaling granularity:
 - 1x32 MX blocks: torch.nn.functional.scaled_mm with E8M0 scales in the 32_4_4 layout on Blackwell;
 - emulated (only when the precision asks for it): the operands dequantized to FP32 and multiplied in FP32, the
   same numbers a native block-scaled GEMM computes up to the order of FP32 accumulation. MX operands, whose
-  scales are powers of two, are exact in TF32 too: `use_tf32_for_mx_emulation` lets a GPU emulate MXFP8
-  on tensor cores (FP32 accumulation, as the native kernel) instead of FP32 SIMT, several times faster.
+  scales are powers of two, are exact in TF32 too, so on a GPU their emulation runs on tensor cores in TF32 (FP32
+  accumulation, as the native kernel) instead of FP32 SIMT, several times faster.
 
 The block-scaled GEMMs, native and emulated, are one opaque custom op (`fp8_recipes::block_scaled_mm`) for
 torch.compile: the op's argument checks and scale-layout fix-ups then stay out of the traced graph, so Dynamo never
@@ -42,13 +42,6 @@ def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, fast_accu
     return block_scaled_mm(a.data, a.scale_inv, list(a.block), b.data, b.scale_inv, list(b.block), out_dtype, emulate)
 
 
-def use_tf32_for_mx_emulation() -> None:
-    """Emulate MX GEMMs on tensor cores: an FP8 value times a power-of-two scale has at most 3 mantissa bits and
-    TF32 keeps 10, so TF32 inputs are exact and the products accumulate in FP32, as in the native kernel. The
-    engine calls this for an emulated MXFP8 run only; its other matmuls run in BF16 under autocast."""
-    torch.backends.cuda.matmul.allow_tf32 = True
-
-
 @torch.library.custom_op("fp8_recipes::block_scaled_mm", mutates_args=())
 def block_scaled_mm(
     a: torch.Tensor, a_scale_inv: torch.Tensor, a_block: list[int],
@@ -57,7 +50,7 @@ def block_scaled_mm(
 ) -> torch.Tensor:
     a_operand, b_operand = Float8Tensor(a, a_scale_inv, tuple(a_block)), Float8Tensor(b, b_scale_inv, tuple(b_block))
     if emulate:
-        return (a_operand.dequantize() @ b_operand.dequantize().t()).to(out_dtype)
+        return _emulated_gemm(a_operand, b_operand, out_dtype)
     if a_operand.block == MX_BLOCK:
         return _mx_gemm(a_operand, b_operand, out_dtype)
     return _blockwise_gemm(a_operand, b_operand, out_dtype)
@@ -66,6 +59,18 @@ def block_scaled_mm(
 @block_scaled_mm.register_fake
 def _(a, a_scale_inv, a_block, b, b_scale_inv, b_block, out_dtype, emulate):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+def _emulated_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The dequantized operands multiplied in FP32. MX operands on a GPU in TF32: an FP8 value times a power-of-two
+    scale has at most 3 mantissa bits and TF32 keeps 10, so the inputs are exact and the products accumulate in
+    FP32, as in the native kernel. The switch covers this matmul only (this op runs eagerly, even when compiled)."""
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32 or (a.block == MX_BLOCK and a.data.is_cuda)
+    try:
+        return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
 
 
 def _blockwise_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
