@@ -26,8 +26,8 @@ E8M0_BIAS = 127
 def mx_scale_exponent(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """ceil(log2(amax / fp8_max)), exactly, clamped to [-127, 127]; all-zero blocks get -127.
 
-    Read off the FP32 bits rather than computed with log2 or frexp (log2 rounds; Inductor cannot compile frexp,
-    on CPUs it fails and on GPUs it must not be trusted with it): with amax = m * 2**e (1 <= m < 2) and
+    Read off the FP32 bits rather than computed with log2 or frexp (log2 rounds; Inductor's CPU backend fails to
+    compile frexp/ldexp, and the float64 the quotient needed is slow on GPUs): with amax = m * 2**e (1 <= m < 2) and
     fp8_max = M * 2**E (M = 1.75 for E4M3 and E5M2), amax / fp8_max = (m / M) * 2**(e - E), whose ceil(log2) is
     e - E, plus 1 when m > M. An FP32-subnormal amax gives at most -134 here, clamped to -127 like the exact value.
     """
