@@ -12,6 +12,8 @@ from pathlib import Path
 
 PURE_CAST = re.compile(r"^triton_poi_fused__to_copy(_t)?_\d+$")  # Inductor's name for a cast and nothing else
 
+if len(sys.argv) < 2:
+    sys.exit("usage: python docs/results/bf16_casts.py LAYER_BENCH_DIR... (each with profiles.json and results.csv)")
 print("| model | bf16 step (ms) | pure casts (ms) | fp8_current (ms) | speedup | speedup vs bf16 without casts |")
 print("|---|---|---|---|---|---|")
 for folder in map(Path, sys.argv[1:]):
