@@ -48,6 +48,44 @@ def test_fp8_linear_gemms_on_cuda_against_float64(compiled):
     assert y.dtype == x.grad.dtype == torch.bfloat16 and linear.weight.grad.dtype == torch.float32
 
 
+# Relative-error bands of a GEMM whose two operands are rounded to FP8 (tests/test_fp8_recipes.py, rho_band):
+# E4M3 x E4M3 and E5M2 x E4M3. A GEMM fed zeros or the wrong scales lands far outside; BF16 lands below.
+BANDS = {(E4M3, E4M3): (0.0204, 0.0638), (E5M2, E4M3): (0.0323, 0.1009)}
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("precision", ["fp8_current", "fp8_delayed", "fp8_blockwise", "mxfp8"])
+def test_every_recipe_gemms_on_cuda_against_float64(precision, compiled):
+    """Each recipe as its preset configures it (blockwise on cuBLAS block scaling, MXFP8 emulated: the H200 has no
+    native MX kernel), eager and compiled: fprop, dgrad and wgrad against float64. Delayed scaling is measured on
+    its second use, after one update has set real scales."""
+    import dataclasses
+
+    from recipes.config import load_option
+    from recipes.fp8.linear import recipe_from_config, update_fp8_scaling
+
+    config = load_option("precision", precision)
+    recipe = recipe_from_config(dataclasses.replace(config, emulate=config.recipe.value == "mxfp8"))
+    generator = torch.Generator("cuda").manual_seed(7)
+    linear = torch.nn.Linear(512, 384, bias=False, device="cuda")
+    torch.nn.init.normal_(linear.weight, std=0.02, generator=generator)
+    layer = Fp8Linear(linear, recipe)
+    forward = torch.compile(layer) if compiled else layer
+    for _ in range(2 if recipe.stateful else 1):
+        linear.weight.grad = None
+        x = torch.randn(256, 512, device="cuda", generator=generator).bfloat16().requires_grad_()
+        dy = (torch.randn(256, 384, device="cuda", generator=generator) * 1e-3).bfloat16()
+        y = forward(x)
+        y.backward(dy)
+        update_fp8_scaling(layer)
+    xd, wd, dyd = x.double(), linear.weight.double(), dy.double()
+    fprop, grads = BANDS[(recipe.forward_dtype, E4M3)], BANDS[(recipe.backward_dtype, E4M3)]
+    for name, value, reference, (low, high) in (
+        ("fprop", y, xd @ wd.t(), fprop), ("dgrad", x.grad, dyd @ wd, grads), ("wgrad", linear.weight.grad, dyd.t() @ xd, grads)
+    ):
+        assert low < relative_error(value, reference) < high, (precision, name, relative_error(value, reference))
+
+
 def test_engine_trains_on_gpu(tmp_path):
     from recipes.config import Config, DataConfig, ExecutorConfig, RunConfig, TrainerConfig, load_option, save_config
     from recipes.engine.torch_engine import main
