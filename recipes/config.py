@@ -58,6 +58,13 @@ class Recompute(str, enum.Enum):
     full = "full"  # every layer keeps only its input and recomputes the rest in the backward
 
 
+class GradReduce(str, enum.Enum):
+    """When FSDP2 reduce-scatters gradients under gradient accumulation (several processes only)."""
+
+    per_step = "per_step"  # once, after the last micro-batch: least traffic; FP32 gradients held unsharded until then
+    per_micro_batch = "per_micro_batch"  # after every micro-batch (torchtitan's way): sharded gradients only
+
+
 class DataKind(str, enum.Enum):
     indexed = "indexed"  # a Megatron indexed dataset (.bin/.idx); the bundled text corpus when no path is given
     mock = "mock"  # uniformly random tokens: for throughput, not for loss curves
@@ -222,6 +229,7 @@ class TrainerConfig:
     seed: int = 1234
     compile: Optional[bool] = None  # None: compile on GPU, not on CPU
     activation_checkpointing: bool = False  # recompute each transformer block in the backward (saves memory)
+    grad_reduce: GradReduce = GradReduce.per_step  # FSDP2 with gradient accumulation: see GradReduce
     log_interval: int = 10
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # resumes from the newest one found
 

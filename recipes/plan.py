@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from recipes.config import Config, ConfigError, Fp8Format, ModelConfig, Recipe, Recompute, load_option
+from recipes.config import Config, ConfigError, Fp8Format, GradReduce, ModelConfig, Recipe, Recompute, load_option
 from recipes.models.transformer import count_parameters
 
 ENGINE_MODULE = {"torch": "recipes.engine.torch_engine", "megatron": "recipes.engine.megatron_engine"}
@@ -80,6 +80,9 @@ def _validate_launch(cfg: Config) -> None:
                           "executor.name=slurm")
     if cfg.engine == "megatron":
         _validate_megatron_runtime(cfg)
+        if cfg.trainer.grad_reduce != GradReduce.per_step:
+            raise ConfigError("trainer.grad_reduce is the torch engine's (FSDP2); engine=megatron reduces gradients "
+                              "through its DDP/distributed optimizer (parallel.* settings)")
     if cfg.executor.gpus < 1:
         raise ConfigError(f"executor.gpus must be at least 1 (got {cfg.executor.gpus})")
     if cfg.executor.name == "local" and cfg.gpu.arch != "cpu" and not cfg.dryrun:
@@ -369,7 +372,8 @@ def _torch_engine_memory(cfg: Config, parameters: int) -> MemoryEstimate:
     Over N > 1 processes (FSDP2) each holds 1/N of the weights, gradients and moments, plus the BF16 weights
     all-gathered at a time (the root's embedding and output layer, a layer and the next one prefetched); with
     gradient accumulation the whole model's FP32 gradients are accumulated unsharded until the last
-    micro-batch's reduce-scatter (no reduce-scatter per micro-batch: less traffic, more memory). With activation
+    micro-batch's reduce-scatter, unless trainer.grad_reduce=per_micro_batch. FP8 layers under accumulation keep
+    their weights quantized (and transposed) for the step: 2 bytes per linear weight. With activation
     checkpointing only each layer's input (h) is kept, and one layer's tensors at a time.
     """
     m, t = cfg.model, cfg.trainer
@@ -380,14 +384,17 @@ def _torch_engine_memory(cfg: Config, parameters: int) -> MemoryEstimate:
     activations = checkpointed if t.activation_checkpointing else tokens * m.num_layers * per_token_layer + logits
     weights, gradients, optimizer = (b * parameters for b in TORCH_BYTES)
     dp = world_size(cfg)
+    accumulates = t.global_batch_size > t.micro_batch_size * dp
     if dp > 1:
         root = 2 * m.vocab_size * m.hidden_size
         gathered = 2.0 * (root + 2 * (parameters - root) / m.num_layers)
-        accumulates = t.global_batch_size > t.micro_batch_size * dp
+        unsharded = accumulates and t.grad_reduce == GradReduce.per_step
         # The sharded gradients exist only from the last micro-batch's reduce-scatter to the optimizer step, while
         # the unsharded ones are freed layer by layer: the peak is the larger of the two.
         weights, optimizer = weights / dp + gathered, optimizer / dp
-        gradients = gradients if accumulates else gradients / dp
+        gradients = gradients if unsharded else gradients / dp
+    if accumulates and cfg.precision.recipe != Recipe.bf16:
+        weights += 2.0 * (parameters - 2 * m.vocab_size * m.hidden_size)  # the FP8 weight caches
     return MemoryEstimate(weights, gradients, optimizer, float(activations), float(checkpointed))
 
 
@@ -465,7 +472,9 @@ def describe(plan: Plan) -> str:
         *([f"layout      {describe_layout(cfg)}"] if cfg.engine == "megatron" else []),
         f"batch       micro {t.micro_batch_size} x {dp} data-parallel x {accumulation} accumulation = "
         f"global {t.global_batch_size} sequences; {t.max_steps} steps, lr {t.lr} (warm-up {t.warmup_steps}, cosine to {t.min_lr})"
-        + ("; activation checkpointing" if t.activation_checkpointing else ""),
+        + ("; activation checkpointing" if t.activation_checkpointing else "")
+        + ("; gradients reduce-scattered every micro-batch"
+           if t.grad_reduce == GradReduce.per_micro_batch and plan.processes > 1 and accumulation > 1 else ""),
         f"data        {cfg.data.name} ({cfg.data.kind.value}" + (f", {cfg.data.path}" if cfg.data.path else "") + ")",
         f"memory/GPU  ~{mem.total / gib:,.1f} GiB{capacity} (weights {mem.weights / gib:,.1f}, grads "
         f"{mem.gradients / gib:,.1f}, optimizer {mem.optimizer / gib:,.1f}, activations {mem.activations / gib:,.1f}; "

@@ -3,6 +3,7 @@
     python scripts/scaling_bench.py --out DIR --parts ac      # on a node with 2 GPUs: about 3 minutes
     python scripts/scaling_bench.py --out DIR2 --parts b      # about 5 minutes (4 compiled runs of the full 8B)
     python scripts/scaling_bench.py --out DIR --gpus 4        # everything, on 4 GPUs
+    python scripts/scaling_bench.py --out DIR3 --parts b --accumulate 4   # b with 4 micro-batches per GPU per step
 
 Parts (each run is the engine started as launch/run.py starts it, from a config composed of conf/ options):
   a  loss parity: tiny_llama on the bundled text, global batch 32, 50 steps, 1 GPU vs --gpus GPUs (same global
@@ -14,7 +15,10 @@ Parts (each run is the engine started as launch/run.py starts it, from a config 
   b  the full llama3_8b (32 layers, seq 8192, micro-batch 1, one micro-batch per GPU per step: no FP32
      gradient accumulation buffer, which would not fit beside the activations on 2 GPUs) on --gpus GPUs, mock
      data, bf16 / fp8_current / fp8_delayed / fp8_blockwise: tokens/s/GPU, model TFLOP/s/GPU, MFU, peak memory.
-     fp8_param_gather is off: the torch engine all-gathers BF16 weights.
+     fp8_param_gather is off: the torch engine all-gathers BF16 weights. With --accumulate N, N micro-batches
+     per GPU per step, each reduce-scattered (trainer.grad_reduce=per_micro_batch: sharded gradients only), so
+     the optimizer step and the FP8 weight quantization are paid once per N micro-batches, as in NVIDIA's
+     published runs (global batch 128).
 
 Throughput is the median over the steps after the first WARMUP (compilation, allocator warm-up). Every run's
 directory keeps its config.yaml, metrics.jsonl, summary.json (commit, versions, device) and train.log; the table is
@@ -38,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from recipes.config import Config, TrainerConfig, load_config, load_option, save_config  # noqa: E402
+from recipes.config import Config, GradReduce, TrainerConfig, load_config, load_option, save_config  # noqa: E402
 from recipes.plan import engine_command, validate  # noqa: E402
 from recipes.provenance import provenance  # noqa: E402
 
@@ -55,15 +59,17 @@ class Run:
     trainer: dict
     model_overrides: tuple = ()  # (field, value) pairs
     data: str = "mock"
+    accumulate: int = 1  # micro-batches per GPU per step (part b)
 
     @property
     def name(self) -> str:
         layers = dict(self.model_overrides).get("num_layers")
         model = f"{self.model}-{layers}L" if layers else self.model
-        return f"{self.part}-{model}-{self.precision}-{self.gpus}gpu"
+        accumulation = f"-{self.accumulate}mb" if self.accumulate > 1 else ""
+        return f"{self.part}-{model}-{self.precision}-{self.gpus}gpu{accumulation}"
 
 
-def plan_runs(parts: str, gpus: int, steps_a: int, steps_bc: int) -> list[Run]:
+def plan_runs(parts: str, gpus: int, steps_a: int, steps_bc: int, accumulate: int = 1) -> list[Run]:
     """Cheapest first: a (eager, tiny), c (the first compiled multi-GPU runs, 4 layers; they also fill the
     compile cache for b's identical blocks), b (the full model)."""
     runs = []
@@ -76,8 +82,10 @@ def plan_runs(parts: str, gpus: int, steps_a: int, steps_bc: int) -> list[Run]:
             weak = dict(max_steps=steps_bc, micro_batch_size=1, global_batch_size=2 * n, lr=1e-4, log_interval=1)
             runs.append(Run("c", "llama3_8b", "bf16", n, weak, model_overrides=(("num_layers", 4),)))
     if "b" in parts:
-        full = dict(max_steps=steps_bc, micro_batch_size=1, global_batch_size=gpus, lr=1e-4, log_interval=1)
-        runs += [Run("b", "llama3_8b", p, gpus, full) for p in ("bf16", "fp8_current", "fp8_delayed", "fp8_blockwise")]
+        full = dict(max_steps=steps_bc, micro_batch_size=1, global_batch_size=gpus * accumulate, lr=1e-4, log_interval=1,
+                    grad_reduce=GradReduce.per_micro_batch if accumulate > 1 else GradReduce.per_step)
+        runs += [Run("b", "llama3_8b", p, gpus, full, accumulate=accumulate)
+                 for p in ("bf16", "fp8_current", "fp8_delayed", "fp8_blockwise")]
     return runs
 
 
@@ -208,11 +216,12 @@ def main() -> int:
     parser.add_argument("--parts", default="abc")
     parser.add_argument("--steps-a", type=int, default=50)
     parser.add_argument("--steps", type=int, default=10, help="steps of parts b and c")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per GPU per step in part b")
     args = parser.parse_args()
     if "a" in args.parts and importlib.util.find_spec("megatron") is None:
         parser.error("part a reads the bundled text through megatron-core, which is not installed; "
                      "install its wheel or leave part a out (--parts bc)")
-    runs = plan_runs(args.parts, args.gpus, args.steps_a, args.steps)
+    runs = plan_runs(args.parts, args.gpus, args.steps_a, args.steps, args.accumulate)
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     done = execute(runs, args.out, args.gpu, args.gpus)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.config import CheckpointConfig, Config, TrainerConfig, load_config, load_option, save_config
+from recipes.config import CheckpointConfig, Config, GradReduce, TrainerConfig, load_config, load_option, save_config
 from recipes.engine import checkpoint, torch_engine
 from recipes.plan import describe, estimate_memory, make_plan
 
@@ -163,3 +163,29 @@ def test_memory_estimate_shards_over_processes(tmp_path):
     assert accumulating.gradients == one.gradients  # FP32 gradients accumulate unsharded until the last micro-batch
     recomputed = estimate_memory(planned(tmp_path, "bf16", 2, activation_checkpointing=True), parameters)
     assert recomputed.activations < accumulating.activations
+
+
+def test_reduce_scatter_every_micro_batch_trains_the_same(tmp_path, cache_dir):
+    """trainer.grad_reduce=per_micro_batch: each of the 2 micro-batches per process is reduce-scattered and FSDP
+    adds it into the sharded gradients; the same sums as one reduce-scatter per step, in another order."""
+    one = tmp_path / "one"
+    assert torch_engine.main([str(make_config(one, cache_dir, "fp8_delayed", 1))]) == 0
+    config_path = make_config(tmp_path / "two", cache_dir, "fp8_delayed", 2)
+    cfg = load_config(config_path)
+    cfg.trainer.grad_reduce = GradReduce.per_micro_batch
+    save_config(cfg, config_path)
+    torchrun("-m", "recipes.engine.torch_engine", str(config_path))
+    assert_close(curve(tmp_path / "two"), curve(one), "fp8_delayed")
+
+
+def test_memory_estimate_of_gradient_reduction_and_weight_caches(tmp_path):
+    parameters = 3_311_872
+    per_step = estimate_memory(planned(tmp_path, "bf16", 2), parameters)  # 2 micro-batches per process
+    per_micro_batch = estimate_memory(planned(tmp_path, "bf16", 2, grad_reduce=GradReduce.per_micro_batch), parameters)
+    assert per_micro_batch.gradients == per_step.gradients / 2
+    fp8 = estimate_memory(planned(tmp_path, "fp8_current", 2), parameters)
+    cfg = planned(tmp_path, "bf16", 2)
+    linear_weights = parameters - 2 * cfg.model.vocab_size * cfg.model.hidden_size
+    assert fp8.weights == per_step.weights + 2 * linear_weights  # an FP8 weight and its transpose per linear
+    text = describe(make_plan(planned(tmp_path, "bf16", 2, grad_reduce=GradReduce.per_micro_batch), tmp_path / "c.yaml"))
+    assert "gradients reduce-scattered every micro-batch" in text

@@ -425,3 +425,11 @@ def test_engine_trains_two_pipeline_stages_writes_metrics_and_resumes_exactly(hy
         assert resumed == [{**m, "step_time_s": r["step_time_s"], "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"],
                             "model_tflops_per_gpu": r["model_tflops_per_gpu"], "mfu": r["mfu"]}
                            for m, r in zip(metrics, resumed)]
+
+
+def test_fsdp2_gradient_reduction_option_is_refused_on_megatron(hydra_compose):
+    from recipes.plan import validate
+
+    cfg = hydra_compose("engine=megatron", "gpu=h200", "precision=bf16", "trainer.grad_reduce=per_micro_batch", "dryrun=true")
+    with pytest.raises(ConfigError, match="trainer.grad_reduce is the torch engine's"):
+        validate(cfg)

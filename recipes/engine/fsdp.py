@@ -11,9 +11,12 @@ embedding, final norm and output layer) another:
     backward    all-gathered again, then the gradients reduce-scattered in FP32 (reduce_dtype) and averaged
     optimizer   AdamW updates the FP32 shards in place
 
-Gradient accumulation: the micro-batches before the last one of a step skip the reduce-scatter
-(`set_gradient_sync`) and FSDP accumulates their unsharded gradients in FP32 (the reduce dtype); the last one
-reduce-scatters the sum, once per optimizer step. Resharding after forward stays on during accumulation: it
+Gradient accumulation (`trainer.grad_reduce`): by default (per_step) the micro-batches before the last one of a
+step skip the reduce-scatter (`set_gradient_sync`) and FSDP accumulates their unsharded gradients in FP32 (the
+reduce dtype); the last one reduce-scatters the sum, once per optimizer step. per_micro_batch reduce-scatters
+after every micro-batch and FSDP adds the result into the sharded gradients (torchtitan's way): N times the
+traffic, overlapped with the backward, but no unsharded gradients (32 GB for Llama 3 8B), which is what lets a big
+model accumulate at all. Resharding after forward stays on during accumulation: it
 costs an all-gather per layer and micro-batch, which overlaps with compute, and saves holding every layer's BF16
 weights at once (16 GB for Llama 3 8B).
 

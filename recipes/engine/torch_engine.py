@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from recipes.config import Config
+from recipes.config import Config, GradReduce
 from recipes.data import make_dataset
 from recipes.engine import checkpoint
 from recipes.engine.console import print_step, print_summary
@@ -127,7 +127,8 @@ def train(cfg: Config, run_dir: Path) -> dict:
             start = time.perf_counter()
             try:
                 loss, grad_norm = optimizer_step(
-                    step_loss(step), accumulation, model, optimizer, lr, cfg.trainer.grad_clip
+                    step_loss(step), accumulation, model, optimizer, lr, cfg.trainer.grad_clip,
+                    reduce_every_micro_batch=cfg.trainer.grad_reduce == GradReduce.per_micro_batch,
                 )
             except NonFiniteError as error:
                 if writer:

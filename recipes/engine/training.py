@@ -73,17 +73,19 @@ def optimizer_step(
     optimizer: torch.optim.Optimizer,
     lr: float,
     grad_clip: float,
+    reduce_every_micro_batch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of each micro-batch (gradients accumulate), clip, one optimizer step.
 
     Returns the mean loss and the gradient norm before clipping. Raises NonFiniteError, before the weights are
-    touched, when either is inf or NaN (one host sync per step). Under FSDP gradients are reduce-scattered only
-    in the last micro-batch's backward. After each backward, delayed scaling folds the micro-batch's amaxes into
+    touched, when either is inf or NaN (one host sync per step). Under FSDP gradients are reduce-scattered in
+    the last micro-batch's backward only, or in every one with `reduce_every_micro_batch` (FSDP then adds them
+    into the sharded gradients). After each backward, delayed scaling folds the micro-batch's amaxes into
     its scales (recipes.fp8.update_fp8_scaling).
     """
     total = torch.zeros((), device=next(model.parameters()).device)
     for micro in range(num_micro_batches):
-        set_gradient_sync(model, micro == num_micro_batches - 1)
+        set_gradient_sync(model, reduce_every_micro_batch or micro == num_micro_batches - 1)
         set_weight_cache_mode(model, CACHE_REFRESH if micro == 0 else CACHE_REUSE)
         loss = micro_batch_loss(micro) / num_micro_batches
         loss.backward()
