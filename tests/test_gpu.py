@@ -171,7 +171,7 @@ def test_compiled_emulated_mxfp8_model_matches_eager():
     """Compiled blocks of an emulated-MXFP8 model give the eager gradients. History: compiled emulated-MXFP8
     training on an H200 (torch 2.11) had gradient norms 14x below BF16's from the first step; this test failed at
     commit 8e1c20b (MX quantization already opaque), after which the emulated GEMM (with its FP8 decoding) became
-    an opaque op too (recipes.fp8.gemm). Not yet run on a GPU since."""
+    an opaque op too (recipes.fp8.gemm); passed on an H200 at 4079830."""
     import dataclasses
 
     from recipes.config import load_option
