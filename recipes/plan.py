@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from recipes.config import Config, ConfigError, Fp8Format, GradReduce, ModelConfig, Recipe, Recompute, load_option
+from recipes.fp8.all_gather import fp8_all_gather_applies
 from recipes.models.transformer import count_parameters
 
 ENGINE_MODULE = {"torch": "recipes.engine.torch_engine", "megatron": "recipes.engine.megatron_engine"}
@@ -365,6 +366,12 @@ def estimate_memory(cfg: Config, parameters: int) -> MemoryEstimate:
     )
 
 
+def _torch_engine_weight_gather(cfg: Config, processes: int) -> str:
+    if fp8_all_gather_applies(cfg.precision, processes):
+        return "; weights all-gathered in FP8 by FSDP2 (precision.fp8_param_gather)"
+    return "; weights all-gathered in BF16 (FSDP2's FP8 all-gather is for per-tensor recipes)"
+
+
 def _torch_engine_memory(cfg: Config, parameters: int) -> MemoryEstimate:
     """FP32 master weights and gradients, two FP32 Adam moments, and the tensors saved for the backward
     (activation_bytes_per_token_layer, no tensor parallelism).
@@ -373,7 +380,8 @@ def _torch_engine_memory(cfg: Config, parameters: int) -> MemoryEstimate:
     all-gathered at a time (the root's embedding and output layer, a layer and the next one prefetched); with
     gradient accumulation the whole model's FP32 gradients are accumulated unsharded until the last
     micro-batch's reduce-scatter, unless trainer.grad_reduce=per_micro_batch. FP8 layers under accumulation keep
-    their weights quantized (and transposed) for the step: 2 bytes per linear weight. With activation
+    their weights quantized (and transposed) for the step: 2 bytes per linear weight, unless FSDP2 all-gathers
+    them in FP8 (then a gathered layer weighs 1 byte per weight and nothing is cached). With activation
     checkpointing only each layer's input (h) is kept, and one layer's tensors at a time.
     """
     m, t = cfg.model, cfg.trainer
@@ -385,15 +393,17 @@ def _torch_engine_memory(cfg: Config, parameters: int) -> MemoryEstimate:
     weights, gradients, optimizer = (b * parameters for b in TORCH_BYTES)
     dp = world_size(cfg)
     accumulates = t.global_batch_size > t.micro_batch_size * dp
+    fp8_gather = fp8_all_gather_applies(cfg.precision, dp)
     if dp > 1:
         root = 2 * m.vocab_size * m.hidden_size
-        gathered = 2.0 * (root + 2 * (parameters - root) / m.num_layers)
+        layer_bytes = 1.0 if fp8_gather else 2.0  # FP8 all-gather: the layers' weights arrive in one byte
+        gathered = 2.0 * root + layer_bytes * 2 * (parameters - root) / m.num_layers
         unsharded = accumulates and t.grad_reduce == GradReduce.per_step
         # The sharded gradients exist only from the last micro-batch's reduce-scatter to the optimizer step, while
         # the unsharded ones are freed layer by layer: the peak is the larger of the two.
         weights, optimizer = weights / dp + gathered, optimizer / dp
         gradients = gradients if unsharded else gradients / dp
-    if accumulates and cfg.precision.recipe != Recipe.bf16:
+    if accumulates and cfg.precision.recipe != Recipe.bf16 and not fp8_gather:
         weights += 2.0 * (parameters - 2 * m.vocab_size * m.hidden_size)  # the FP8 weight caches
     return MemoryEstimate(weights, gradients, optimizer, float(activations), float(checkpointed))
 
@@ -464,7 +474,7 @@ def describe(plan: Plan) -> str:
         + (f", format {cfg.precision.fp8_format.value}" if cfg.precision.fp8_format else "")
         + (", emulated" if cfg.precision.emulate else "")
         + ")"
-        + ("; weights all-gathered in BF16 (precision.fp8_param_gather is engine=megatron's)"
+        + (_torch_engine_weight_gather(cfg, plan.processes)
            if cfg.precision.fp8_param_gather and cfg.engine == "torch" and plan.processes > 1 else ""),
         f"gpu         {cfg.gpu.name} ({cfg.gpu.arch}), {plan.processes} process(es) on {cfg.executor.nodes} node(s)"
         + (" sharding the model (FSDP2)" if plan.processes > 1 and cfg.engine == "torch" else "") + ", "

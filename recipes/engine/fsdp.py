@@ -20,6 +20,11 @@ model accumulate at all. Resharding after forward stays on during accumulation: 
 costs an all-gather per layer and micro-batch, which overlaps with compute, and saves holding every layer's BF16
 weights at once (16 GB for Llama 3 8B).
 
+FP8 all-gather (`precision.fp8_param_gather=true` with a per-tensor recipe, NeMo's fp8_current and fp8_delayed
+presets): each process casts its FP32 shard to E4M3 with the whole weight's scale and the FP8 bytes are gathered
+instead of BF16 (recipes.fp8.all_gather); the gathered FP8 weight goes straight into the GEMMs, so no layer
+quantizes its weight (and none keeps a weight cache).
+
 Buffers are not sharded: RoPE tables, and delayed scaling's amax histories, which
 `recipes.fp8.update_fp8_scaling` keeps identical on every rank by all-reducing (max) the amaxes.
 """
@@ -32,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from recipes.fp8.all_gather import enable_fp8_all_gather
 from recipes.models.transformer import Transformer
 
 
@@ -39,9 +45,12 @@ def data_parallel_mesh(device: torch.device, world_size: int) -> DeviceMesh:
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
 
 
-def shard_model(model: Transformer, mesh: DeviceMesh) -> None:
+def shard_model(model: Transformer, mesh: DeviceMesh, fp8_all_gather: bool = False) -> None:
     """Apply FSDP2 in place, bottom-up: each decoder layer, then the root. Call after compiling the layers (the
-    order torchtitan uses; Dynamo leaves FSDP's hooks out of the compiled graphs)."""
+    order torchtitan uses; Dynamo leaves FSDP's hooks out of the compiled graphs). `fp8_all_gather`: the per-tensor
+    FP8 layers' weights travel in FP8 (recipes.fp8.all_gather)."""
+    if fp8_all_gather:
+        enable_fp8_all_gather(model)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     last = len(model.layers) - 1
     for index, layer in enumerate(model.layers):

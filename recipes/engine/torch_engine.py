@@ -35,6 +35,7 @@ from recipes.engine.training import (
     prepare_fp8_weight_caching,
 )
 from recipes.fp8 import convert_to_fp8
+from recipes.fp8.all_gather import fp8_all_gather_applies, update_all_gather_scales
 from recipes.metrics import MetricsWriter, StepMetrics, step_metrics, summarize, write_summary
 from recipes.models.transformer import Transformer
 from recipes.provenance import provenance
@@ -58,13 +59,14 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def build_model(cfg: Config, device: torch.device, num_micro_batches: int) -> nn.Module:
+def build_model(cfg: Config, device: torch.device, num_micro_batches: int, cache_fp8_weights: bool = True) -> nn.Module:
     generator = torch.Generator(device).manual_seed(cfg.trainer.seed)
     with torch.device(device):
         model = Transformer(cfg.model)
     model.init_weights(generator)
     convert_to_fp8(model.layers, cfg.precision)
-    prepare_fp8_weight_caching(model, num_micro_batches)
+    if cache_fp8_weights:
+        prepare_fp8_weight_caching(model, num_micro_batches)
     if cfg.trainer.activation_checkpointing:
         checkpoint_blocks(model.layers)
     should_compile = cfg.trainer.compile if cfg.trainer.compile is not None else device.type == "cuda"
@@ -92,9 +94,10 @@ def train(cfg: Config, run_dir: Path) -> dict:
     rank, world_size, device = setup_distributed()
     is_logger = rank == 0
     accumulation = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * world_size)
-    model = build_model(cfg, device, accumulation)
+    fp8_all_gather = fp8_all_gather_applies(cfg.precision, world_size)
+    model = build_model(cfg, device, accumulation, cache_fp8_weights=not fp8_all_gather)
     if world_size > 1:
-        shard_model(model, data_parallel_mesh(device, world_size))
+        shard_model(model, data_parallel_mesh(device, world_size), fp8_all_gather)
     optimizer = build_optimizer(model, cfg.trainer, device)
     checkpoints = checkpoint.checkpoint_dir(cfg, run_dir)
     resumed = checkpoint.load_latest(checkpoints, cfg, device)
@@ -107,6 +110,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
             changed = checkpoint.changed_settings(resumed.state["config"], cfg)
             note = f" (changed: {', '.join(changed)})" if changed else ""
             print(f"resuming from step {resumed.step} of {resumed.path}{note}", flush=True)
+    update_all_gather_scales(model)  # the FP8 all-gather's scales of the initial or restored weights
     batches = MicroBatches(cfg, rank, world_size, device)
     # The whole run's steps, those of earlier attempts included; metrics.jsonl is cut back to the checkpoint.
     history: list[StepMetrics] = checkpoint.resume_metrics(run_dir, first_step - 1) if is_logger else []

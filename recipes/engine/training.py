@@ -12,6 +12,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from recipes.config import TrainerConfig
 from recipes.engine.fsdp import replicated, set_gradient_sync
 from recipes.fp8 import update_fp8_scaling
+from recipes.fp8.all_gather import update_all_gather_scales
 from recipes.fp8.linear import CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, attach_weight_caches, set_weight_cache_mode
 
 
@@ -100,4 +101,5 @@ def optimizer_step(
         group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    update_all_gather_scales(model)  # the new weights' scales for FSDP's FP8 all-gather (no-op without it)
     return total, grad_norm

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from recipes.config import AmaxComputeAlgo, ConfigError, PrecisionConfig, Recipe
+from recipes.fp8.all_gather import Fp8GatheredWeight, shard_amax
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise
 from recipes.fp8.current_scaling import quantize_tensorwise
 from recipes.fp8.delayed_scaling import NUM_ROLES, DelayedScalingState, quantize_delayed, update_delayed_scaling
@@ -180,6 +181,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, state: 
 def _weight_operands(recipe, weight, state, cache_mode, cached) -> tuple[Float8Tensor, Optional[Float8Tensor]]:
     """The FP8 weight for fprop, and its transpose for dgrad where the cache holds it (None: backward makes it).
     `cached`: the cache's (weight, transpose) buffers, read in CACHE_REUSE and filled in place in CACHE_REFRESH."""
+    if isinstance(weight, Fp8GatheredWeight):  # FSDP2 all-gathered it in FP8 (recipes.fp8.all_gather)
+        return weight.as_float8(), None
     if cache_mode == CACHE_REUSE:
         return cached
     w_fp8 = recipe.quantize(weight, WEIGHT, state)
@@ -262,6 +265,11 @@ def update_fp8_scaling(model: nn.Module) -> None:
     into their histories and scales, reduced over the data-parallel ranks (recipes.fp8.delayed_scaling). Nothing
     to do for the other recipes, whose scales come from the tensor at hand."""
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.fp8_state is not None]
+    for layer in layers:  # weights FSDP2 all-gathers in FP8: their shards' amaxes (recipes.fp8.all_gather)
+        amax = shard_amax(layer.weight)
+        if amax is not None:
+            slot = layer.fp8_state.amax_history[WEIGHT, 0]
+            slot.copy_(torch.maximum(slot, amax))
     if layers:
         recipe = layers[0].recipe  # convert_to_fp8 gives every layer of a model the same recipe
         dtypes = tuple(recipe.dtype(role) for role in range(NUM_ROLES))

@@ -1,0 +1,197 @@
+"""FP8 all-gather of the per-tensor recipes' weights under FSDP2 (NeMo/Megatron's `fp8_param_gather`).
+
+Without it FSDP2 all-gathers each layer's weights in BF16 and every FP8 layer then quantizes the gathered weight.
+With it, each process quantizes its own FP32 shard with the scale of the whole weight and FSDP2 all-gathers the
+FP8 bytes: half the traffic, and no quantization of the gathered weight (torchao's `enable_fsdp_float8_all_gather`
+does the same for its own Float8Linear). Two tensor subclasses plug into FSDP2's extension points:
+
+    Fp8ShardedWeight    the FP32 master shard. Every op unwraps it (optimizer, clipping, checkpoints see the plain
+                        tensor); `fsdp_pre_all_gather` casts it to E4M3 with the weight's scale and hands FSDP the
+                        bytes, `fsdp_post_all_gather` wraps the gathered bytes as
+    Fp8GatheredWeight   the unsharded weight as the FP8 linear's GEMMs take it: E4M3 data and its decoding scale,
+                        posing as a BF16 tensor of the weight's shape. Fp8Linear uses it as its quantized weight.
+
+The scale of the whole weight, per recipe:
+    current scaling   fp8_max / amax(whole FP32 weight): the shards' amaxes, all-reduced (max) once per optimizer
+                      step for every layer together (`update_all_gather_scales`, after the optimizer step and
+                      before the first forward). The FP8 weight is then exactly what one process would quantize
+                      from its FP32 weight (the BF16 all-gather quantizes the BF16-rounded weight instead).
+    delayed scaling   the layer's weight scale from its amax history; `update_fp8_scaling` puts each shard's amax
+                      into the history's open slot before its all-reduce (max) makes it the whole weight's (not
+                      the all-gather itself: a backward's re-gather must not touch tensors the backward uses).
+Block-scaled recipes (blockwise, MXFP8) keep the BF16 all-gather: their weight scales are per block, computed from
+the gathered weight.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+
+from recipes.config import PrecisionConfig, Recipe
+from recipes.fp8.current_scaling import cast_to_fp8, tensorwise_scale
+from recipes.fp8.formats import E4M3
+from recipes.fp8.tensor import Float8Tensor
+
+# Ops FSDP2 applies to a parameter while sharding and moving it: their results stay master shards.
+_KEEPS_SUBCLASS = {
+    torch.ops.aten.empty_like.default, torch.ops.aten.new_zeros.default, torch.ops.aten.slice.Tensor,
+    torch.ops.aten.copy_.default, torch.ops.aten.view.default, torch.ops.aten.as_strided.default,
+    torch.ops.aten._to_copy.default, torch.ops.aten._pin_memory.default, torch.ops.aten.split.Tensor,
+    torch.ops.aten.clone.default, torch.ops.aten.detach.default, torch.ops.aten.alias.default,
+}
+# Ops FSDP2, autograd and torch.compile apply to the gathered weight: each acts on the FP8 data alike.
+_GATHERED_VIEWS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.as_strided.default,
+                   torch.ops.aten.view.default}
+
+
+def _wrapper(cls, like: torch.Tensor, dtype: torch.dtype):
+    return torch.Tensor._make_wrapper_subclass(
+        cls, like.size(), strides=like.stride(), storage_offset=like.storage_offset(), dtype=dtype,
+        layout=like.layout, device=like.device, requires_grad=like.requires_grad,
+    )
+
+
+class Fp8ShardedWeight(torch.Tensor):
+    """An FP8 linear's FP32 master weight (shard) that FSDP2 all-gathers in E4M3, encoded with `scale` (0-d FP32:
+    the layer's buffer holding the whole weight's scale)."""
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, scale: torch.Tensor):
+        return _wrapper(cls, tensor, tensor.dtype)
+
+    def __init__(self, tensor: torch.Tensor, scale: torch.Tensor):
+        self._tensor, self._scale = tensor, scale
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        owner = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, Fp8ShardedWeight))
+        args, kwargs = pytree.tree_map_only(Fp8ShardedWeight, lambda t: t._tensor, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _KEEPS_SUBCLASS:
+            return out
+        return pytree.tree_map_only(torch.Tensor, lambda t: Fp8ShardedWeight(t, owner._scale), out)
+
+    def __tensor_flatten__(self):
+        return ["_tensor", "_scale"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, spec, outer_size, outer_stride):
+        return Fp8ShardedWeight(inner["_tensor"], inner["_scale"])
+
+    def __repr__(self) -> str:
+        return f"Fp8ShardedWeight({self._tensor!r})"
+
+    @torch.no_grad()
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        data = cast_to_fp8(self._tensor, self._scale, E4M3)
+        # All-gathered as bytes: FSDP packs a layer's parameters into one buffer (bytes whenever dtypes mix), and
+        # Gloo has no FP8 type.
+        return (data.view(torch.uint8),), (self._scale.reciprocal(),)
+
+    @torch.no_grad()
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        (data,), (scale_inv,) = outputs, metadata
+        if out is not None:  # later all-gathers refill the first one's data buffer in place
+            out._scale_inv = scale_inv  # rebound, not copied into: a backward may hold the old one
+            return
+        gathered = Fp8GatheredWeight(data.view(E4M3), scale_inv, param_dtype)
+        return gathered, (data,)
+
+
+# Distributed checkpoints store the master shards as they are; loading them (weights_only) needs the class allowed.
+torch.serialization.add_safe_globals([Fp8ShardedWeight])
+
+
+class Fp8GatheredWeight(torch.Tensor):
+    """The whole weight in E4M3 with its decoding scale, as FSDP2 hands it to the layer. It poses as a tensor of
+    the parameter's dtype (gradients come back in that dtype) but holds no such values: only views, detach and
+    Fp8Linear may use it; anything else raises rather than compute with FP8 bytes as if they were BF16."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype):
+        return _wrapper(cls, data, dtype)
+
+    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype):
+        self._data, self._scale_inv = data, scale_inv
+
+    def as_float8(self) -> Float8Tensor:
+        return Float8Tensor(self._data, self._scale_inv)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        if func not in _GATHERED_VIEWS:
+            raise NotImplementedError(f"{func} on an FP8 all-gathered weight: only the FP8 linear reads it")
+        weight, *rest = args
+        return Fp8GatheredWeight(func(weight._data, *rest, **(kwargs or {})), weight._scale_inv, weight.dtype)
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale_inv"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner, dtype, outer_size, outer_stride):
+        return Fp8GatheredWeight(inner["_data"], inner["_scale_inv"], dtype)
+
+    def __repr__(self) -> str:
+        return f"Fp8GatheredWeight(shape={tuple(self.shape)}, scale_inv={self._scale_inv.item():.3e})"
+
+
+def fp8_all_gather_applies(precision: PrecisionConfig, processes: int) -> bool:
+    """Whether the torch engine all-gathers this precision's weights in FP8: `precision.fp8_param_gather`, a
+    per-tensor recipe, and FSDP2 (more than one process)."""
+    return processes > 1 and precision.fp8_param_gather and precision.recipe in (Recipe.tensorwise, Recipe.delayed)
+
+
+def _fp8_linears(model: nn.Module) -> list:
+    from recipes.fp8.linear import Fp8Linear
+
+    return [m for m in model.modules() if isinstance(m, Fp8Linear)]
+
+
+def enable_fp8_all_gather(model: nn.Module) -> int:
+    """Before fully_shard: make every per-tensor FP8 linear's weight a master shard that FSDP2 all-gathers in FP8.
+    Returns how many; the caller keeps BF16 all-gather for block-scaled recipes (0 here)."""
+    from recipes.fp8.linear import WEIGHT, CurrentScaling, DelayedScaling
+
+    layers = [m for m in _fp8_linears(model) if isinstance(m.recipe, (CurrentScaling, DelayedScaling))]
+    for layer in layers:
+        if layer.recipe.forward_dtype != E4M3:
+            raise ValueError("FP8 all-gather casts weights to E4M3; this recipe's forward format is not E4M3")
+        if layer.fp8_state is not None:
+            scale = layer.fp8_state.scale[WEIGHT]
+        else:
+            layer.register_buffer("all_gather_scale", torch.ones((), device=layer.weight.device), persistent=False)
+            scale = layer.all_gather_scale
+        master = Fp8ShardedWeight(layer.weight.data, scale)
+        layer.weight = nn.Parameter(master, requires_grad=layer.weight.requires_grad)
+    return len(layers)
+
+
+@torch.no_grad()
+def update_all_gather_scales(model: nn.Module) -> None:
+    """Current scaling: each FP8-all-gathered weight's scale from its whole FP32 weight, one all-reduce (max) for
+    all of them. Call after every optimizer step and before the first forward (and after restoring weights)."""
+    layers = [m for m in _fp8_linears(model) if hasattr(m, "all_gather_scale")]
+    if not layers:
+        return
+    amax = torch.stack([shard_amax(m.weight) for m in layers])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    scales = tensorwise_scale(amax, E4M3, layers[0].recipe.margin)
+    torch._foreach_copy_([m.all_gather_scale for m in layers], list(scales.unbind(0)))
+
+
+def shard_amax(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """amax (FP32, 0-d) of this process's shard of an FP8-all-gathered weight (the sharded parameter, between
+    steps); None for any other weight. An empty shard (uneven sharding) has amax 0."""
+    local = weight._local_tensor if hasattr(weight, "_local_tensor") else weight
+    if isinstance(local, Fp8GatheredWeight):
+        raise RuntimeError("a weight's shard amax was asked for while FSDP2 holds it unsharded (inside a step)")
+    if not isinstance(local, Fp8ShardedWeight):
+        return None
+    shard = local._tensor
+    return shard.abs().amax().float() if shard.numel() else shard.new_zeros((), dtype=torch.float32)
