@@ -230,6 +230,7 @@ class TrainerConfig:
     compile: Optional[bool] = None  # None: compile on GPU, not on CPU
     activation_checkpointing: bool = False  # recompute each transformer block in the backward (saves memory)
     grad_reduce: GradReduce = GradReduce.per_step  # FSDP2 with gradient accumulation: see GradReduce
+    fsdp_fp8_all_gather: bool = False  # FSDP2 all-gathers per-tensor FP8 recipes' weights in FP8 (recipes.fp8.all_gather)
     log_interval: int = 10
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # resumes from the newest one found
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from recipes.config import Config, ConfigError, Fp8Format, GradReduce, ModelConfig, Recipe, Recompute, load_option
-from recipes.fp8.all_gather import fp8_all_gather_applies
+from recipes.fp8.all_gather import FP8_ALL_GATHER_RECIPES, fp8_all_gather_applies
 from recipes.models.transformer import count_parameters
 
 ENGINE_MODULE = {"torch": "recipes.engine.torch_engine", "megatron": "recipes.engine.megatron_engine"}
@@ -84,6 +84,12 @@ def _validate_launch(cfg: Config) -> None:
         if cfg.trainer.grad_reduce != GradReduce.per_step:
             raise ConfigError("trainer.grad_reduce is the torch engine's (FSDP2); engine=megatron reduces gradients "
                               "through its DDP/distributed optimizer (parallel.* settings)")
+        if cfg.trainer.fsdp_fp8_all_gather:
+            raise ConfigError("trainer.fsdp_fp8_all_gather is the torch engine's (FSDP2); on engine=megatron use "
+                              "precision.fp8_param_gather")
+    if cfg.trainer.fsdp_fp8_all_gather and cfg.precision.recipe not in FP8_ALL_GATHER_RECIPES:
+        raise ConfigError(f"trainer.fsdp_fp8_all_gather needs a per-tensor FP8 recipe (fp8_current, fp8_delayed), "
+                          f"not precision={cfg.precision.name}: block-scaled weights are quantized after the gather")
     if cfg.executor.gpus < 1:
         raise ConfigError(f"executor.gpus must be at least 1 (got {cfg.executor.gpus})")
     if cfg.executor.name == "local" and cfg.gpu.arch != "cpu" and not cfg.dryrun:
@@ -367,9 +373,12 @@ def estimate_memory(cfg: Config, parameters: int) -> MemoryEstimate:
 
 
 def _torch_engine_weight_gather(cfg: Config, processes: int) -> str:
-    if fp8_all_gather_applies(cfg.precision, processes):
-        return "; weights all-gathered in FP8 by FSDP2 (precision.fp8_param_gather)"
-    return "; weights all-gathered in BF16 (FSDP2's FP8 all-gather is for per-tensor recipes)"
+    if fp8_all_gather_applies(cfg, processes):
+        return "; weights all-gathered in FP8 by FSDP2 (trainer.fsdp_fp8_all_gather)"
+    if cfg.precision.fp8_param_gather:
+        return ("; weights all-gathered in BF16 (precision.fp8_param_gather is engine=megatron's; "
+                "trainer.fsdp_fp8_all_gather=true gathers FP8 here)")
+    return ""
 
 
 def _torch_engine_memory(cfg: Config, parameters: int) -> MemoryEstimate:
@@ -393,7 +402,7 @@ def _torch_engine_memory(cfg: Config, parameters: int) -> MemoryEstimate:
     weights, gradients, optimizer = (b * parameters for b in TORCH_BYTES)
     dp = world_size(cfg)
     accumulates = t.global_batch_size > t.micro_batch_size * dp
-    fp8_gather = fp8_all_gather_applies(cfg.precision, dp)
+    fp8_gather = fp8_all_gather_applies(cfg, dp)
     if dp > 1:
         root = 2 * m.vocab_size * m.hidden_size
         layer_bytes = 1.0 if fp8_gather else 2.0  # FP8 all-gather: the layers' weights arrive in one byte
@@ -474,8 +483,7 @@ def describe(plan: Plan) -> str:
         + (f", format {cfg.precision.fp8_format.value}" if cfg.precision.fp8_format else "")
         + (", emulated" if cfg.precision.emulate else "")
         + ")"
-        + (_torch_engine_weight_gather(cfg, plan.processes)
-           if cfg.precision.fp8_param_gather and cfg.engine == "torch" and plan.processes > 1 else ""),
+        + (_torch_engine_weight_gather(cfg, plan.processes) if cfg.engine == "torch" and plan.processes > 1 else ""),
         f"gpu         {cfg.gpu.name} ({cfg.gpu.arch}), {plan.processes} process(es) on {cfg.executor.nodes} node(s)"
         + (" sharding the model (FSDP2)" if plan.processes > 1 and cfg.engine == "torch" else "") + ", "
         f"executor {describe_executor(cfg)}, engine {cfg.engine}",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.config import CheckpointConfig, Config, GradReduce, TrainerConfig, load_config, load_option, save_config
+from recipes.config import CheckpointConfig, Config, ConfigError, GradReduce, TrainerConfig, load_config, load_option, save_config
 from recipes.engine import checkpoint, torch_engine
 from recipes.plan import describe, estimate_memory, make_plan
 
@@ -39,18 +39,18 @@ TOLERANCE = {"bf16": (2e-3, 2e-3), "fp8": (2e-3, 5e-2)}
 
 def make_config(
     run_dir: Path, cache_dir: Path, precision: str, gpus: int, interval: int = 0, activation_checkpointing: bool = False,
-    fp8_param_gather: bool = False,
+    fp8_all_gather: bool = False,
 ) -> Path:
     cfg = Config(
         model=dataclasses.replace(load_option("model", "tiny_llama"), seq_length=64),
-        precision=dataclasses.replace(load_option("precision", precision), fp8_param_gather=fp8_param_gather),
+        precision=dataclasses.replace(load_option("precision", precision), fp8_param_gather=False),
         gpu=load_option("gpu", "cpu"),
         executor=dataclasses.replace(load_option("executor", "local"), gpus=gpus),
         data=dataclasses.replace(load_option("data", "text"), cache_dir=str(cache_dir)),
         trainer=TrainerConfig(
             max_steps=STEPS, micro_batch_size=2, global_batch_size=8, warmup_steps=2, log_interval=1,
             checkpoint=CheckpointConfig(interval=interval, keep_last=0),
-            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing=activation_checkpointing, fsdp_fp8_all_gather=fp8_all_gather,
         ),
     )
     cfg.run.dir = str(run_dir)
@@ -143,20 +143,24 @@ def planned(tmp_path: Path, precision: str, gpus: int, **trainer) -> Config:
 
 
 def test_the_plan_says_which_all_gather_runs(tmp_path):
-    """precision.fp8_param_gather (NeMo's fp8_current, fp8_delayed and mxfp8 presets): FP8 all-gather for the
-    per-tensor recipes; block-scaled recipes keep the BF16 one (their weight scales come from the gathered weight)."""
-    def plan_text(precision: str, gpus: int, gather: bool) -> str:
-        cfg = planned(tmp_path, precision, gpus)
-        cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, fp8_param_gather=gather, emulate=True))
+    """trainer.fsdp_fp8_all_gather: FP8 all-gather for the per-tensor recipes, refused for block-scaled ones (their
+    weight scales come from the gathered weight). precision.fp8_param_gather (NeMo's fp8_current, fp8_delayed and
+    mxfp8 presets) is engine=megatron's: the torch engine's plan says it gathers BF16."""
+    def plan_text(precision: str, gpus: int, fsdp_fp8: bool, param_gather: bool = False) -> str:
+        cfg = planned(tmp_path, precision, gpus, fsdp_fp8_all_gather=fsdp_fp8)
+        cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, fp8_param_gather=param_gather,
+                                                                     emulate=True))
         return describe(make_plan(cfg, tmp_path / "config.yaml"))
 
     fp8, bf16 = "weights all-gathered in FP8", "weights all-gathered in BF16"
     for precision in ("fp8_current", "fp8_delayed"):
         assert fp8 in plan_text(precision, 2, True) and bf16 not in plan_text(precision, 2, True)
-    for precision in ("fp8_blockwise", "mxfp8"):
-        assert bf16 in plan_text(precision, 2, True) and fp8 not in plan_text(precision, 2, True)
+        assert bf16 in plan_text(precision, 2, False, param_gather=True)
     for text in (plan_text("fp8_current", 2, False), plan_text("fp8_current", 1, True)):
         assert fp8 not in text and bf16 not in text
+    for precision in ("fp8_blockwise", "mxfp8", "bf16"):
+        with pytest.raises(ConfigError, match="needs a per-tensor FP8 recipe"):
+            plan_text(precision, 2, True)
 
 
 @pytest.mark.parametrize("precision", ["fp8_current", "fp8_delayed"])
@@ -165,7 +169,7 @@ def test_fp8_all_gather_trains_like_one_process_and_resumes_exactly(tmp_path, ca
     sharded checkpoint resumes bit for bit (master shards, and for current scaling the scales recomputed)."""
     assert torch_engine.main([str(make_config(tmp_path / "one", cache_dir, precision, 1))]) == 0
     run_dir = tmp_path / "two"
-    config_path = make_config(run_dir, cache_dir, precision, 2, interval=2, fp8_param_gather=True)
+    config_path = make_config(run_dir, cache_dir, precision, 2, interval=2, fp8_all_gather=True)
     torchrun("-m", "recipes.engine.torch_engine", str(config_path))
     uninterrupted = curve(run_dir)
     assert_close(uninterrupted, curve(tmp_path / "one"), "fp8")
@@ -216,7 +220,5 @@ def test_memory_estimate_of_gradient_reduction_and_weight_caches(tmp_path):
     assert fp8.weights == per_step.weights + 2 * linear_weights  # an FP8 weight and its transpose per linear
     text = describe(make_plan(planned(tmp_path, "bf16", 2, grad_reduce=GradReduce.per_micro_batch), tmp_path / "c.yaml"))
     assert "gradients reduce-scattered every micro-batch" in text
-    cfg = planned(tmp_path, "fp8_current", 2)
-    gathered = estimate_memory(dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, fp8_param_gather=True)),
-                               parameters)
+    gathered = estimate_memory(planned(tmp_path, "fp8_current", 2, fsdp_fp8_all_gather=True), parameters)
     assert gathered.weights < per_step.weights  # FP8-gathered layers, and no weight caches

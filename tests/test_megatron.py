@@ -433,3 +433,12 @@ def test_fsdp2_gradient_reduction_option_is_refused_on_megatron(hydra_compose):
     cfg = hydra_compose("engine=megatron", "gpu=h200", "precision=bf16", "trainer.grad_reduce=per_micro_batch", "dryrun=true")
     with pytest.raises(ConfigError, match="trainer.grad_reduce is the torch engine's"):
         validate(cfg)
+
+
+def test_fsdp2_fp8_all_gather_option_is_refused_on_megatron(hydra_compose):
+    from recipes.plan import validate
+
+    cfg = hydra_compose("engine=megatron", "gpu=h200", "precision=fp8_current", "trainer.fsdp_fp8_all_gather=true",
+                        "dryrun=true")
+    with pytest.raises(ConfigError, match="trainer.fsdp_fp8_all_gather is the torch engine's"):
+        validate(cfg)

@@ -20,10 +20,10 @@ model accumulate at all. Resharding after forward stays on during accumulation: 
 costs an all-gather per layer and micro-batch, which overlaps with compute, and saves holding every layer's BF16
 weights at once (16 GB for Llama 3 8B).
 
-FP8 all-gather (`precision.fp8_param_gather=true` with a per-tensor recipe, NeMo's fp8_current and fp8_delayed
-presets): each process casts its FP32 shard to E4M3 with the whole weight's scale and the FP8 bytes are gathered
-instead of BF16 (recipes.fp8.all_gather); the gathered FP8 weight goes straight into the GEMMs, so no layer
-quantizes its weight (and none keeps a weight cache).
+FP8 all-gather (`trainer.fsdp_fp8_all_gather=true`, per-tensor recipes): each process casts its FP32 shard to
+E4M3 with the whole weight's scale and the FP8 bytes are gathered instead of BF16 (recipes.fp8.all_gather); the
+gathered FP8 weight goes straight into the GEMMs, so no layer quantizes its weight (and none keeps a weight
+cache). Off by default: on two NVLink-connected H200s it was slower than the BF16 all-gather (docs/results).
 
 Buffers are not sharded: RoPE tables, and delayed scaling's amax histories, which
 `recipes.fp8.update_fp8_scaling` keeps identical on every rank by all-reducing (max) the amaxes.

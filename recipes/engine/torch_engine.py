@@ -94,7 +94,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
     rank, world_size, device = setup_distributed()
     is_logger = rank == 0
     accumulation = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * world_size)
-    fp8_all_gather = fp8_all_gather_applies(cfg.precision, world_size)
+    fp8_all_gather = fp8_all_gather_applies(cfg, world_size)
     model = build_model(cfg, device, accumulation, cache_fp8_weights=not fp8_all_gather)
     if world_size > 1:
         shard_model(model, data_parallel_mesh(device, world_size), fp8_all_gather)

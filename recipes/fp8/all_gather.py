@@ -1,4 +1,5 @@
-"""FP8 all-gather of the per-tensor recipes' weights under FSDP2 (NeMo/Megatron's `fp8_param_gather`).
+"""FP8 all-gather of the per-tensor recipes' weights under FSDP2 (`trainer.fsdp_fp8_all_gather=true`; what
+Megatron's `fp8_param_gather` does for its own sharded optimizer and FSDP).
 
 Without it FSDP2 all-gathers each layer's weights in BF16 and every FP8 layer then quantizes the gathered weight.
 With it, each process quantizes its own FP32 shard with the scale of the whole weight and FSDP2 all-gathers the
@@ -32,7 +33,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from recipes.config import PrecisionConfig, Recipe
+from recipes.config import Config, Recipe
 from recipes.fp8.current_scaling import cast_to_fp8, tensorwise_scale
 from recipes.fp8.formats import E4M3
 from recipes.fp8.tensor import Float8Tensor
@@ -140,10 +141,13 @@ class Fp8GatheredWeight(torch.Tensor):
         return f"Fp8GatheredWeight(shape={tuple(self.shape)}, scale_inv={self._scale_inv.item():.3e})"
 
 
-def fp8_all_gather_applies(precision: PrecisionConfig, processes: int) -> bool:
-    """Whether the torch engine all-gathers this precision's weights in FP8: `precision.fp8_param_gather`, a
-    per-tensor recipe, and FSDP2 (more than one process)."""
-    return processes > 1 and precision.fp8_param_gather and precision.recipe in (Recipe.tensorwise, Recipe.delayed)
+FP8_ALL_GATHER_RECIPES = (Recipe.tensorwise, Recipe.delayed)
+
+
+def fp8_all_gather_applies(cfg: Config, processes: int) -> bool:
+    """Whether the torch engine all-gathers the weights in FP8: asked for, and FSDP2 at work (several processes).
+    recipes.plan.validate refuses the option for recipes outside FP8_ALL_GATHER_RECIPES."""
+    return processes > 1 and cfg.trainer.fsdp_fp8_all_gather and cfg.precision.recipe in FP8_ALL_GATHER_RECIPES
 
 
 def _fp8_linears(model: nn.Module) -> list:
