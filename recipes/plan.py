@@ -468,7 +468,9 @@ def describe(plan: Plan) -> str:
     accumulation = t.global_batch_size // (t.micro_batch_size * dp)
     gib = 2**30
     capacity = f" of {cfg.gpu.memory_gb:.0f} GB" if cfg.gpu.memory_gb else ""
-    fixes = ("parallel.recompute=full, a larger parallel.tp or parallel.pp, " if cfg.engine == "megatron" else "")
+    fixes = ("parallel.recompute=full, a larger parallel.tp or parallel.pp, " if cfg.engine == "megatron"
+             else "trainer.grad_reduce=per_micro_batch, "
+             if plan.processes > 1 and accumulation > 1 and t.grad_reduce == GradReduce.per_step else "")
     over = (
         f"  <- does not fit: use more GPUs (executor.gpus, executor.nodes), {fixes}"
         f"{'' if cfg.engine == 'megatron' else 'trainer.activation_checkpointing=true, '}"
