@@ -168,7 +168,9 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
         if layer.fp8_state is not None:
             scale = layer.fp8_state.scale[WEIGHT]
         else:
-            layer.register_buffer("all_gather_scale", torch.ones((), device=layer.weight.device), persistent=False)
+            # NaN until update_all_gather_scales sets it: a forgotten update makes the loss NaN, not silently wrong.
+            nan = torch.full((), float("nan"), device=layer.weight.device)
+            layer.register_buffer("all_gather_scale", nan, persistent=False)
             scale = layer.all_gather_scale
         master = Fp8ShardedWeight(layer.weight.data, scale)
         layer.weight = nn.Parameter(master, requires_grad=layer.weight.requires_grad)
