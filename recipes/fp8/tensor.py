@@ -25,9 +25,9 @@ class Float8Tensor(NamedTuple):
         """FP32 values: the independent reference of every FP8 GEMM, and its emulation where none is native."""
         if self.block is None:
             return self.data.float() * self.scale_inv
-        block_rows, block_cols = self.block
-        scales = self.scale_inv.repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)
-        return self.data.float() * scales[: self.data.shape[0], : self.data.shape[1]]
+        (block_rows, block_cols), (rows, cols) = self.block, self.data.shape
+        blocks = self.data.float().view(rows // block_rows, block_rows, cols // block_cols, block_cols)
+        return (blocks * self.scale_inv[:, None, :, None]).view(rows, cols)  # quantization made the blocks divide
 
     def transpose(self) -> "Float8Tensor":
         """The same FP8 bytes laid out (K, rows): valid only where the blocks are symmetric (per tensor, 128x128)."""
