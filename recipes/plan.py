@@ -471,10 +471,6 @@ def describe(plan: Plan) -> str:
     fixes = ("parallel.recompute=full, a larger parallel.tp or parallel.pp, " if cfg.engine == "megatron"
              else "trainer.grad_reduce=per_micro_batch, "
              if plan.processes > 1 and accumulation > 1 and t.grad_reduce == GradReduce.per_step else "")
-    # The torch engine builds the whole FP32 model on each GPU before FSDP2 shards it (no meta-device init yet).
-    built_whole = TORCH_BYTES[0] * plan.parameters
-    build_over = (cfg.engine == "torch" and plan.processes > 1 and cfg.gpu.memory_gb
-                  and built_whole > cfg.gpu.memory_gb * 1e9)
     over = (
         f"  <- does not fit: use more GPUs (executor.gpus, executor.nodes), {fixes}"
         f"{'' if cfg.engine == 'megatron' else 'trainer.activation_checkpointing=true, '}"
@@ -482,9 +478,6 @@ def describe(plan: Plan) -> str:
         if cfg.gpu.memory_gb and mem.total > cfg.gpu.memory_gb * 1e9
         else ""
     )
-    if build_over:
-        over += (f"  <- does not fit while it is built: the torch engine builds the whole FP32 model "
-                 f"({built_whole / gib:,.0f} GiB) on each GPU before FSDP2 shards it; use engine=megatron")
     lines = [
         f"model       {cfg.model.name}: {plan.parameters:,} parameters, {cfg.model.num_layers} layers, "
         f"hidden {cfg.model.hidden_size}, seq {cfg.model.seq_length}",

@@ -224,15 +224,7 @@ def test_memory_estimate_of_gradient_reduction_and_weight_caches(tmp_path):
     assert gathered.weights < per_step.weights  # FP8-gathered layers, and no weight caches
 
 
-def test_the_plan_says_when_the_whole_model_cannot_be_built_on_one_gpu(tmp_path):
-    """The torch engine builds the whole FP32 model on each GPU before sharding it: the plan says so for a model
-    whose FP32 weights exceed the GPU (Llama 3 70B: 263 GiB), not for one whose do not (Llama 3 8B: 30 GiB)."""
-    def plan_text(model: str) -> str:
-        cfg = planned(tmp_path, "fp8_current", 8, micro_batch_size=1, global_batch_size=8)
-        cfg = dataclasses.replace(cfg, model=load_option("model", model), gpu=load_option("gpu", "h200"),
-                                  dryrun=True)
-        return describe(make_plan(cfg, tmp_path / "config.yaml"))
-
-    note = "the torch engine builds the whole FP32 model (263 GiB) on each GPU before FSDP2 shards it"
-    assert note in plan_text("llama3_70b")
-    assert "builds the whole FP32 model" not in plan_text("llama3_8b")
+def test_sharded_initialisation_equals_one_process():
+    """The model is built on the meta device and materialised shard by shard (tests/workers/sharded_init_ranks.py):
+    every parameter and buffer starts exactly as one process's."""
+    torchrun(str(REPO / "tests" / "workers" / "sharded_init_ranks.py"))

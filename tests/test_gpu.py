@@ -199,3 +199,20 @@ def test_compiled_emulated_mxfp8_model_matches_eager():
     (eager_loss, eager_norm), (compiled_loss, compiled_norm) = results
     assert abs(compiled_loss - eager_loss) < 1e-2 * eager_loss
     assert abs(compiled_norm - eager_norm) < 2e-2 * eager_norm
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_sharded_initialisation_on_two_gpus_equals_one_gpu():
+    """FSDP2 over NCCL: the model built on the meta device and materialised shard by shard starts exactly as one
+    GPU's (tests/workers/sharded_init_ranks.py; the CPU version runs in tests/test_fsdp.py)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+               str(repo / "tests" / "workers" / "sharded_init_ranks.py"), "cuda"]
+    result = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -25,6 +25,11 @@ E4M3 with the whole weight's scale and the FP8 bytes are gathered instead of BF1
 gathered FP8 weight goes straight into the GEMMs, so no layer quantizes its weight (and none keeps a weight
 cache). Off by default: on two NVLink-connected H200s it was slower than the BF16 all-gather (docs/results).
 
+Initialisation: the model is built on the meta device, sharded, and only then materialised (`materialize`):
+each process allocates its shards and draws each weight whole from the run's generator, in the order one process
+draws them, keeping its slice. So no GPU ever holds the whole FP32 model (280 GB for Llama 3 70B), at most one
+whole parameter at a time, and N processes start from exactly the weights one process would.
+
 Buffers are not sharded: RoPE tables, and delayed scaling's amax histories, which
 `recipes.fp8.update_fp8_scaling` keeps identical on every rank by all-reducing (max) the amaxes.
 """
@@ -35,10 +40,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from recipes.fp8.all_gather import enable_fp8_all_gather
-from recipes.models.transformer import Transformer
+from recipes.fp8.all_gather import enable_fp8_all_gather, rebind_all_gather_scales
+from recipes.models.transformer import Transformer, initial_std
 
 
 def data_parallel_mesh(device: torch.device, world_size: int) -> DeviceMesh:
@@ -56,6 +61,28 @@ def shard_model(model: Transformer, mesh: DeviceMesh, fp8_all_gather: bool = Fal
     for index, layer in enumerate(model.layers):
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=index < last)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+@torch.no_grad()
+def materialize(model: Transformer, device: torch.device, generator: torch.Generator) -> None:
+    """A model built on the meta device and sharded: allocate its shards and buffers on `device`, and give them
+    the values Transformer.init_weights gives one process's model with the same generator: seed-independent
+    values (norms, RoPE tables, FP8 state) from each module's reset_constants, random weights drawn whole in the
+    same order and sliced as FSDP2 shards them."""
+    model.to_empty(device=device)
+    rebind_all_gather_scales(model)
+    for module in model.modules():
+        if hasattr(module, "reset_constants"):
+            module.reset_constants()
+    for name, param in model.named_parameters():
+        std = initial_std(name, model.cfg)
+        if std is None:
+            continue
+        whole = torch.empty(param.shape, dtype=param.dtype, device=device).normal_(0.0, std, generator=generator)
+        if isinstance(param, DTensor):  # this process's slice, cut locally (no communication)
+            whole = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param = param.to_local()
+        param.copy_(whole)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -23,13 +23,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from recipes.config import Config, GradReduce
 from recipes.data import make_dataset
 from recipes.engine import checkpoint
 from recipes.engine.console import print_step, print_summary
 from recipes.engine.entry import engine_main
-from recipes.engine.fsdp import data_parallel_mesh, shard_model
+from recipes.engine.fsdp import data_parallel_mesh, materialize, shard_model
 from recipes.engine.training import (
     NonFiniteError, build_optimizer, checkpoint_blocks, compile_blocks, learning_rate, optimizer_step,
     prepare_fp8_weight_caching,
@@ -59,19 +60,27 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def build_model(cfg: Config, device: torch.device, num_micro_batches: int, cache_fp8_weights: bool = True) -> nn.Module:
+def build_model(
+    cfg: Config, device: torch.device, num_micro_batches: int, mesh: DeviceMesh | None = None, fp8_all_gather: bool = False
+) -> nn.Module:
+    """The model of one process, or with `mesh` this process's FSDP2 shards of it (built on the meta device,
+    sharded, then materialised: recipes.engine.fsdp.materialize); the same initial weights either way."""
     generator = torch.Generator(device).manual_seed(cfg.trainer.seed)
-    with torch.device(device):
+    with torch.device("meta" if mesh is not None else device):
         model = Transformer(cfg.model)
-    model.init_weights(generator)
+    if mesh is None:
+        model.init_weights(generator)
     convert_to_fp8(model.layers, cfg.precision)
-    if cache_fp8_weights:
+    if not fp8_all_gather:  # FP8-gathered weights arrive quantized: nothing to cache
         prepare_fp8_weight_caching(model, num_micro_batches)
     if cfg.trainer.activation_checkpointing:
         checkpoint_blocks(model.layers)
     should_compile = cfg.trainer.compile if cfg.trainer.compile is not None else device.type == "cuda"
     if should_compile:
         compile_blocks(model.layers)
+    if mesh is not None:
+        shard_model(model, mesh, fp8_all_gather)
+        materialize(model, device, generator)
     return model
 
 
@@ -94,10 +103,8 @@ def train(cfg: Config, run_dir: Path) -> dict:
     rank, world_size, device = setup_distributed()
     is_logger = rank == 0
     accumulation = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * world_size)
-    fp8_all_gather = fp8_all_gather_applies(cfg, world_size)
-    model = build_model(cfg, device, accumulation, cache_fp8_weights=not fp8_all_gather)
-    if world_size > 1:
-        shard_model(model, data_parallel_mesh(device, world_size), fp8_all_gather)
+    mesh = data_parallel_mesh(device, world_size) if world_size > 1 else None
+    model = build_model(cfg, device, accumulation, mesh, fp8_all_gather_applies(cfg, world_size))
     optimizer = build_optimizer(model, cfg.trainer, device)
     checkpoints = checkpoint.checkpoint_dir(cfg, run_dir)
     resumed = checkpoint.load_latest(checkpoints, cfg, device)

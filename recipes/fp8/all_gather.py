@@ -177,6 +177,21 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
     return len(layers)
 
 
+def rebind_all_gather_scales(model: nn.Module) -> None:
+    """After `model.to_empty()` (a model sharded on the meta device, then materialised): point each master shard
+    at its layer's new scale buffer, and make that NaN until update_all_gather_scales."""
+    from recipes.fp8.linear import WEIGHT
+
+    for layer in _fp8_linears(model):
+        local = layer.weight._local_tensor if hasattr(layer.weight, "_local_tensor") else layer.weight
+        if isinstance(local, Fp8ShardedWeight):
+            if hasattr(layer, "all_gather_scale"):
+                layer.all_gather_scale.fill_(float("nan"))
+                local._scale = layer.all_gather_scale
+            else:
+                local._scale = layer.fp8_state.scale[WEIGHT]
+
+
 @torch.no_grad()
 def update_all_gather_scales(model: nn.Module) -> None:
     """Current scaling: each FP8-all-gathered weight's scale from its whole FP32 weight, one all-reduce (max) for

@@ -43,6 +43,11 @@ class DelayedScalingState(nn.Module):
         self.register_buffer("amax_history", torch.zeros(NUM_ROLES, history_len))
         self.register_buffer("scale", torch.ones(NUM_ROLES))
 
+    def reset_constants(self) -> None:
+        """The initial state: an empty history, scale 1 (after a model built on the meta device is materialised)."""
+        self.amax_history.zero_()
+        self.scale.fill_(1.0)
+
 
 @torch.no_grad()
 def quantize_delayed(

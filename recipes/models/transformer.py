@@ -30,6 +30,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_constants(self) -> None:
+        """The initial values that do not depend on the seed (see init_weights)."""
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -44,6 +49,11 @@ class LayerNorm1p(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
         self.bias = nn.Parameter(torch.zeros(dim))
+
+    def reset_constants(self) -> None:
+        with torch.no_grad():
+            self.weight.zero_()
+            self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.layer_norm(x.float(), x.shape[-1:], self.weight + 1, self.bias, self.eps)
@@ -76,12 +86,23 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.cfg = cfg
         self.rotary_dim = int(cfg.kv_channels * cfg.rotary_percent)
-        inv_freq = rope_inverse_frequencies(self.rotary_dim, cfg.rope_base, cfg.rope_scaling)
-        angles = torch.outer(torch.arange(cfg.seq_length, dtype=torch.float32), inv_freq)
+        cos, sin = self._tables(torch.get_default_device())
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.device(device):
+            inv_freq = rope_inverse_frequencies(self.rotary_dim, self.cfg.rope_base, self.cfg.rope_scaling)
+            angles = torch.outer(torch.arange(self.cfg.seq_length, dtype=torch.float32), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)  # (seq, rotary_dim)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        return angles.cos(), angles.sin()
+
+    def reset_constants(self) -> None:
+        """Recompute the tables in place (after a model built on the meta device is materialised)."""
+        for buffer, table in zip((self.cos, self.sin), self._tables(self.cos.device)):
+            buffer.copy_(table)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (batch, heads, seq, head_dim)."""
@@ -162,15 +183,22 @@ class Transformer(nn.Module):
         init_weights(self, self.cfg, generator)
 
 
+def initial_std(name: str, cfg: ModelConfig) -> float | None:
+    """Megatron's init: N(0, std) everywhere, output projections of each block scaled by 1/sqrt(2 * layers); None
+    for norms, which keep their identity initialisation (reset_constants)."""
+    if name.endswith(("norm.weight", "norm.bias")):
+        return None
+    if name.endswith(("attention.out.weight", "mlp.fc2.weight")):
+        return cfg.init_std / math.sqrt(2 * cfg.num_layers)
+    return cfg.init_std
+
+
 @torch.no_grad()
 def init_weights(module: nn.Module, cfg: ModelConfig, generator: torch.Generator | None = None) -> None:
-    """Megatron's init: N(0, std) everywhere, output projections of each block scaled by 1/sqrt(2 * layers)."""
-    residual_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
     for name, param in module.named_parameters():
-        if name.endswith(("norm.weight", "norm.bias")):
-            continue  # norms keep their identity initialisation
-        is_residual_projection = name.endswith(("attention.out.weight", "mlp.fc2.weight"))
-        param.normal_(0.0, residual_std if is_residual_projection else cfg.init_std, generator=generator)
+        std = initial_std(name, cfg)
+        if std is not None:
+            param.normal_(0.0, std, generator=generator)
 
 
 def count_parameters(cfg: ModelConfig) -> int:
