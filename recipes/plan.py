@@ -473,7 +473,7 @@ def describe(plan: Plan) -> str:
              if plan.processes > 1 and accumulation > 1 and t.grad_reduce == GradReduce.per_step else "")
     over = (
         f"  <- does not fit: use more GPUs (executor.gpus, executor.nodes), {fixes}"
-        f"{'' if cfg.engine == 'megatron' else 'trainer.activation_checkpointing=true, '}"
+        f"{'' if cfg.engine == 'megatron' or t.activation_checkpointing else 'trainer.activation_checkpointing=true, '}"
         "fewer layers (model.num_layers=N) or a smaller trainer.micro_batch_size"
         if cfg.gpu.memory_gb and mem.total > cfg.gpu.memory_gb * 1e9
         else ""
