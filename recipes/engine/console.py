@@ -9,7 +9,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from recipes.metrics import StepMetrics
+from recipes.config import Config
+from recipes.metrics import StepMetrics, summarize, write_summary
+from recipes.provenance import provenance
 
 console = Console(highlight=False, soft_wrap=True)
 
@@ -61,3 +63,11 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         table.add_row(name, value)
     console.print(table)
     console.print(f"metrics: {run_dir / 'metrics.jsonl'}\nsummary: {run_dir / 'summary.json'}")
+
+
+def finish_run(cfg: Config, history: list[StepMetrics], world_size: int, run_dir: Path) -> dict:
+    """Both engines' last act on the logging rank: summary.json (with provenance) written, and shown."""
+    summary = summarize(cfg, history, world_size, provenance())
+    write_summary(run_dir, summary)
+    print_summary(summary, run_dir)
+    return summary

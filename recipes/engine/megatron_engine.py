@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from recipes.config import Config, ConfigError
 from recipes.engine import checkpoint
-from recipes.engine.console import megatron_iteration_line, print_summary
+from recipes.engine.console import finish_run, megatron_iteration_line
 from recipes.engine.entry import engine_main
 from recipes.engine.training import NonFiniteError, learning_rate
 from recipes.megatron import parallel_state
@@ -39,8 +39,7 @@ from recipes.megatron import checkpoint as megatron_checkpoint
 from recipes.megatron.build import build, initialize_parallel_state
 from recipes.megatron.data import MicroBatches, build_train_dataset
 from recipes.megatron.translate import ddp_config, optimizer_config
-from recipes.metrics import MetricsWriter, StepMetrics, step_metrics, summarize, write_summary
-from recipes.provenance import provenance
+from recipes.metrics import MetricsWriter, StepMetrics, step_metrics
 from megatron.core.distributed import DistributedDataParallel, FullyShardedDataParallel, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -176,9 +175,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
             writer.close()
     summary = {}
     if is_logger and history:
-        summary = summarize(cfg, history, world_size, provenance())
-        write_summary(run_dir, summary)
-        print_summary(summary, run_dir)
+        summary = finish_run(cfg, history, world_size, run_dir)
     dist.barrier()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

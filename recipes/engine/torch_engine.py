@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from recipes.config import Config, GradReduce
 from recipes.data import make_dataset
 from recipes.engine import checkpoint
-from recipes.engine.console import print_step, print_summary
+from recipes.engine.console import finish_run, print_step
 from recipes.engine.entry import engine_main
 from recipes.engine.fsdp import data_parallel_mesh, materialize, shard_model
 from recipes.engine.training import (
@@ -37,9 +37,8 @@ from recipes.engine.training import (
 )
 from recipes.fp8 import convert_to_fp8
 from recipes.fp8.all_gather import fp8_all_gather_applies, update_all_gather_scales
-from recipes.metrics import MetricsWriter, StepMetrics, step_metrics, summarize, write_summary
+from recipes.metrics import MetricsWriter, StepMetrics, step_metrics
 from recipes.models.transformer import Transformer
-from recipes.provenance import provenance
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
@@ -165,9 +164,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
             writer.close()
     summary = {}
     if is_logger and history:  # empty only when resumed at max_steps with metrics.jsonl gone
-        summary = summarize(cfg, history, world_size, provenance())
-        write_summary(run_dir, summary)
-        print_summary(summary, run_dir)
+        summary = finish_run(cfg, history, world_size, run_dir)
     if world_size > 1:
         dist.barrier()  # every rank waits for rank 0's summary
         dist.destroy_process_group()

@@ -156,23 +156,33 @@ def _fp8_linears(model: nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, Fp8Linear)]
 
 
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """What this process holds of a parameter: a DTensor's local shard, or the tensor itself."""
+    return weight._local_tensor if hasattr(weight, "_local_tensor") else weight
+
+
+def _weight_scale(layer: nn.Module) -> torch.Tensor:
+    """The buffer whose value encodes a layer's FP8-gathered weight: delayed scaling's weight scale, or (current
+    scaling) the `all_gather_scale` that update_all_gather_scales sets."""
+    from recipes.fp8.linear import WEIGHT
+
+    return layer.all_gather_scale if layer.fp8_state is None else layer.fp8_state.scale[WEIGHT]
+
+
 def enable_fp8_all_gather(model: nn.Module) -> int:
     """Before fully_shard: make every per-tensor FP8 linear's weight a master shard that FSDP2 all-gathers in FP8.
     Returns how many; the caller keeps BF16 all-gather for block-scaled recipes (0 here)."""
-    from recipes.fp8.linear import WEIGHT, CurrentScaling, DelayedScaling
+    from recipes.fp8.linear import CurrentScaling, DelayedScaling
 
     layers = [m for m in _fp8_linears(model) if isinstance(m.recipe, (CurrentScaling, DelayedScaling))]
     for layer in layers:
         if layer.recipe.forward_dtype != E4M3:
             raise ValueError("FP8 all-gather casts weights to E4M3; this recipe's forward format is not E4M3")
-        if layer.fp8_state is not None:
-            scale = layer.fp8_state.scale[WEIGHT]
-        else:
+        if layer.fp8_state is None:
             # NaN until update_all_gather_scales sets it: a forgotten update makes the loss NaN, not silently wrong.
             nan = torch.full((), float("nan"), device=layer.weight.device)
             layer.register_buffer("all_gather_scale", nan, persistent=False)
-            scale = layer.all_gather_scale
-        master = Fp8ShardedWeight(layer.weight.data, scale)
+        master = Fp8ShardedWeight(layer.weight.data, _weight_scale(layer))
         layer.weight = nn.Parameter(master, requires_grad=layer.weight.requires_grad)
     return len(layers)
 
@@ -180,16 +190,12 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
 def rebind_all_gather_scales(model: nn.Module) -> None:
     """After `model.to_empty()` (a model sharded on the meta device, then materialised): point each master shard
     at its layer's new scale buffer, and make that NaN until update_all_gather_scales."""
-    from recipes.fp8.linear import WEIGHT
-
     for layer in _fp8_linears(model):
-        local = layer.weight._local_tensor if hasattr(layer.weight, "_local_tensor") else layer.weight
+        local = _local(layer.weight)
         if isinstance(local, Fp8ShardedWeight):
-            if hasattr(layer, "all_gather_scale"):
+            if layer.fp8_state is None:
                 layer.all_gather_scale.fill_(float("nan"))
-                local._scale = layer.all_gather_scale
-            else:
-                local._scale = layer.fp8_state.scale[WEIGHT]
+            local._scale = _weight_scale(layer)
 
 
 @torch.no_grad()
@@ -209,7 +215,7 @@ def update_all_gather_scales(model: nn.Module) -> None:
 def shard_amax(weight: torch.Tensor) -> Optional[torch.Tensor]:
     """amax (FP32, 0-d) of this process's shard of an FP8-all-gathered weight (the sharded parameter, between
     steps); None for any other weight. An empty shard (uneven sharding) has amax 0."""
-    local = weight._local_tensor if hasattr(weight, "_local_tensor") else weight
+    local = _local(weight)
     if isinstance(local, Fp8GatheredWeight):
         raise RuntimeError("a weight's shard amax was asked for while FSDP2 holds it unsharded (inside a step)")
     if not isinstance(local, Fp8ShardedWeight):
