@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import shutil
 import struct
 import subprocess
@@ -79,6 +80,7 @@ def test_megatron_lines_and_argument_header():
         "gbs": 256,
         "mbs": 2,
         "pp": 1,
+        "seed": 1234,
         "seq": 4096,
         "tp": 2,
         "vp": 1,
@@ -490,3 +492,62 @@ def test_two_matching_bf16_runs_give_no_baseline(tmp_path):
     fp8 = next(r for r in results if r.meta["precision"] == "fp8_current")
     assert fp8.baseline is None and fp8.baseline_status.startswith("ambiguous: 2 BF16 runs match")
     assert csv_by_run(tmp_path / "out")["llama3_8b-fp8_current"]["speedup"] == ""
+
+
+# ---- several seeds ----
+
+
+def seeded_run(root: Path, precision: str, recipe: str, seed: int, loss_factor: float, time_factor: float) -> Path:
+    """The BF16 fixture run as another precision and seed: every loss times loss_factor, every step time times
+    time_factor (so its loss gap to a BF16 run of the same losses is loss_factor - 1 in every window)."""
+    run = root / f"llama3_8b-{precision}-seed{seed}"
+    shutil.copytree(FIXTURES / "rundirs/llama3_8b-bf16", run)
+    config = (run / "config.yaml").read_text()
+    config = config.replace("name: bf16\n  recipe: bf16", f"name: {precision}\n  recipe: {recipe}")
+    (run / "config.yaml").write_text(config.replace("trainer:\n", f"trainer:\n  seed: {seed}\n"))
+    (run / "summary.json").unlink()
+    lines = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        record["loss"] *= loss_factor
+        record["step_time_s"] *= time_factor
+        lines.append(json.dumps(record))
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return run
+
+
+def test_runs_pair_with_the_bf16_run_of_their_seed_and_the_gap_is_summarised_across_seeds(tmp_path):
+    runs = tmp_path / "runs"
+    gaps = {1: 0.01, 2: -0.02, 3: 0.04}  # mean +1%, sample std sqrt((0 + 3^2 + 3^2) / 2) = 3%
+    for seed, gap in gaps.items():
+        seeded_run(runs, "bf16", "bf16", seed, 1.0 + 0.1 * seed, 1.0)  # each seed its own BF16 losses
+        seeded_run(runs, "fp8_current", "tensorwise", seed, (1.0 + 0.1 * seed) * (1 + gap), 0.8)
+    seeded_run(runs, "fp8_blockwise", "blockwise", 1, 1.5, 1.0)  # one seed only: not in the seeds table
+    seeded_run(runs, "fp8_current", "tensorwise", 9, 1.0, 1.0)  # no BF16 run of seed 9 among three: ambiguous
+    status, results = build_report([str(runs)], tmp_path / "out", base=tmp_path, log=quiet, loss_tolerance=0.015)
+    by_name = {r.run.name: r for r in results}
+    for seed, gap in gaps.items():
+        fp8 = by_name[f"llama3_8b-fp8_current-seed{seed}"]
+        assert fp8.baseline.run.name == f"llama3_8b-bf16-seed{seed}"
+        assert fp8.loss_gap == pytest.approx(gap) and fp8.speedup == pytest.approx(1 / 0.8)
+    assert by_name["llama3_8b-fp8_current-seed9"].baseline_status.startswith("ambiguous: 3 BF16 runs match")
+    assert csv_by_run(tmp_path / "out")["llama3_8b-fp8_current-seed2"]["seed"] == "2"
+    text = (tmp_path / "out" / "report.md").read_text()
+    section = text.split("## Across seeds")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| llama3_8b")]
+    assert rows == ["| llama3_8b | h100 | fp8_current | TP1 PP1 CP1 VP1 DP8 | 1/128 | 8192 | 1, 2, 3 | +1.00% | 3.00% "
+                    "| -2.00% | +4.00% | 1.25 | yes |"]
+    assert "<h2>Across seeds</h2>" in (tmp_path / "out" / "report.html").read_text()
+    assert status == 1  # the per-seed gaps beyond 1.5% still raise the divergence alarm, run by run
+
+
+def test_a_seed_run_twice_is_not_summarised(tmp_path):
+    runs = tmp_path / "runs"
+    for seed in (1, 2):
+        seeded_run(runs, "bf16", "bf16", seed, 1.0, 1.0)
+        seeded_run(runs, "fp8_current", "tensorwise", seed, 1.0, 1.0)
+    shutil.copytree(runs / "llama3_8b-fp8_current-seed2", runs / "llama3_8b-fp8_current-seed2-again")
+    build_report([str(runs)], tmp_path / "out", base=tmp_path, log=quiet)
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "## Across seeds" not in text
+    assert "across seeds: fp8_current not summarised: seed 2 has several runs" in text

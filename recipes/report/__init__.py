@@ -3,7 +3,7 @@
 inputs.py    find runs in the inputs (run directories, nemo-run experiments, Slurm logs with requeues)
 parse.py     read metrics.jsonl and Megatron / NeMo 2 log lines into per-step records
 metadata.py  what each run was (model, precision, GPU, layout, batch), source by source
-table.py     warm-up, steady-state medians, BF16 baselines, speedups, loss gaps, the divergence alarm
+table.py     warm-up, steady-state medians, BF16 baselines, speedups, loss gaps, the divergence alarm, seeds
 plots.py     the study's figures;  gemm.py  the GEMM benchmark's CSV
 render.py    report.md, report.html, results.csv;  report.py  all of it, as `scripts/compare.py` runs it
 """

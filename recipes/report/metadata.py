@@ -60,7 +60,7 @@ SHORT_PRECISIONS = {
 PRECISION_ORDER = ["bf16", "fp8_delayed", "fp8_current", "fp8_blockwise", "mxfp8", "fp8"]
 
 
-INT_KEYS = ["nodes", "gpus_per_node", "world_size", "tp", "pp", "cp", "vp", "dp", "mbs", "gbs", "seq"]
+INT_KEYS = ["nodes", "gpus_per_node", "world_size", "tp", "pp", "cp", "vp", "dp", "mbs", "gbs", "seq", "seed"]
 FLOAT_KEYS = ["params", "peak_tflops_bf16"]
 TEXT_KEYS = ["name", "model", "precision", "gpu", "engine"]
 KEYS = TEXT_KEYS + ["recipe", "emulated"] + INT_KEYS + FLOAT_KEYS
@@ -135,6 +135,7 @@ def from_config(config: dict, summary: dict) -> dict[str, Any]:
         "mbs": trainer.get("micro_batch_size", summary.get("micro_batch_size")),
         "gbs": trainer.get("global_batch_size", summary.get("global_batch_size")),
         "seq": model.get("seq_length", summary.get("seq_length")),
+        "seed": trainer.get("seed"),
     }
     for key in ("tp", "pp", "cp", "vp", "dp"):
         meta[key] = parallel.get(key)
@@ -154,7 +155,8 @@ def _section(config: dict, key: str) -> dict:
 
 
 def from_header(header: dict[str, Any], batch_sizes: list[int]) -> dict[str, Any]:
-    meta = {key: header.get(key) for key in ("tp", "pp", "cp", "vp", "dp", "world_size", "mbs", "gbs", "seq")}
+    keys = ("tp", "pp", "cp", "vp", "dp", "world_size", "mbs", "gbs", "seq", "seed")
+    meta = {key: header.get(key) for key in keys}
     fp8 = header.get("fp8")
     if fp8 == "none" and header.get("bf16"):
         meta["precision"] = "bf16"

@@ -194,6 +194,7 @@ HEADER_KEYS = {
     "micro_batch_size": "mbs",
     "global_batch_size": "gbs",
     "seq_length": "seq",
+    "seed": "seed",
     "fp8": "fp8",  # hybrid / e4m3 / None
     "fp8_recipe": "fp8_recipe",
     "bf16": "bf16",

@@ -27,6 +27,8 @@ class Report:
     results: Table
     flags: list[str] = field(default_factory=list)
     figures: list[Figure] = field(default_factory=list)
+    seeds: Optional[Table] = None  # the loss gap over several seeds (table.across_seeds)
+    seeds_rule: str = ""
     gemm: Optional[Table] = None
     provenance: Optional[Table] = None
     notes: list[str] = field(default_factory=list)
@@ -52,6 +54,8 @@ def markdown(report: Report) -> str:
         parts += ["**Flagged** (exit status 1):", ""] + [f"- {flag}" for flag in report.flags] + [""]
     parts += ["## Results", "", markdown_table(report.results), ""]
     parts += ["How the numbers are made:", ""] + [f"- {rule}" for rule in report.rules] + [""]
+    if report.seeds:
+        parts += ["## Across seeds", "", report.seeds_rule, "", markdown_table(report.seeds), ""]
     if report.figures:
         parts += ["## Figures", ""]
         for figure in report.figures:
@@ -105,6 +109,8 @@ def html_page(report: Report) -> str:
     headers = report.results[0]
     parts += ["<h2>Results</h2>", html_table(report.results, headers.index("flag") if "flag" in headers else None)]
     parts += ["<p>How the numbers are made:</p><ul>"] + [f"<li>{e(rule)}</li>" for rule in report.rules] + ["</ul>"]
+    if report.seeds:
+        parts += ["<h2>Across seeds</h2>", f"<p>{e(report.seeds_rule)}</p>", html_table(report.seeds)]
     if report.figures:
         parts.append("<h2>Figures</h2>")
         for figure in report.figures:

@@ -68,15 +68,18 @@ def build_report(
         gemm_table = gemm.gemm_table(rows) if rows else None
 
     flags = [f"{r.run.name}: {flag}" for r in table.flagged(results) for flag in r.flags]
+    seeds, seed_notes = table.across_seeds(results, loss_tolerance)
     report = render.Report(
         command=command,
         rules=table.rules(loss_tolerance),
         results=table.display_rows(results),
         flags=flags,
+        seeds=seeds,
+        seeds_rule=table.SEEDS_RULE,
         figures=figures,
         gemm=gemm_table,
         provenance=_provenance(results, base),
-        notes=notes + [note for r in results for note in r.run.notes],
+        notes=notes + seed_notes + [note for r in results for note in r.run.notes],
     )
     (out / "report.md").write_text(render.markdown(report))
     (out / "report.html").write_text(render.html_page(report))

@@ -11,6 +11,7 @@ from typing import Any, Optional
 from recipes.metrics import warmup_steps
 from recipes.report.metadata import PRECISION_ORDER, describe_layout
 from recipes.report.records import Run, Step
+from recipes.report.render import Table
 
 MATCH_KEYS = ("model", "gpu", "engine", "nodes", "world_size", "tp", "pp", "cp", "vp", "mbs", "gbs", "seq")
 DEFAULT_LOSS_TOLERANCE = 0.05
@@ -57,7 +58,8 @@ def rules(tolerance: float) -> list[str]:
         "speedups); where the peak is unknown, the run's own logged MFU.",
         "Speedup: BF16 median step time / the recipe's, against the BF16 run with the same model, GPU, engine, "
         "nodes, GPUs, TP/PP/CP/VP, micro/global batch and sequence length (model and GPU known; another field "
-        "unknown matches only unknown); 'missing' when there is no such run, or more than one: never guessed.",
+        "unknown matches only unknown); where several do, the one with the same seed (trainer.seed, Megatron's "
+        "--seed); 'missing' when there is no such run, or more than one: never guessed.",
         "Final loss: mean over the last max(1, N // 10) steps. Loss gap: relative difference to BF16 over the last "
         "tenth of the steps both runs logged.",
         f"Divergence alarm: flagged when the mean loss differs from BF16's by more than {tolerance:.1%} (relative) "
@@ -135,6 +137,10 @@ def compare(runs: list[Run], loss_tolerance: float = DEFAULT_LOSS_TOLERANCE) -> 
             result.baseline_status = "precision unknown"
             continue
         matches = [b for b in baselines if _same_setup(result.meta, b.meta)]
+        seed = result.meta.get("seed")
+        same_seed = [b for b in matches if seed is not None and b.meta.get("seed") == seed]
+        if len(matches) > 1 and same_seed:
+            matches = same_seed
         if len(matches) > 1:
             result.baseline_status = (
                 f"ambiguous: {len(matches)} BF16 runs match ({', '.join(b.run.name for b in matches)})"
@@ -184,7 +190,11 @@ def _order(result: Result) -> tuple:
     precision = meta.get("precision") or "~"
     rank = PRECISION_ORDER.index(precision) if precision in PRECISION_ORDER else len(PRECISION_ORDER)
     setup = tuple(str(meta.get(key, "~")) for key in MATCH_KEYS[1:])
-    return (meta.get("params") or math.inf, meta.get("model") or "~", setup, rank, precision, result.run.name)
+    seed = meta.get("seed")
+    return (
+        meta.get("params") or math.inf, meta.get("model") or "~", setup,
+        seed is None, seed or 0, rank, precision, result.run.name,
+    )
 
 
 def flagged(results: list[Result]) -> list[Result]:
@@ -217,6 +227,10 @@ def precision_label(meta: dict[str, Any]) -> str:
     return f"{label} (emulated)" if meta.get("emulated") and meta.get("recipe") != "bf16" else label
 
 
+def _batch(meta: dict[str, Any]) -> str:
+    return f"{meta.get('mbs', '?')}/{meta.get('gbs', '?')}" if ("mbs" in meta or "gbs" in meta) else UNKNOWN
+
+
 def display_rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
     headers = [
         *("run", "model", "GPU", "nodes", "GPUs", "engine", "precision", "layout", "MBS/GBS", "seq"),
@@ -236,7 +250,7 @@ def display_rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
                 m.get("engine", UNKNOWN),
                 precision_label(m),
                 describe_layout(m),
-                f"{m.get('mbs', '?')}/{m.get('gbs', '?')}" if ("mbs" in m or "gbs" in m) else UNKNOWN,
+                _batch(m),
                 str(m.get("seq", UNKNOWN)),
                 str(r.steps_measured),
                 _num(r.step_time_s, ".4g"),
@@ -253,11 +267,11 @@ def display_rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
 
 
 CSV_HEADERS = """
-    run model params gpu nodes world_size engine precision recipe emulated tp pp cp vp dp mbs gbs seq
+    run model params gpu nodes world_size engine precision recipe emulated tp pp cp vp dp mbs gbs seq seed
     steps_logged last_step warmup_steps steps_measured median_step_time_s tokens_per_s_per_gpu tflops_per_gpu mfu
     baseline speedup final_loss loss_gap_vs_bf16 max_loss_gap_vs_bf16 flag format sources
 """.split()
-META_COLUMNS = CSV_HEADERS[1:18]  # model .. seq, straight from the run's metadata
+META_COLUMNS = CSV_HEADERS[1 : CSV_HEADERS.index("seed") + 1]  # model .. seed, straight from the run's metadata
 
 
 def csv_rows(results: list[Result], display_path) -> list[list[str]]:
@@ -285,3 +299,55 @@ def csv_rows(results: list[Result], display_path) -> list[list[str]]:
         ]
         rows.append([raw(v) for v in values])
     return rows
+
+
+# ---- several seeds of one setup ----
+
+SEEDS_RULE = (
+    "One row per recipe and setup trained with several seeds, each run paired with the BF16 run of its own seed "
+    "(same setup and seed): the loss gap (last tenth of the common steps) averaged over the seeds, its sample "
+    "standard deviation and range, and the median speedup. A single seed's gap mixes the recipe's effect with "
+    "run-to-run noise; the mean over seeds is what to hold against a tolerance."
+)
+
+
+def across_seeds(results: list[Result], tolerance: float) -> tuple[Optional[Table], list[str]]:
+    """The seeds table (None when no recipe has two paired seeds) and notes on groups it could not summarise."""
+    groups: dict[tuple, list[Result]] = {}
+    for r in results:
+        seed = r.meta.get("seed")
+        if r.baseline is None or r.loss_gap is None or seed is None or r.baseline.meta.get("seed") != seed:
+            continue
+        setup = tuple(r.meta.get(key) for key in MATCH_KEYS)
+        groups.setdefault((setup, precision_label(r.meta)), []).append(r)
+    headers = [
+        *("model", "GPU", "precision", "layout", "MBS/GBS", "seq", "seeds"),
+        *("mean loss gap vs BF16", "std of the gap", "min gap", "max gap", "median speedup"),
+        f"mean within ±{tolerance:.1%}",
+    ]
+    rows, notes = [], []
+    for (_, label), members in groups.items():
+        seeds = [r.meta["seed"] for r in members]
+        if len(set(seeds)) < len(seeds):
+            repeated = sorted({seed for seed in seeds if seeds.count(seed) > 1})
+            names = ", ".join(r.run.name for r in members if r.meta["seed"] in repeated)
+            which = ", ".join(str(seed) for seed in repeated)
+            notes.append(f"across seeds: {label} not summarised: seed {which} has several runs ({names})")
+            continue
+        if len(members) < 2:
+            continue
+        gaps = [r.loss_gap for r in members]
+        mean = statistics.mean(gaps)
+        m = members[0].meta
+        rows.append(
+            [
+                m.get("model", UNKNOWN), m.get("gpu", UNKNOWN), label, describe_layout(m),
+                _batch(m), str(m.get("seq", UNKNOWN)),
+                ", ".join(str(seed) for seed in sorted(seeds)),
+                _num(mean, "+.2%"), _num(statistics.stdev(gaps), ".2%"),
+                _num(min(gaps), "+.2%"), _num(max(gaps), "+.2%"),
+                _num(_median([r.speedup for r in members]), ".2f"),
+                "yes" if abs(mean) <= tolerance else "no",
+            ]
+        )
+    return ((headers, rows) if rows else None), notes
