@@ -232,6 +232,7 @@ class TrainerConfig:
     grad_reduce: GradReduce = GradReduce.per_step  # FSDP2 with gradient accumulation: see GradReduce
     fsdp_fp8_all_gather: bool = False  # FSDP2 all-gathers per-tensor FP8 recipes' weights in FP8 (recipes.fp8.all_gather)
     log_interval: int = 10
+    profile_step: Optional[int] = None  # profile this step: RUN_DIR/profile/ trace + time split (recipes.profiling)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # resumes from the newest one found
 
 

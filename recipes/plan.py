@@ -277,6 +277,10 @@ def _validate_batch(cfg: Config) -> None:
         )
     if trainer.max_steps < 1:
         raise ConfigError(f"trainer.max_steps must be at least 1 (got {trainer.max_steps})")
+    if trainer.profile_step is not None and not 1 <= trainer.profile_step <= trainer.max_steps:
+        raise ConfigError(f"trainer.profile_step={trainer.profile_step} is not a step of this run (1 to "
+                          f"trainer.max_steps={trainer.max_steps}); a step after compilation and warm-up, such as "
+                          f"{min(trainer.max_steps, 5)}, shows the steady state")
 
 
 @dataclass

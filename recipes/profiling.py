@@ -1,19 +1,31 @@
-"""Where a GPU step spends its time: kernel time from torch.profiler, split into GEMMs, attention and the rest."""
+"""Where a step spends its time: torch.profiler's kernel time (GPU) or operator time (CPU), split into
+communication, attention, GEMMs and the rest.
+
+`profile_kernels` runs one callable under the profiler (scripts/layer_bench.py); `profile_step_if_due` profiles
+the engines' optimizer step `trainer.profile_step` and writes a Chrome trace and the split into RUN_DIR/profile.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-# Kernel-name patterns, attention first: cuDNN's fused attention kernels also carry GEMM-like names
-# ("..._sdpa_sm90_flash_bprop_wgmma..."). GEMMs: cuBLAS/cuBLASLt (nvjet, xmma), CUTLASS.
+# Name patterns, in this order: collectives (NCCL kernels, Gloo/c10d ops); attention (cuDNN's fused attention
+# kernels also carry GEMM-like names, "..._sdpa_sm90_flash_bprop_wgmma..."); GEMMs: cuBLAS/cuBLASLt (nvjet, xmma),
+# CUTLASS on GPUs, the matmul operators on CPUs (`fp8_recipes::block_scaled_mm` is the emulated block-scaled GEMM).
 CATEGORIES = (
+    ("communication", re.compile(r"nccl|gloo|c10d::|all_?gather|reduce_?scatter|all_?reduce", re.I)),
     ("attention", re.compile(r"sdpa|flash|fmha|attention|attn", re.I)),
-    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|sm100_|cublas", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|sm100_|cublas|aten::(_scaled_)?(mm|addmm|bmm)\b|scaled_mm",
+                        re.I)),
 )
+CATEGORY_NAMES = tuple(name for name, _ in CATEGORIES) + ("other",)
 
 
 def kernel_category(name: str) -> str:
@@ -23,23 +35,61 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
-def profile_kernels(run: Callable[[], None]) -> dict:
-    """Run `run` once under the profiler; return total kernel time per category and the top kernels (ms)."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
+def time_split(prof: profile, device_type: str) -> dict:
+    """Self time per kernel (CUDA) or per operator (CPU) of a finished profile, by category, in ms."""
     kernels: dict[str, float] = {}
     for event in prof.key_averages():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0:
-            kernels[event.key] = kernels.get(event.key, 0.0) + event.self_device_time_total / 1e3
-    by_category = {category: 0.0 for category in ("gemm", "attention", "other")}
+        if device_type == "cuda":
+            on_device, ms = event.device_type == torch.autograd.DeviceType.CUDA, event.self_device_time_total / 1e3
+        else:
+            on_device, ms = event.device_type == torch.autograd.DeviceType.CPU, event.self_cpu_time_total / 1e3
+        if on_device and ms > 0:
+            kernels[event.key] = kernels.get(event.key, 0.0) + ms
+    by_category = {category: 0.0 for category in CATEGORY_NAMES}
     for name, ms in kernels.items():
         by_category[kernel_category(name)] += ms
     total = sum(by_category.values())
     top = sorted(kernels.items(), key=lambda item: -item[1])[:30]
     return {
+        "timed": "kernels" if device_type == "cuda" else "operators",
         "total_ms": total,
         "ms": by_category,
         "share": {category: ms / total for category, ms in by_category.items()} if total else {},
         "top_kernels": [{"name": name[:120], "ms": ms, "category": kernel_category(name)} for name, ms in top],
     }
+
+
+def profile_kernels(run: Callable[[], None]) -> dict:
+    """Run `run` once under the profiler on the GPU; the kernel time per category and the top kernels (ms)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return time_split(prof, "cuda")
+
+
+def describe(split: dict) -> str:
+    parts = ", ".join(f"{category} {split['ms'][category]:.1f} ({split['share'].get(category, 0):.0%})"
+                      for category in CATEGORY_NAMES)
+    return f"{split['total_ms']:.1f} ms of {split['timed']}: {parts}"
+
+
+@contextlib.contextmanager
+def profile_step_if_due(step: int, profile_step: int | None, run_dir: Path, rank: int,
+                        device: torch.device) -> Iterator[None]:
+    """Profile the body if `step` is `profile_step`: RUN_DIR/profile/trace_rank{R}.json (Chrome trace, for
+    Perfetto or chrome://tracing) and time_rank{R}.json (the split of `time_split`); rank 0 prints the split."""
+    if step != profile_step:
+        yield
+        return
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    folder = run_dir / "profile"
+    folder.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(folder / f"trace_rank{rank}.json"))
+    split = {"step": step, "rank": rank, **time_split(prof, device.type)}
+    (folder / f"time_rank{rank}.json").write_text(json.dumps(split, indent=2) + "\n")
+    if rank == 0:
+        print(f"profile of step {step} (rank 0): {describe(split)}; trace in {folder}", flush=True)

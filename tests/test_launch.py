@@ -334,6 +334,8 @@ ERROR_CASES = {
     "bf16_layers": (("precision.num_layers_at_start_in_bf16=3", "precision.num_layers_at_end_in_bf16=3",
                      "dryrun=true"), ("precision.num_layers_at_end_in_bf16 = 6", "model.num_layers=4")),
     "local_nodes": (("executor.nodes=2", "dryrun=true"), ("executor=local", "executor.nodes=1")),
+    "profile_step": (("trainer.max_steps=10", "trainer.profile_step=11", "dryrun=true"),
+                     ("trainer.profile_step=11", "trainer.max_steps=10")),
     "unknown_engine": (("engine=jax", "dryrun=true"), ("engine=jax", "not available", "torch, megatron")),
     # hidden 200 keeps heads % groups and the even rotary dimension valid; only the FP8 check rejects it
     "fp8_dims": (("model.hidden_size=200", "dryrun=true"), ("divisible by 16", "hidden_size = 200")),

@@ -79,13 +79,22 @@ def test_training_run_loss_falls(tmp_path, cache_dir, precision):
     assert cfg.precision.name == precision and cfg.gpu.name == "cpu"
 
 
-def test_two_processes_train_sharded_through_torchrun(tmp_path, cache_dir):
+def test_two_processes_train_sharded_through_torchrun_and_profile_a_step(tmp_path, cache_dir):
     run_dir = tmp_path / "ddp"
-    result = launch(tmp_path, cache_dir, "executor.gpus=2", "trainer.max_steps=3", "precision=bf16", f"run.dir={run_dir}")
+    result = launch(tmp_path, cache_dir, "executor.gpus=2", "trainer.max_steps=3", "precision=bf16",
+                    "trainer.profile_step=2", f"run.dir={run_dir}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2
     assert len(read_metrics(run_dir)) == 3  # one writer (rank 0), not one per process
+    # trainer.profile_step: each process traces step 2 and splits its operator time (CPU: no kernels)
+    assert "profile of step 2 (rank 0)" in result.stdout
+    for rank in (0, 1):
+        split = json.loads((run_dir / "profile" / f"time_rank{rank}.json").read_text())
+        assert (split["step"], split["rank"], split["timed"]) == (2, rank, "operators")
+        assert split["ms"]["gemm"] > 0 and split["ms"]["communication"] > 0  # matmuls; FSDP2's Gloo collectives
+        assert split["total_ms"] == pytest.approx(sum(split["ms"].values()))
+        assert json.loads((run_dir / "profile" / f"trace_rank{rank}.json").read_text())["traceEvents"]
 
 
 def test_non_finite_loss_stops_the_run_and_is_recorded(tmp_path, cache_dir, capsys):

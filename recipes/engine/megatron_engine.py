@@ -40,6 +40,7 @@ from recipes.megatron.build import build, initialize_parallel_state
 from recipes.megatron.data import MicroBatches, build_train_dataset
 from recipes.megatron.translate import ddp_config, optimizer_config
 from recipes.metrics import MetricsWriter, StepMetrics, step_metrics
+from recipes.profiling import profile_step_if_due
 from megatron.core.distributed import DistributedDataParallel, FullyShardedDataParallel, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -130,26 +131,27 @@ def train(cfg: Config, run_dir: Path) -> dict:
         for step in range(first_step, cfg.trainer.max_steps + 1):
             lr = learning_rate(step, cfg.trainer)
             start = time.perf_counter()
-            for chunk in model:
-                chunk.zero_grad_buffer()
-            optimizer.zero_grad()
-            # One iterator per model chunk, each over this step's micro-batches (the interleaved schedule pulls
-            # micro-batch m from chunk k's iterator when chunk k runs it).
-            iterators = [batches.of_step(step, num_micro_batches) for _ in model]
-            losses_reduced = forward_backward(
-                forward_step_func=partial(forward_step, device),
-                data_iterator=iterators if len(model) > 1 else iterators[0],
-                model=model if len(model) > 1 else model[0],
-                num_microbatches=num_micro_batches,
-                seq_length=cfg.model.seq_length // cfg.parallel.cp,
-                micro_batch_size=cfg.trainer.micro_batch_size,
-                decoder_seq_length=cfg.model.seq_length // cfg.parallel.cp,
-                forward_only=False,
-            )
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            _, grad_norm, _ = optimizer.step()
-            loss_value, grad_norm_value = step_loss(losses_reduced).item(), float(grad_norm)
+            with profile_step_if_due(step, cfg.trainer.profile_step, run_dir, rank, device):
+                for chunk in model:
+                    chunk.zero_grad_buffer()
+                optimizer.zero_grad()
+                # One iterator per model chunk, each over this step's micro-batches (the interleaved schedule pulls
+                # micro-batch m from chunk k's iterator when chunk k runs it).
+                iterators = [batches.of_step(step, num_micro_batches) for _ in model]
+                losses_reduced = forward_backward(
+                    forward_step_func=partial(forward_step, device),
+                    data_iterator=iterators if len(model) > 1 else iterators[0],
+                    model=model if len(model) > 1 else model[0],
+                    num_microbatches=num_micro_batches,
+                    seq_length=cfg.model.seq_length // cfg.parallel.cp,
+                    micro_batch_size=cfg.trainer.micro_batch_size,
+                    decoder_seq_length=cfg.model.seq_length // cfg.parallel.cp,
+                    forward_only=False,
+                )
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                _, grad_norm, _ = optimizer.step()
+                loss_value, grad_norm_value = step_loss(losses_reduced).item(), float(grad_norm)
             elapsed = time.perf_counter() - start
             metrics = step_metrics(cfg, step, loss_value, grad_norm_value, lr, elapsed, world_size,
                                    torch.cuda.max_memory_allocated(device) / 2**30)

@@ -39,6 +39,7 @@ from recipes.fp8 import convert_to_fp8
 from recipes.fp8.all_gather import fp8_all_gather_applies, update_all_gather_scales
 from recipes.metrics import MetricsWriter, StepMetrics, step_metrics
 from recipes.models.transformer import Transformer
+from recipes.profiling import profile_step_if_due
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
@@ -135,19 +136,21 @@ def train(cfg: Config, run_dir: Path) -> dict:
         for step in range(first_step, cfg.trainer.max_steps + 1):
             lr = learning_rate(step, cfg.trainer)
             start = time.perf_counter()
-            try:
-                loss, grad_norm = optimizer_step(
-                    step_loss(step), accumulation, model, optimizer, lr, cfg.trainer.grad_clip,
-                    reduce_every_micro_batch=cfg.trainer.grad_reduce == GradReduce.per_micro_batch,
-                )
-            except NonFiniteError as error:
-                if writer:
-                    writer.write(step_metrics(cfg, step, error.loss, error.grad_norm, lr, float("nan"), world_size, peak_memory_gib(device)))
-                raise NonFiniteError(error.loss, error.grad_norm) from None
-            if world_size > 1:
-                dist.all_reduce(loss)  # a sum: Gloo has no average
-                loss /= world_size
-            loss_value, grad_norm_value = loss.item(), grad_norm.item()
+            with profile_step_if_due(step, cfg.trainer.profile_step, run_dir, rank, device):
+                try:
+                    loss, grad_norm = optimizer_step(
+                        step_loss(step), accumulation, model, optimizer, lr, cfg.trainer.grad_clip,
+                        reduce_every_micro_batch=cfg.trainer.grad_reduce == GradReduce.per_micro_batch,
+                    )
+                except NonFiniteError as error:
+                    if writer:
+                        writer.write(step_metrics(cfg, step, error.loss, error.grad_norm, lr, float("nan"), world_size,
+                                                  peak_memory_gib(device)))
+                    raise NonFiniteError(error.loss, error.grad_norm) from None
+                if world_size > 1:
+                    dist.all_reduce(loss)  # a sum: Gloo has no average
+                    loss /= world_size
+                loss_value, grad_norm_value = loss.item(), grad_norm.item()
             elapsed = time.perf_counter() - start
             metrics = step_metrics(cfg, step, loss_value, grad_norm_value, lr, elapsed, world_size, peak_memory_gib(device))
             history.append(metrics)
