@@ -36,11 +36,15 @@ def kernel_category(name: str) -> str:
 
 
 def time_split(prof: profile, device_type: str) -> dict:
-    """Self time per kernel (CUDA) or per operator (CPU) of a finished profile, by category, in ms."""
+    """Self time per kernel (CUDA) or per operator (CPU) of a finished profile, by category, in ms. On a GPU the
+    kernels only: with CPU activity recorded, ranges such as `nccl:_all_gather_base` or `Optimizer.step#...` also
+    appear on the GPU timeline (user annotations) and would count their kernels twice. Kernels on different
+    streams overlap (communication beside compute), so the total can exceed the step's wall time."""
     kernels: dict[str, float] = {}
     for event in prof.key_averages():
         if device_type == "cuda":
-            on_device, ms = event.device_type == torch.autograd.DeviceType.CUDA, event.self_device_time_total / 1e3
+            on_device = event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation
+            ms = event.self_device_time_total / 1e3
         else:
             on_device, ms = event.device_type == torch.autograd.DeviceType.CPU, event.self_cpu_time_total / 1e3
         if on_device and ms > 0:

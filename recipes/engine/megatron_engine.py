@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import sys
 import time
 from functools import partial
@@ -48,6 +49,17 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 
+def _rendezvous() -> str | None:
+    """torchrun's (None: the env:// variables it set), or for one process started without it (the plan's command
+    on one GPU) a local TCP store on a free port: megatron-core needs a process group even for one process."""
+    if "MASTER_ADDR" in os.environ:
+        return None
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"tcp://127.0.0.1:{port}"
+
+
 def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     if not torch.cuda.is_available():
         raise ConfigError("engine=megatron needs CUDA GPUs (megatron-core's rotary embedding and RNG tracker call "
@@ -55,7 +67,7 @@ def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+    dist.init_process_group("nccl", init_method=_rendezvous(), rank=rank, world_size=world_size, device_id=device)
     initialize_parallel_state(cfg)
     model_parallel_cuda_manual_seed(cfg.trainer.seed)  # same weights on data-parallel ranks, own on TP ranks
     return rank, world_size, device
