@@ -184,6 +184,22 @@ def test_fp8_all_gather_ranks():
     torchrun(str(REPO / "tests" / "workers" / "fp8_all_gather_ranks.py"))
 
 
+def test_fp8_gathered_weight_prints_without_reading_values():
+    """torch.compile's AOTAutograd prints the metadata of a compiled block's inputs, FSDP2's gathered weights
+    included, while they are fake tensors without values: the repr must not read the scale (it once did, with
+    .item(), and every FP8-all-gathered block fell back to eager on GPUs)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from recipes.fp8.all_gather import Fp8GatheredWeight
+    from recipes.fp8.formats import E4M3
+
+    with FakeTensorMode():
+        weight = Fp8GatheredWeight(torch.empty(96, 64, dtype=E4M3), torch.ones(()), torch.bfloat16)
+        text = repr(weight)
+    assert text.startswith("Fp8GatheredWeight(shape=(96, 64)") and "bfloat16" in text
+
+
 def test_memory_estimate_shards_over_processes(tmp_path):
     parameters = 3_311_872
     one = estimate_memory(planned(tmp_path, "bf16", 1), parameters)

@@ -138,7 +138,10 @@ class Fp8GatheredWeight(torch.Tensor):
         return Fp8GatheredWeight(inner["_data"], inner["_scale_inv"], dtype)
 
     def __repr__(self) -> str:
-        return f"Fp8GatheredWeight(shape={tuple(self.shape)}, scale_inv={self._scale_inv.item():.3e})"
+        # Metadata only: torch.compile's AOTAutograd prints its inputs' metadata while compiling, with fake tensors
+        # that have no values; reading the scale there (.item()) made Inductor fail and the compiled blocks fall
+        # back to eager around every FP8 linear on GPUs (torch 2.11), the FP8 all-gather's whole slowdown.
+        return f"Fp8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, data={self._data.dtype})"
 
 
 FP8_ALL_GATHER_RECIPES = (Recipe.tensorwise, Recipe.delayed)
