@@ -394,7 +394,7 @@ def test_engine_trains_two_pipeline_stages_writes_metrics_and_resumes_exactly(hy
     cfg = hydra_compose("engine=megatron", "precision=bf16", "gpu=h200", "executor.gpus=2", "parallel.pp=2",
                         "trainer.max_steps=4", "trainer.micro_batch_size=2", "trainer.global_batch_size=4",
                         "trainer.log_interval=2", f"trainer.checkpoint.interval={2 if checkpoints else 0}",
-                        f"data.cache_dir={tmp_path / 'cache'}", "dryrun=true")
+                        "trainer.profile_step=3", f"data.cache_dir={tmp_path / 'cache'}", "dryrun=true")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     save_config(dataclasses.replace(cfg, dryrun=False), run_dir / "config.yaml")
@@ -413,6 +413,11 @@ def test_engine_trains_two_pipeline_stages_writes_metrics_and_resumes_exactly(hy
     logged = read_log(log, "stdout").steps
     assert [s.step for s in logged] == [2, 4]
     assert logged[-1].loss == pytest.approx((metrics[2]["loss"] + metrics[3]["loss"]) / 2, rel=1e-6)
+    assert "profile of step 3 (rank 0)" in result.stdout  # trainer.profile_step: each rank traces step 3
+    for rank in (0, 1):
+        split = json.loads((run_dir / "profile" / f"time_rank{rank}.json").read_text())
+        assert (split["step"], split["timed"]) == (3, "operators") and split["ms"]["gemm"] > 0
+        assert (run_dir / "profile" / f"trace_rank{rank}.json").stat().st_size > 0
 
     if checkpoints:  # resume from step 2 and repeat steps 3 and 4 bit for bit
         import shutil
@@ -425,6 +430,18 @@ def test_engine_trains_two_pipeline_stages_writes_metrics_and_resumes_exactly(hy
         assert resumed == [{**m, "step_time_s": r["step_time_s"], "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"],
                             "model_tflops_per_gpu": r["model_tflops_per_gpu"], "mfu": r["mfu"]}
                            for m, r in zip(metrics, resumed)]
+
+
+def test_one_process_without_torchrun_gets_a_local_rendezvous(monkeypatch):
+    """The plan runs engine=megatron on one GPU as `python -m recipes.engine.megatron_engine` (no torchrun, no
+    MASTER_ADDR); megatron-core still needs a process group, so the engine picks a free local port."""
+    from recipes.engine.megatron_engine import _rendezvous
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    address = _rendezvous()
+    assert address.startswith("tcp://127.0.0.1:") and int(address.rsplit(":", 1)[1]) > 0
+    monkeypatch.setenv("MASTER_ADDR", "node001")
+    assert _rendezvous() is None  # torchrun's env:// variables
 
 
 def test_fsdp2_gradient_reduction_option_is_refused_on_megatron(hydra_compose):
