@@ -120,6 +120,17 @@ def _validate_model(model: ModelConfig) -> None:
         raise ConfigError(f"model.num_layers must be at least 1 (got {model.num_layers})")
 
 
+def native_archs(recipe: Recipe, megatron: bool = False) -> tuple[str, ...] | None:
+    """The GPU architectures with native GEMMs for a block-scaled recipe (None: a recipe native everywhere). MXFP8:
+    Blackwell. Blockwise: Hopper in the torch engine (cuBLAS's sm90 block scaling), Hopper and Blackwell through
+    Transformer Engine (engine=megatron). Elsewhere the torch engine emulates them if asked (precision.emulate)."""
+    if recipe == Recipe.mxfp8:
+        return ("blackwell",)
+    if recipe == Recipe.blockwise:
+        return ("hopper", "blackwell") if megatron else ("hopper",)
+    return None
+
+
 def _validate_precision(cfg: Config) -> None:
     precision, gpu, megatron = cfg.precision, cfg.gpu, cfg.engine == "megatron"
     if precision.recipe == Recipe.bf16:
@@ -129,15 +140,13 @@ def _validate_precision(cfg: Config) -> None:
     if megatron and precision.emulate:
         raise ConfigError("precision.emulate=true is the torch engine's (engine=torch): engine=megatron runs "
                           "Transformer Engine's kernels, which are native or absent")
-    if precision.recipe == Recipe.mxfp8 and gpu.arch != "blackwell" and not precision.emulate:
+    if precision.recipe == Recipe.mxfp8 and gpu.arch not in native_archs(Recipe.mxfp8) and not precision.emulate:
         raise ConfigError(
             f"precision=mxfp8 runs natively only on Blackwell GPUs (b200, gb200); gpu={gpu.name} is {gpu.arch}. "
             "Choose fp8_current or fp8_blockwise"
             + (" (engine=megatron cannot emulate)." if megatron else ", or set precision.emulate=true to emulate it (slow; labelled).")
         )
-    # Transformer Engine runs Float8BlockScaling on Hopper and Blackwell; the torch engine's native path is
-    # cuBLAS's sm90 block-scaled GEMM only.
-    block_archs = ("hopper", "blackwell") if megatron else ("hopper",)
+    block_archs = native_archs(Recipe.blockwise, megatron)
     if precision.recipe == Recipe.blockwise and gpu.arch not in block_archs and not precision.emulate:
         raise ConfigError(
             f"precision=fp8_blockwise runs natively on {' and '.join(a.capitalize() for a in block_archs)} GPUs with "

@@ -10,8 +10,9 @@ and without autocast. Reported:
   linear's own input and weight, so the FP8 GEMM alone (mean and max over the linears; BF16 has none);
 - gradient error: the relative error of each weight gradient of the decoder blocks against the float64 model's,
   so everything the precision changes, compounded through the layers and the backward (mean and max).
-Recipes without a native kernel on this device are emulated (blockwise off Hopper/Blackwell GPUs, MXFP8 off
-Blackwell), and the table says so. A recipe that silently ran in BF16 would show BF16's gradient error.
+Recipes without a native kernel on this device are emulated (blockwise off Hopper, MXFP8 off Blackwell: the torch
+engine's rule, `recipes.plan.native_archs`), and the table says so. A recipe that silently ran in BF16 would show
+BF16's gradient error.
 """
 
 from __future__ import annotations
@@ -28,22 +29,21 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from recipes.config import ConfigError, PrecisionConfig, Recipe, load_option  # noqa: E402
+from recipes.config import ConfigError, PrecisionConfig, load_option  # noqa: E402
 from recipes.data import make_dataset  # noqa: E402
 from recipes.fp8 import convert_to_fp8  # noqa: E402
 from recipes.fp8.linear import Fp8Linear  # noqa: E402
 from recipes.models.transformer import Transformer  # noqa: E402
+from recipes.plan import detect_gpu, native_archs  # noqa: E402
 from recipes.provenance import provenance  # noqa: E402
 
 PRECISIONS = "bf16,fp8_current,fp8_delayed,fp8_blockwise,mxfp8"
 
 
-def needs_emulation(precision: PrecisionConfig, device: torch.device) -> bool:
-    """No native block-scaled GEMM here: blockwise needs an sm90+ GPU, MXFP8 an sm100+ one (recipes/fp8/gemm.py)."""
-    if precision.recipe not in (Recipe.blockwise, Recipe.mxfp8):
-        return False
-    major = torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
-    return major < (9 if precision.recipe == Recipe.blockwise else 10)
+def needs_emulation(precision: PrecisionConfig, gpu_arch: str) -> bool:
+    """No native GEMM for this recipe on this GPU architecture (the torch engine's rule, recipes.plan)."""
+    archs = native_archs(precision.recipe)
+    return archs is not None and gpu_arch not in archs
 
 
 def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
@@ -108,8 +108,9 @@ def markdown_table(rows: list[dict], reference_loss: float) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['precision']} | {r['loss']:.5f} | {r['loss_minus_float64']:+.5f} | {cell(r['gemm_error_mean'], '.4f')}"
-            f" | {cell(r['gemm_error_max'], '.4f')} | {r['grad_error_mean']:.4f} | {r['grad_error_max']:.4f} |"
+            f"| {r['precision']} | {r['loss']:.5f} | {r['loss_minus_float64']:+.5f}"
+            f" | {cell(r['gemm_error_mean'], '.4f')} | {cell(r['gemm_error_max'], '.4f')}"
+            f" | {r['grad_error_mean']:.4f} | {r['grad_error_max']:.4f} |"
         )
     return "\n".join(lines)
 
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             load_option("model", args.model), num_layers=args.layers, seq_length=args.seq_length
         )
         precisions = [load_option("precision", name) for name in args.precisions.split(",")]
+        gpu_arch = load_option("gpu", detect_gpu()).arch
         data = make_dataset(load_option("data", "text"), args.seq_length, model_cfg.vocab_size, 0)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = float64_reference(model_cfg, tokens, args.seed)
     rows = []
     for precision in precisions:
-        precision = dataclasses.replace(precision, emulate=needs_emulation(precision, device))
+        precision = dataclasses.replace(precision, emulate=needs_emulation(precision, gpu_arch))
         rows.append(measure(precision, model_cfg, tokens, reference, args.seed))
         print(f"  {rows[-1]['precision']:>22}: gradient error {rows[-1]['grad_error_mean']:.4f}", flush=True)
     table = markdown_table(rows, reference["loss"])
