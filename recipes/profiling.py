@@ -71,7 +71,7 @@ def profile_kernels(run: Callable[[], None]) -> dict:
     return time_split(prof, "cuda")
 
 
-def describe(split: dict) -> str:
+def describe_time_split(split: dict) -> str:
     parts = ", ".join(f"{category} {split['ms'][category]:.1f} ({split['share'].get(category, 0):.0%})"
                       for category in CATEGORY_NAMES)
     return f"{split['total_ms']:.1f} ms of {split['timed']}: {parts}"
@@ -96,4 +96,4 @@ def profile_step_if_due(step: int, profile_step: int | None, run_dir: Path, rank
     split = {"step": step, "rank": rank, **time_split(prof, device.type)}
     (folder / f"time_rank{rank}.json").write_text(json.dumps(split, indent=2) + "\n")
     if rank == 0:
-        print(f"profile of step {step} (rank 0): {describe(split)}; trace in {folder}", flush=True)
+        print(f"profile of step {step} (rank 0): {describe_time_split(split)}; trace in {folder}", flush=True)

@@ -42,7 +42,7 @@ from recipes.engine.training import build_optimizer, compile_blocks, optimizer_s
 from recipes.fp8 import convert_to_fp8  # noqa: E402
 from recipes.metrics import flops_per_token  # noqa: E402
 from recipes.models.transformer import RotaryEmbedding, TransformerBlock, init_weights  # noqa: E402
-from recipes.profiling import profile_kernels  # noqa: E402
+from recipes.profiling import describe_time_split, profile_kernels  # noqa: E402
 from recipes.provenance import provenance  # noqa: E402
 from gemm_bench import bench_shape, model_gemm_shapes  # noqa: E402  (scripts/, this file's directory)
 
@@ -123,8 +123,7 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
     kernel_profile = None
     if args.profile and device.type == "cuda":
         kernel_profile = profile_kernels(training_step)
-        shares = ", ".join(f"{k} {v:.0%}" for k, v in kernel_profile["share"].items())
-        print(f"  {variant.name:>18} profile: {kernel_profile['total_ms']:.1f} ms of kernels: {shares}", flush=True)
+        print(f"  {variant.name:>18} profile: {describe_time_split(kernel_profile)}", flush=True)
         for kernel in kernel_profile["top_kernels"][:12]:
             print(f"      {kernel['ms']:8.2f} ms  {kernel['category']:>9}  {kernel['name']}")
     tokens = args.micro_batches * model_cfg.seq_length
