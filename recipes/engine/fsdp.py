@@ -23,7 +23,8 @@ weights at once (16 GB for Llama 3 8B).
 FP8 all-gather (`trainer.fsdp_fp8_all_gather=true`, per-tensor recipes): each process casts its FP32 shard to
 E4M3 with the whole weight's scale and the FP8 bytes are gathered instead of BF16 (recipes.fp8.all_gather); the
 gathered FP8 weight goes straight into the GEMMs, so no layer quantizes its weight (and none keeps a weight
-cache). Off by default: on two NVLink-connected H200s it was slower than the BF16 all-gather (docs/results).
+cache). Off by default: on two NVLink-connected H200s it was slower than the BF16 all-gather, because the
+compiled blocks fell back to eager around the FP8 linears (fixed since; not re-measured: docs/results).
 
 Initialisation: the model is built on the meta device, sharded, and only then materialised (`materialize`):
 each process allocates its shards and draws each weight whole from the run's generator, in the order one process
