@@ -113,6 +113,10 @@ class PrecisionConfig:
     num_layers_at_end_in_bf16: int = 0
     fp8_param_gather: bool = False  # all-gather FP8 weights (sharded engines only)
     emulate: bool = False  # allow a recipe without native kernels on this GPU to run emulated (labelled as such)
+    # On CUDA: Triton kernels for FP8 transposes and blockwise quantization, and for one process BF16 weights cast
+    # once per optimizer step and weight gradients accumulated in FP32 inside the GEMM. false: PyTorch ops and
+    # autograd's own accumulation, as before (same recipe; for comparisons).
+    fused_kernels: bool = True
 
 
 @dataclass

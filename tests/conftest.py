@@ -8,8 +8,14 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
 from recipes.config import CONF_DIR, Config
+
+# Without a GPU, recipes.fp8.kernels' Triton kernels run under Triton's CPU interpreter (tests/test_fused_linears.py),
+# which must be chosen before anything (torch.compile among others) imports Triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def missing(message: str) -> None:

@@ -32,8 +32,8 @@ from recipes.engine.console import finish_run, print_step
 from recipes.engine.entry import engine_main
 from recipes.engine.fsdp import data_parallel_mesh, materialize, shard_model
 from recipes.engine.training import (
-    NonFiniteError, build_optimizer, checkpoint_blocks, compile_blocks, learning_rate, optimizer_step,
-    prepare_fp8_weight_caching,
+    NonFiniteError, build_optimizer, checkpoint_blocks, compile_blocks, fused_linears_apply, learning_rate,
+    optimizer_step, prepare_fp8_weight_caching, prepare_main_grads,
 )
 from recipes.fp8 import convert_to_fp8
 from recipes.fp8.all_gather import fp8_all_gather_applies, update_all_gather_scales
@@ -70,9 +70,12 @@ def build_model(
         model = Transformer(cfg.model)
     if mesh is None:
         model.init_weights(generator)
-    convert_to_fp8(model.layers, cfg.precision)
+    fused = fused_linears_apply(cfg.precision, device, processes=1 if mesh is None else mesh.size())
+    convert_to_fp8(model.layers, cfg.precision, bf16_linears=fused)
     if not fp8_all_gather:  # FP8-gathered weights arrive quantized: nothing to cache
         prepare_fp8_weight_caching(model, num_micro_batches)
+    if fused:
+        prepare_main_grads(model)
     if cfg.trainer.activation_checkpointing:
         checkpoint_blocks(model.layers)
     should_compile = cfg.trainer.compile if cfg.trainer.compile is not None else device.type == "cuda"

@@ -9,11 +9,14 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from recipes.config import TrainerConfig
+from recipes.config import PrecisionConfig, TrainerConfig
 from recipes.engine.fsdp import replicated, set_gradient_sync
 from recipes.fp8 import update_fp8_scaling
 from recipes.fp8.all_gather import update_all_gather_scales
-from recipes.fp8.linear import CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, attach_weight_caches, set_weight_cache_mode
+from recipes.fp8.linear import (
+    CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, attach_main_grads, attach_weight_caches, expose_main_grads,
+    set_weight_cache_mode,
+)
 
 
 class NonFiniteError(RuntimeError):
@@ -37,6 +40,19 @@ def compile_blocks(layers: nn.ModuleList) -> None:
     (hence checkpoints) stay those of the eager model."""
     for layer in layers:
         layer.compile()
+
+
+def fused_linears_apply(precision: PrecisionConfig, device: torch.device, processes: int) -> bool:
+    """Whether the blocks' BF16 linears become recipes.fp8.linear.Bf16Linear and every converted linear writes its
+    weight gradient into an FP32 main gradient: `precision.fused_kernels`, on CUDA, in one process (under FSDP2
+    the gradients must reach FSDP through autograd)."""
+    return precision.fused_kernels and device.type == "cuda" and processes == 1
+
+
+def prepare_main_grads(model: nn.Module) -> int:
+    """Weight gradients into FP32 main gradients, summed over micro-batches inside the GEMM (see
+    recipes.fp8.linear.attach_main_grads); call with fused_linears_apply, before compiling."""
+    return attach_main_grads(model)
 
 
 def prepare_fp8_weight_caching(model: nn.Module, num_micro_batches: int) -> int:
@@ -93,6 +109,7 @@ def optimizer_step(
         update_fp8_scaling(model)
         total += loss.detach()
     set_weight_cache_mode(model, CACHE_OFF)  # the weights change now: a forward outside this step quantizes afresh
+    expose_main_grads(model)  # the main gradients the GEMMs summed, as the weights' .grad
     grad_norm = replicated(nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True))
     if not bool(torch.isfinite(total) & torch.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)
