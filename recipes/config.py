@@ -155,7 +155,7 @@ class MegatronConfig:
     gradient_accumulation_fusion: Optional[bool] = None
     cross_entropy_loss_fusion: Optional[bool] = None  # Transformer Engine's fused cross-entropy over the vocabulary
     apply_rope_fusion: Optional[bool] = None  # Transformer Engine's fused rotary embedding
-    bias_activation_fusion: Optional[bool] = None  # SwiGLU in one compiled kernel (megatron-core has none for squared ReLU)
+    bias_activation_fusion: Optional[bool] = None  # SwiGLU in one compiled kernel (none for squared ReLU)
     bias_dropout_fusion: Optional[bool] = None  # the residual add (with bias and dropout) in one compiled kernel
     masked_softmax_fusion: Optional[bool] = None  # Apex's softmax kernels in megatron-core's local attention
     overlap_grad_reduce: bool = True  # gradient reduction overlapped with the backward

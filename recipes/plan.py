@@ -517,7 +517,8 @@ def describe(plan: Plan) -> str:
         f"gpu         {cfg.gpu.name} ({cfg.gpu.arch}), {plan.processes} process(es) on {cfg.executor.nodes} node(s)"
         + (" sharding the model (FSDP2)" if plan.processes > 1 and cfg.engine == "torch" else "") + ", "
         f"executor {describe_executor(cfg)}, engine {cfg.engine}",
-        *([f"layout      {describe_layout(cfg)}", f"tuning      {megatron_tuning(cfg)}"] if cfg.engine == "megatron" else []),
+        *([f"layout      {describe_layout(cfg)}", f"tuning      {megatron_tuning(cfg)}"]
+          if cfg.engine == "megatron" else []),
         f"batch       micro {t.micro_batch_size} x {dp} data-parallel x {accumulation} accumulation = "
         f"global {t.global_batch_size} sequences; {t.max_steps} steps, lr {t.lr} (warm-up {t.warmup_steps}, cosine to {t.min_lr})"
         + ("; activation checkpointing" if t.activation_checkpointing else "")

@@ -193,8 +193,8 @@ def test_nemotron_keeps_its_squared_relu_unfused(hydra_compose, te_rope):
 REFUSED = {
     "squared relu": (("model=nemotron4_15b", "megatron.bias_activation_fusion=true"), "fuses (Swi)GLU and GeLU"),
     "tp overlap without tp": (("megatron.tp_comm_overlap=true",), "needs parallel.tp > 1 with sequence parallelism"),
-    "tp overlap without sp": (("megatron.tp_comm_overlap=true", "parallel.tp=2", "executor.gpus=2", "parallel.sp=false"),
-                              "needs parallel.tp > 1 with sequence parallelism"),
+    "tp overlap without sp": (("megatron.tp_comm_overlap=true", "parallel.tp=2", "executor.gpus=2",
+                               "parallel.sp=false"), "needs parallel.tp > 1 with sequence parallelism"),
     "graphs with fsdp": (("megatron.cuda_graphs=true", "parallel.fsdp=true"), "not supported with Megatron-FSDP"),
     "graphs with full recompute": (("megatron.cuda_graphs=true", "parallel.recompute=full"), "full recomputation"),
     "fp8 gather without sharding": (("parallel.distributed_optimizer=false",),

@@ -161,7 +161,8 @@ def fusions(cfg: Config, kernels: Optional[Kernels]) -> Fusions:
         gradient_accumulation_fusion=wgrad_fusion(cfg, kernels),
         cross_entropy_loss_fusion=needing_te("cross_entropy_loss_fusion"),
         apply_rope_fusion=needing_te("apply_rope_fusion"),
-        bias_activation_fusion=(te if swiglu else False) if m.bias_activation_fusion is None else m.bias_activation_fusion,
+        bias_activation_fusion=(te if swiglu else False) if m.bias_activation_fusion is None
+        else m.bias_activation_fusion,
         bias_dropout_fusion=te if m.bias_dropout_fusion is None else m.bias_dropout_fusion,
         masked_softmax_fusion=(kernels.apex_softmax if kernels else None) if softmax is None else softmax,
     )
@@ -240,13 +241,15 @@ def describe_tuning(cfg: Config, kernels: Optional[Kernels]) -> str:
     for name, label in FUSION_NAMES.items():
         groups[getattr(fused, name)].append(label)
     m = cfg.megatron
-    titles = {True: "fused", False: "unfused", None: "decided where it runs (on with Transformer Engine; softmax: Apex)"}
+    titles = {True: "fused", False: "unfused",
+              None: "decided where it runs (on with Transformer Engine; softmax: Apex)"}
     parts = [f"{titles[key]}: {', '.join(names)}" for key, names in groups.items() if names]
     parts += [f"grads reduced in {'FP32' if m.grad_reduce_in_fp32 else 'BF16'}"
               + (", overlapped" if m.overlap_grad_reduce else ", not overlapped"),
               f"param all-gather {'overlapped' if overlap_param_gather(cfg) else 'not overlapped'}"
               + (", aligned over stages" if align_param_gather(cfg) else ""),
-              f"CUDA graphs {'on' if m.cuda_graphs else 'off'}", f"TP comm overlap {'on' if m.tp_comm_overlap else 'off'}"]
+              f"CUDA graphs {'on' if m.cuda_graphs else 'off'}",
+              f"TP comm overlap {'on' if m.tp_comm_overlap else 'off'}"]
     return "; ".join(parts)
 
 
@@ -268,7 +271,8 @@ def reuse_grad_buf_for_mxfp8(cfg: Config) -> bool:
     return precision.recipe == Recipe.mxfp8 and precision.fp8_param_gather
 
 
-def transformer_config(cfg: Config, kernels: Kernels = NO_KERNELS, *, use_cpu_initialization: bool = False) -> TransformerConfig:
+def transformer_config(cfg: Config, kernels: Kernels = NO_KERNELS, *,
+                       use_cpu_initialization: bool = False) -> TransformerConfig:
     """BF16 parameters and compute (the optimizer keeps FP32 master weights), as NeMo's bf16 mixed precision, with
     cfg.megatron's fusions resolved against `kernels` (the default: a Python without Transformer Engine or Apex).
     Gradient-accumulation fusion in Transformer Engine's layers alone is not megatron-core's flag: build sets it."""
