@@ -13,16 +13,17 @@ each as its own process, `python -m recipes.engine.<engine> DIR/<name>/config.ya
 stops only that configuration; it needs only what the engines need (torch, PyYAML, rich, megatron-core, Transformer
 Engine for FP8), not Hydra or nemo-run.
 
-The speed study (llama3_8b with 8 layers, full vocabulary, mock data, seq 8192, micro-batch 1 x 8 per step):
-  functional  first, side by side (checks, not timings): Megatron-FSDP in bf16 and fp8_current (4 layers), and a
-              resume from a distributed checkpoint (llama3_100m, fp8_delayed, whose amax histories the checkpoint
-              must carry): run to step 6 with checkpoints at 3 and 6, cut back to step 3, run again; steps 4-6 repeat
+The speed study (llama3_8b with 8 layers, full vocabulary, mock data, seq 8192, micro-batch 1 x 8 per step), in
+this order:
   precisions  engine=megatron bf16, fp8_current, fp8_delayed, fp8_blockwise with the tuned defaults (cfg.megatron)
   torch       engine=torch fp8_current and bf16 on the same model and batch (compiled)
+  functional  side by side (checks, not timings): Megatron-FSDP in bf16 and fp8_current (4 layers), and a resume
+              from a distributed checkpoint (llama3_100m, fp8_delayed, whose amax histories the checkpoint must
+              carry): run to step 6 with checkpoints at 3 and 6, cut back to step 3, run again; steps 4-6 repeat
   nemotron    nemotron4_15b, 4 layers, fp8_current: Transformer Engine's LayerNorm1p and squared-ReLU path
   ablations   the fastest FP8 recipe of `precisions` (or --best) with one switch changed at a time, most telling first
-Timed runs go one at a time in that order while --budget-s lasts (a run's cost is estimated from the runs of the
-same engine and model before it); one that does not fit is listed as not run, for another call with --parts.
+Timed runs go one at a time, while --budget-s lasts (a run's cost is estimated from the finished runs of the same
+engine and model); one that does not fit is listed as not run, for another call with --parts.
 
 The loss study: llama3_100m on the bundled text, 500 steps, bf16 and each Hopper FP8 recipe on both engines, all at
 once (losses, not timings). Its table gives each run's mean loss over the last 100 steps against the BF16 run of
@@ -106,21 +107,22 @@ def speed_runs(gpu: str, steps: int) -> list[Run]:
                 "trainer.micro_batch_size=1", "trainer.global_batch_size=8", f"trainer.max_steps={max_steps}",
                 "trainer.log_interval=1")
 
-    # Side-by-side runs each keep megatron-core's sample index in their own folder: two building one file at once
-    # would race.
+    runs = [Run(f"megatron-{p}", "precisions", "megatron", p, (*proxy("llama3_8b", 8), f"precision={p}"))
+            for p in ("bf16", *FP8_RECIPES)]
+    runs += [Run(f"torch-{p}", "torch", "torch", p, (*proxy("llama3_8b", 8, "torch"), f"precision={p}"))
+             for p in ("fp8_current", "bf16")]
+    # Side-by-side runs each keep megatron-core's sample index in their own folder (relative to the run dir, where
+    # the engine runs): two building one file at once would race. A check that hangs must not eat the budget.
     own_cache = ("data.cache_dir=cache",)
-    runs = [Run(f"fsdp-{p}", "functional", "megatron", p, (*proxy("llama3_8b", 4), "parallel.fsdp=true",
-                                                            f"precision={p}", *own_cache), side_by_side=True)
-            for p in ("bf16", "fp8_current")]
+    runs += [Run(f"fsdp-{p}", "functional", "megatron", p, (*proxy("llama3_8b", 4), "parallel.fsdp=true",
+                                                             f"precision={p}", *own_cache),
+                 side_by_side=True, timeout_s=150.0)
+             for p in ("bf16", "fp8_current")]
     runs.append(Run("resume-llama3_100m-fp8_delayed", "functional", "megatron", "fp8_delayed",
                     ("engine=megatron", f"gpu={gpu}", "model=llama3_100m", "data=mock", "precision=fp8_delayed",
                      "trainer.micro_batch_size=8", "trainer.global_batch_size=8", "trainer.max_steps=6",
                      "trainer.checkpoint.interval=3", "trainer.log_interval=1", *own_cache),
-                    side_by_side=True, resume=True))
-    runs += [Run(f"megatron-{p}", "precisions", "megatron", p, (*proxy("llama3_8b", 8), f"precision={p}"))
-             for p in ("bf16", *FP8_RECIPES)]
-    runs += [Run(f"torch-{p}", "torch", "torch", p, (*proxy("llama3_8b", 8, "torch"), f"precision={p}"))
-             for p in ("fp8_current", "bf16")]
+                    side_by_side=True, resume=True, timeout_s=150.0))
     runs.append(Run("megatron-nemotron4_15b-fp8_current", "nemotron", "megatron", "fp8_current",
                     (*proxy("nemotron4_15b", 4), "precision=fp8_current")))
     for recipe in FP8_RECIPES:
@@ -289,6 +291,8 @@ def resume_note(run_dir: Path) -> str:
 
 
 def run_study(directory: Path, out: Path, parts: tuple[str, ...], budget_s: float, best: Optional[str]) -> int:
+    """The study's runs of `parts`, in its order: a timed run alone, consecutive side-by-side runs together; each
+    only if its estimated cost fits in what is left of the budget."""
     directory = directory.resolve()  # each engine runs in its run dir, given its config by absolute path
     study, commit, runs = load_study(directory)
     started = time.monotonic()
@@ -301,31 +305,37 @@ def run_study(directory: Path, out: Path, parts: tuple[str, ...], budget_s: floa
         print(f"[{time.monotonic() - started:4.0f} s] {run.name}: {outcome.status} in {outcome.wall_s:.0f} s "
               f"{outcome.error}", flush=True)
 
-    def remaining() -> float:
-        return budget_s - (time.monotonic() - started)
+    def wanted(run: Run) -> bool:
+        nonlocal best
+        if run.part == "ablations" and run.part in parts:
+            best = best or fastest_fp8(runs, rows)
+            return run.precision == best
+        if run.part == "precisions" and run.part not in parts:
+            return "ablations" in parts and run.precision == best  # the tuned run the ablations are measured against
+        return run.part in parts
 
-    side = [r for r in runs if r.side_by_side and r.part in parts]
-    if side:
-        with ThreadPoolExecutor(len(side)) as pool:
-            futures = {run: pool.submit(execute, run, directory / run.name, min(run.timeout_s, remaining()), commit)
-                       for run in side}
-        for run, future in futures.items():
+    def start(group: list[Run]) -> None:
+        left = budget_s - (time.monotonic() - started)
+        needed = max(estimate_s(run, runs, outcomes) for run in group)
+        if left < needed:
+            for run in group:
+                record(run, Outcome(f"not run (budget: ~{needed:.0f} s needed, {max(left, 0):.0f} s left)"))
+            return
+        with ThreadPoolExecutor(len(group)) as pool:
+            futures = [(run, pool.submit(execute, run, directory / run.name, min(run.timeout_s, left), commit))
+                       for run in group]
+        for run, future in futures:
             record(run, future.result())
 
-    for run in [r for r in runs if not r.side_by_side]:
-        wanted = run.part in parts
-        if run.part == "ablations" and wanted:
-            best = best or fastest_fp8(runs, rows)
-            wanted = run.precision == best
-        elif run.part == "precisions" and not wanted and "ablations" in parts:
-            wanted = run.precision == best  # the tuned run the ablations are measured against
-        if not wanted:
-            continue
-        if remaining() < estimate_s(run, runs, outcomes):
-            record(run, Outcome(f"not run (budget: ~{estimate_s(run, runs, outcomes):.0f} s needed, "
-                                f"{max(remaining(), 0):.0f} s left)"))
-            continue
-        record(run, execute(run, directory / run.name, min(run.timeout_s, remaining()), commit))
+    group: list[Run] = []
+    for run in runs:
+        if group and not (run.side_by_side and group[-1].side_by_side):
+            start(group)
+            group = []
+        if wanted(run):
+            group.append(run)
+    if group:
+        start(group)
 
     done = [r for r in runs if r.name in rows]
     write_results(study, done, rows, out, directory, best, commit)

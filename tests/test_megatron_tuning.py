@@ -216,15 +216,17 @@ def test_a_switch_that_cannot_run_is_refused_in_one_line(hydra_compose, case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_te_layers_accumulate_weight_gradients_in_place_as_the_unfused_path_does(hydra_compose, tmp_path):
+def test_te_layers_accumulate_weight_gradients_in_place_as_the_unfused_path_does(tmp_path):
     """Without Apex: TE's layers fuse (fuse_wgrad_accumulation on), megatron-core's output layer does not, and two
-    micro-batches' main_grad equal those of the same model with the fusion off, to BF16 rounding of the wgrads."""
+    micro-batches' main_grad equal those of the same model with the fusion off, to BF16 rounding of the wgrads.
+    Configs from conf/ options without Hydra, which the GPU machine lacks."""
     pytest.importorskip("transformer_engine")
     from functools import partial
 
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from recipes.config import Config, MegatronConfig, TrainerConfig, load_option
     from recipes.engine import megatron_engine as engine
     from recipes.megatron import parallel_state
     from recipes.megatron.build import build
@@ -232,11 +234,13 @@ def test_te_layers_accumulate_weight_gradients_in_place_as_the_unfused_path_does
 
     if available_kernels().apex_wgrad:
         pytest.skip("Apex's extension is installed: megatron-core's own flag fuses every layer")
-    common = ("engine=megatron", "gpu=h200", "model=tiny_llama", "precision=bf16", "data=mock",
-              "trainer.micro_batch_size=2", "trainer.global_batch_size=4", f"data.cache_dir={tmp_path}", "dryrun=true")
     grads = {}
     for fused in (True, False):
-        cfg = hydra_compose(*common, f"megatron.gradient_accumulation_fusion={'null' if fused else 'false'}")
+        cfg = Config(model=load_option("model", "tiny_llama"), precision=load_option("precision", "bf16"),
+                     gpu=load_option("gpu", "h200"), executor=load_option("executor", "local"),
+                     data=dataclasses.replace(load_option("data", "mock"), cache_dir=str(tmp_path)),
+                     trainer=TrainerConfig(micro_batch_size=2, global_batch_size=4), engine="megatron",
+                     megatron=MegatronConfig(gradient_accumulation_fusion=None if fused else False))
         if not torch.distributed.is_initialized():
             engine.setup_distributed(cfg)
         model_parallel_cuda_manual_seed(cfg.trainer.seed)  # the same weights for both
