@@ -235,6 +235,26 @@ def bench_or_report(model_cfg: ModelConfig, variant: Variant, args, device: torc
         return {**row_identity(model_cfg, variant, args), "error": str(error)[:500]}
 
 
+def compare_to_bf16(model_cfg: ModelConfig, results: list[dict]) -> None:
+    """Each row's speedup over the fastest BF16 column, and the GEMM limit from our BF16 column's profile."""
+    baseline = strongest_bf16(results)
+    ours_bf16 = next((r for r in results if r["precision"] == "bf16" and "error" not in r), None)
+    limit = gemm_limit(model_cfg.name, ours_bf16["profile"]) if ours_bf16 and ours_bf16["profile"] else {}
+    if baseline:
+        print(f"  BF16 baseline: {baseline['precision']} ({baseline['median_step_s'] * 1e3:.1f} ms), the fastest "
+              "BF16 column of this run", flush=True)
+    if limit:
+        print(f"  GEMM share of the bf16 step {limit['gemm_share']:.0%}, per-tensor FP8/BF16 GEMM ratio "
+              f"{limit['gemm_fp8_ratio']:.2f}: limit {limit['limit']:.3f}x", flush=True)
+    for result in results:
+        timed = baseline and "error" not in result
+        result["speedup_vs_bf16"] = baseline["median_step_s"] / result["median_step_s"] if timed else None
+        result["bf16_baseline"] = baseline["precision"] if baseline else None
+        result.update(limit)
+        if limit and result["speedup_vs_bf16"] is not None:
+            result["gain_captured"] = (result["speedup_vs_bf16"] - 1) / (limit["limit"] - 1)
+
+
 def strongest_bf16(results: list[dict]) -> dict | None:
     """The fastest BF16 column (ours in any variant, or a peer's): every speedup of the run is against it."""
     bf16 = [r for r in results if "error" not in r and r["precision"].split(":")[0] in ("bf16", "te_bf16")]
@@ -304,7 +324,7 @@ def markdown_table(rows: list[dict]) -> str:
             lines.append(f"| {row['model']} | {row['layers']} | {row['seq_length']} | {row['precision']} | "
                          f"failed: {row['error'].splitlines()[0][:80]} | | | | | | | | |")
             continue
-        speedup = f"{row['speedup_vs_bf16']:.3f}x" if row["speedup_vs_bf16"] is not None else "n/a"
+        speedup = f"{row['speedup_vs_bf16']:.3f}x" if row.get("speedup_vs_bf16") is not None else "n/a"
         limit = f"{row['limit']:.3f}x" if row.get("limit") else "n/a"
         captured = f"{row['gain_captured']:.0%}" if row.get("gain_captured") is not None else "n/a"
         split = " / ".join(f"{row['profile']['ms'][k]:.1f}" for k in ("gemm", "attention", "quantization", "other")) if row.get("profile") else "n/a"
@@ -340,25 +360,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.seq_length:
             model_cfg = dataclasses.replace(model_cfg, seq_length=args.seq_length)
         print(f"{model_cfg.name}: {layers} layers, seq {model_cfg.seq_length}, {args.micro_batches} micro-batches/step", flush=True)
-        results = [bench_or_report(model_cfg, variant, args, device) for variant in variants]
-        baseline = strongest_bf16(results)
-        ours_bf16 = next((r for r in results if r["precision"] == "bf16" and "error" not in r), None)
-        limit = gemm_limit(model_cfg.name, ours_bf16["profile"]) if ours_bf16 and ours_bf16["profile"] else {}
-        if baseline:
-            print(f"  BF16 baseline: {baseline['precision']} ({baseline['median_step_s'] * 1e3:.1f} ms), the fastest "
-                  "BF16 column of this run", flush=True)
-        if limit:
-            print(f"  GEMM share of the bf16 step {limit['gemm_share']:.0%}, per-tensor FP8/BF16 GEMM ratio "
-                  f"{limit['gemm_fp8_ratio']:.2f}: limit {limit['limit']:.3f}x", flush=True)
-        for result in results:
-            timed = baseline and "error" not in result
-            result["speedup_vs_bf16"] = baseline["median_step_s"] / result["median_step_s"] if timed else None
-            result["bf16_baseline"] = baseline["precision"] if baseline else None
-            result.update(limit)
-            if limit and result["speedup_vs_bf16"] is not None:
-                result["gain_captured"] = (result["speedup_vs_bf16"] - 1) / (limit["limit"] - 1)
+        results = []
+        for variant in variants:
+            results.append(bench_or_report(model_cfg, variant, args, device))
+            if args.out:  # after every column, so a run cut short keeps what it measured
+                write_results(rows + results, args, argv)
+        compare_to_bf16(model_cfg, results)
         rows += results
-        if args.out:  # after every model, so a run cut short keeps what it measured
+        if args.out:
             write_results(rows, args, argv)
     print(markdown_table(rows))
     return 0
