@@ -6,8 +6,9 @@
     python scripts/compare.py --regenerate        # the same, for the project's docs/results/runs.txt
 
 An INPUT is a run directory (metrics.jsonl, config.yaml, summary.json), a folder to search (a nemo-run
-experiment, a folder of Slurm logs), a metrics.jsonl, or a raw Megatron-LM / Megatron-Bridge / NeMo 2 log.
-DIR receives report.md, report.html (self-contained), results.csv and the PNG figures.
+experiment, a folder of Slurm logs), a metrics.jsonl, or a raw Megatron-LM / Megatron-DeepSpeed / Megatron-Bridge /
+NeMo 2 / NeMo 1 (Lightning progress bar) log. DIR receives report.md, report.html (self-contained), results.csv
+(empty cells: unknown) and the PNG figures, each loss-curve figure with a CSV of its points.
 
 A manifest holds the arguments of one report, one or more per line, `#` comments allowed; paths in it are
 relative to the manifest's folder, and the report goes there unless it says `--out`.

@@ -121,6 +121,127 @@ def test_slurm_requeue_newest_restart_wins():
     assert any("2 step record(s) logged again" in note for note in run.notes)
 
 
+def test_megatron_bridge_log_uses_the_config_that_ran_and_pairs_its_step_time_lines():
+    run, _ = read_one(FIXTURES / "bridge/pretrain_llama3_8b_run1.log")
+    # the recipe's defaults (512 / 8192 / 1234, CP 2) were printed first; the merged config that ran, 8 / 4096 / 42
+    assert (run.meta["gbs"], run.meta["seq"], run.meta["seed"], run.meta["cp"], run.meta["mbs"]) == (8, 4096, 42, 1, 1)
+    # `fp8: null` beside `fp8_recipe: delayed` (Transformer Engine's default) is a BF16 run, not fp8_delayed
+    assert (run.meta["precision"], run.meta_origin["precision"]) == ("bf16", "header")
+    assert [s.step for s in run.steps] == [5, 10, 15, 20, 25, 30]
+    # each `Step Time : 2.00s GPU utilization: 400.0MODEL_TFLOP/s/GPU` line joins the iteration line after it
+    assert [s.tflops_per_gpu for s in run.steps] == [66.7, 400.0, 398.0, 400.0, 398.0, 400.0]
+    fp8, _ = read_one(FIXTURES / "bridge/pretrain_llama3_8b_run2.log")
+    # a preset naming FP8 current scaling, and the setup's summary `fp8: 'hybrid'`, `fp8_recipe: 'tensorwise'`
+    assert fp8.meta["precision"] == "fp8_current"
+    # interval 20's throughput line came after its iteration line: paired all the same
+    assert [s.tflops_per_gpu for s in fp8.steps] == [66.7, 533.3, 529.8, 533.3, 529.8, 533.3]
+    assert not [note for note in run.notes + fp8.notes if "Step Time" in note]
+
+
+def test_step_time_line_with_another_step_time_is_not_paired(tmp_path):
+    log = tmp_path / "bridge.log"
+    line = FIXTURES.joinpath("bridge/pretrain_llama3_8b_run1.log").read_text().splitlines()
+    iteration = next(text for text in line if "iteration       10/" in text)  # 2000.0 ms
+    log.write_text("Step Time : 3.00s GPU utilization: 266.7MODEL_TFLOP/s/GPU\n" + iteration + "\n")
+    read = read_log(log, "bridge.log")
+    assert read.steps[0].tflops_per_gpu is None
+    assert read.notes == ["bridge.log: 1 'Step Time' line(s) not paired with an iteration line of the same step time: "
+                          "their TFLOP/s not used"]
+
+
+def test_bridge_speedup_names_the_unknown_field_and_the_label_that_supplies_it(tmp_path):
+    status, results = report(["bridge"], tmp_path / "a")
+    rows = csv_by_run(tmp_path / "a")
+    fp8, bf16 = rows["pretrain_llama3_8b_run2"], rows["pretrain_llama3_8b_run1"]
+    assert fp8["speedup"] == "" and fp8["baseline"] == "" and bf16["baseline"] == ""  # run names only, or nothing
+    target = "tests/fixtures/logs/bridge/pretrain_llama3_8b_run{}.log:gpu=GPU"
+    assert fp8["note"] == (
+        "speedup missing: gpu unknown here and on BF16 run pretrain_llama3_8b_run1; supply it with "
+        f"--label {target.format(2)} --label {target.format(1)}"
+    )
+    assert fp8["note"] in (tmp_path / "a" / "report.md").read_text()
+    status, results = report(["bridge"], tmp_path / "b", labels=[f"{FIXTURES / 'bridge'}:gpu=h100"])
+    rows = csv_by_run(tmp_path / "b")
+    fp8, bf16 = rows["pretrain_llama3_8b_run2"], rows["pretrain_llama3_8b_run1"]
+    # 30 steps, warm-up 3 and the first interval (5); intervals 10..30 at 2000/2010/2000/2010/2000 ms (FP8 1500/1510)
+    assert (fp8["steps_measured"], fp8["baseline"], fp8["note"]) == ("25", "pretrain_llama3_8b_run1", "")
+    approx(bf16["median_step_time_s"], 2.0)
+    approx(fp8["median_step_time_s"], 1.5)
+    approx(fp8["speedup"], 2.0 / 1.5)
+    approx(bf16["tflops_per_gpu"], 400.0)
+    approx(fp8["tflops_per_gpu"], 533.3)
+    approx(bf16["final_loss"], 11.0 - 0.1 * 30)  # the last 3 steps: interval 30 alone
+    approx(fp8["final_loss"], 11.0 - 0.1 * 30 + 0.02)
+    assert status == 0
+
+
+def test_megatron_deepspeed_lm_loss_and_its_argument_dump():
+    run, _ = read_one(FIXTURES / "deepspeed/megatron_deepspeed_llama3_8b.log")
+    assert [s.step for s in run.steps] == list(range(10, 101, 10))
+    assert run.steps[0].loss == pytest.approx(8.6)  # `lm-loss: 8.600000E+00`
+    # --fp8-e4m3 and --fp8-hybrid False with --bf16; Megatron's world size (8), not DeepSpeed's data-parallel one (4)
+    assert (run.meta["precision"], run.meta["world_size"], run.meta["tp"]) == ("bf16", 8, 2)
+    assert not [note for note in run.notes if "no loss" in note]
+
+
+def test_megatron_deepspeed_golden_numbers(tmp_path):
+    report(["deepspeed"], tmp_path)
+    row = csv_by_run(tmp_path)["megatron_deepspeed_llama3_8b"]
+    # 100 steps: warm-up 10 and the first interval; intervals 20..100: five at 1000 ms, four at 1024 ms
+    assert row["steps_measured"] == "90"
+    approx(row["median_step_time_s"], 1.0)
+    approx(row["tokens_per_s_per_gpu"], 256 * 2048 / 8 / 1.0)  # its own tokens per GPU per second
+    assert row["tflops_per_gpu"] == ""  # its "TFLOPs" counts recomputation: not model FLOPs, not read
+    approx(row["final_loss"], 9.0 - 0.04 * 100)
+
+
+def test_fp8_only_where_the_log_says_it_is_on(tmp_path):
+    iteration = " iteration       10/     100 | elapsed time per iteration (ms): 1000.0 | lm loss: 2.0 |\n"
+    echoed = tmp_path / "echoed_llama3_8b.log"
+    echoed.write_text("+ torchrun pretrain_gpt.py --bf16 --fp8-format hybrid --fp8-recipe tensorwise --seed 7\n" + iteration)
+    assert read_one(echoed)[0].meta["precision"] == "fp8_current"
+    recipe_only = tmp_path / "recipe_only_llama3_8b.log"
+    recipe_only.write_text("fp8_recipe: delayed\nbf16: true\n" + iteration)  # TE's default recipe, FP8 never switched on
+    run, _ = read_one(recipe_only)
+    assert "precision" not in run.meta
+    assert any("precision unknown" in note for note in run.notes)
+
+
+def test_a_loss_under_another_name_is_reported_not_guessed(tmp_path):
+    log = tmp_path / "custom.log"
+    log.write_text(" iteration       10/     100 | elapsed time per iteration (ms): 1000.0 | lm_loss: 2.0 |\n"
+                   " iteration       20/     100 | elapsed time per iteration (ms): 1000.0 | lm_loss: 1.9 |\n")
+    run, _ = read_one(log)
+    assert [s.loss for s in run.steps] == [None, None]
+    assert "custom: no loss read from any record(s) (its records name lm_loss, none of which is the training loss)" \
+        in run.notes
+
+
+def test_nemo1_progress_bars(tmp_path):
+    read = read_log(FIXTURES / "nemo1/log-nemo-megatron-nemotron4_15b_bf16_7001.out", "bf16.out")
+    assert read.format == "nemo1" and read.notes == []
+    # 100 redraws (each step drawn with the previous step's fields, then its own) and a validation bar: 50 steps
+    assert [s.step for s in read.steps] == list(range(1, 51))  # global_step 0..49
+    assert (read.steps[0].time_s, read.steps[1].time_s, read.steps[2].time_s) == (30.0, 3.13, 3.15)
+    assert read.steps[-1].loss == pytest.approx(6.1)  # `reduced_train_loss=6.100`
+    run, _ = read_one(FIXTURES / "nemo1/log-nemo-megatron-nemotron4_15b_fp8_7002.out")
+    # the experiment's YAML: `fp8: true` (a NeMo 1 FP8 run names no scaling recipe), 2 nodes of 8 GPUs
+    assert (run.meta["precision"], run.meta_origin["precision"], run.meta["world_size"]) == ("fp8", "header", 16)
+    status, _ = report(["nemo1"], tmp_path, labels=[f"{FIXTURES / 'nemo1'}:gpu=h100"])
+    rows = csv_by_run(tmp_path)
+    bf16, fp8 = rows["log-nemo-megatron-nemotron4_15b_bf16_7001"], rows["log-nemo-megatron-nemotron4_15b_fp8_7002"]
+    assert (bf16["precision"], bf16["engine"], fp8["baseline"]) == ("bf16", "nemo", bf16["run"])
+    # 50 steps, warm-up 5; steps 6..50 are global steps 5..49: 23 odd ones at 3.13 s, 22 even at 3.15 s
+    assert bf16["steps_measured"] == "45"
+    approx(bf16["median_step_time_s"], 3.13)
+    approx(fp8["median_step_time_s"], 2.51)
+    approx(fp8["speedup"], 3.13 / 2.51)
+    approx(bf16["tokens_per_s_per_gpu"], 64 * 4096 / 16 / 3.13)
+    approx(bf16["final_loss"], (6.5 + 6.4 + 6.3 + 6.2 + 6.1) / 5)
+    approx(fp8["final_loss"], (6.6 + 6.5 + 6.4 + 6.3 + 6.2) / 5)
+    assert status == 0
+
+
 # ---- metadata ----
 
 
@@ -228,6 +349,8 @@ def test_broken_inputs_give_a_report_listing_what_was_skipped(tmp_path):
     status, results = report(["broken"], tmp_path)
     assert status == 1  # nan_megatron.log holds a NaN loss
     text = (tmp_path / "report.md").read_text()
+    assert ("truncated: precision unknown: nothing read says whether FP8 was on; say it with "
+            "--label tests/fixtures/logs/broken/truncated.log:precision=NAME") in text
     for reason in ("empty file", "cut off", "two records on one line", "unreadable loss", "not valid JSON"):
         assert reason in text
     assert {r.run.name for r in results} == {
@@ -238,8 +361,8 @@ def test_broken_inputs_give_a_report_listing_what_was_skipped(tmp_path):
         "mixed_units",
         "bad_metrics",
     }
-    row = next(r for r in csv.reader((tmp_path / "results.csv").open()) if r[0] == "truncated")
-    assert row[1] == "unknown" and row[3] == "unknown"  # model, GPU: nothing says
+    row = csv_by_run(tmp_path)["truncated"]
+    assert row["model"] == "" and row["gpu"] == "" and row["precision"] == ""  # nothing says: the one missing code
 
 
 # ---- golden table ----
@@ -410,6 +533,19 @@ def test_cli_usage_errors(tmp_path):
 # ---- outputs ----
 
 
+def test_every_loss_curve_has_its_points_as_csv(golden):
+    _, out, _ = golden
+    figures = sorted(out.glob("loss_curves_*.png"))
+    assert figures and all(figure.with_suffix(".csv").is_file() for figure in figures)
+    with (out / "loss_curves_llama3_8b_h100_llama3_8b-bf16.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    bf16 = [r for r in rows if r["run"] == "llama3_8b-bf16"]
+    assert [int(r["step"]) for r in bf16] == list(range(1, 21)) and {r["panel"] for r in bf16} == {"loss"}
+    gap = [r for r in rows if r["run"] == "llama3_8b-fp8_current" and r["panel"] == "relative difference to bf16"]
+    assert len(gap) == 20
+    approx(gap[-1]["value"], ((10 - 0.3 * 20 + 0.01) - (10 - 0.3 * 20)) / (10 - 0.3 * 20))
+
+
 def test_plots_are_non_empty_pngs(golden):
     _, out, _ = golden
     figures = sorted(p.name for p in out.glob("*.png"))
@@ -491,7 +627,9 @@ def test_two_matching_bf16_runs_give_no_baseline(tmp_path):
     status, results = build_report([str(FIXTURES / "rundirs"), str(twin)], tmp_path / "out", base=REPO, log=quiet)
     fp8 = next(r for r in results if r.meta["precision"] == "fp8_current")
     assert fp8.baseline is None and fp8.baseline_status.startswith("ambiguous: 2 BF16 runs match")
-    assert csv_by_run(tmp_path / "out")["llama3_8b-fp8_current"]["speedup"] == ""
+    row = csv_by_run(tmp_path / "out")["llama3_8b-fp8_current"]
+    assert row["speedup"] == "" and row["baseline"] == ""
+    assert row["note"].startswith("speedup missing: ambiguous: 2 BF16 runs match")
 
 
 # ---- several seeds ----

@@ -1,7 +1,7 @@
 """Compare runs: throughput and loss of each FP8 recipe against BF16, from run directories or raw training logs.
 
 inputs.py    find runs in the inputs (run directories, nemo-run experiments, Slurm logs with requeues)
-parse.py     read metrics.jsonl and Megatron / NeMo 2 log lines into per-step records
+parse.py     read metrics.jsonl and Megatron(-LM, -DeepSpeed, -Bridge) / NeMo 2 / NeMo 1 logs into per-step records
 metadata.py  what each run was (model, precision, GPU, layout, batch), source by source
 table.py     warm-up, steady-state medians, BF16 baselines, speedups, loss gaps, the divergence alarm, seeds
 plots.py     the study's figures;  gemm.py  the GEMM benchmark's CSV

@@ -21,6 +21,7 @@ import fnmatch
 import json
 import os
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -34,7 +35,7 @@ from recipes.report.records import Run, merge_steps
 
 LOG_SUFFIXES = {".out", ".err", ".log", ".txt"}
 LOCAL_LOG = re.compile(r"^(?P<stream>combined|stdout|stderr)\.log$")  # nemo-run local: <task>/<app>/<role>/<n>/
-ENGINE_OF_FORMAT = {"megatron": "megatron", "nemo2": "nemo"}
+ENGINE_OF_FORMAT = {"megatron": "megatron", "nemo2": "nemo", "nemo1": "nemo"}
 
 
 class InputError(ValueError):
@@ -177,15 +178,19 @@ def read_source(
 
     header = _first_header(reads)
     file_meta, file_notes = metadata.from_file_name(source.name)
+    header_meta, header_notes = metadata.from_header(header, [s.global_batch_size for s in steps if s.global_batch_size])
     layers = [
         ("label", _label_values(source, labels, base)),
         ("config", metadata.from_config(config, summary)),
-        ("header", metadata.from_header(header, [s.global_batch_size for s in steps if s.global_batch_size])),
+        ("header", header_meta),
         ("file name", file_meta),
         ("log format", {"engine": ENGINE_OF_FORMAT.get(fmt)}),
     ]
     meta, origin = metadata.merge(layers)
     provenance = {key: summary[key] for key in ("commit", "versions", "device") if key in summary}
+    label_target = display_path(source.paths[0], base)
+    unread = _unread_columns(source.name, steps, meta, {key for read in reads for key in read.other_losses},
+                             label_target)
     run = Run(
         name=meta.get("name") or source.name,
         format=fmt,
@@ -194,9 +199,28 @@ def read_source(
         meta=meta,
         meta_origin=origin,
         provenance=provenance,
-        notes=notes + file_notes,
+        notes=notes + file_notes + [f"{source.name}: {note}" for note in header_notes] + unread,
+        label_target=label_target,
     )
     return run, []
+
+
+def _unread_columns(name: str, steps: list, meta: dict[str, Any], other_losses: set[str], target: str) -> list[str]:
+    """One note per column the run's records or metadata leave empty: loss, step time, precision."""
+    notes = []
+    for attribute, column in (("loss", "loss"), ("time_s", "step time")):
+        missing = sum(getattr(record, attribute) is None for record in steps)
+        if not missing:
+            continue
+        why = ""
+        if attribute == "loss" and other_losses:
+            why = f" (its records name {', '.join(sorted(other_losses))}, none of which is the training loss)"
+        amount = "any" if missing == len(steps) else f"{missing} of the {len(steps)}"
+        notes.append(f"{name}: no {column} read from {amount} record(s){why}")
+    if not meta.get("precision"):
+        notes.append(f"{name}: precision unknown: nothing read says whether FP8 was on; say it with "
+                     f"--label {shlex.quote(target + ':precision=NAME')}")
+    return notes
 
 
 def _first_header(reads: list[FileRead]) -> dict[str, Any]:

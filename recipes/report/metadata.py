@@ -154,17 +154,53 @@ def _section(config: dict, key: str) -> dict:
 # ---- 3. the log's own header lines ----
 
 
-def from_header(header: dict[str, Any], batch_sizes: list[int]) -> dict[str, Any]:
-    keys = ("tp", "pp", "cp", "vp", "dp", "world_size", "mbs", "gbs", "seq", "seed")
+def from_header(header: dict[str, Any], batch_sizes: list[int]) -> tuple[dict[str, Any], list[str]]:
+    """What the log's printed configuration says (parse.HeaderReader), and notes where its records disagree.
+
+    FP8 only when the log says it is on (`fp8: hybrid|e4m3`, `--fp8-format`, a Bridge preset naming FP8): a
+    recipe name alone (`fp8_recipe: delayed` is Transformer Engine's default, printed by BF16 runs too) is not.
+    """
+    keys = ("tp", "pp", "cp", "vp", "dp", "world_size", "nodes", "gpus_per_node", "mbs", "gbs", "seq", "seed")
     meta = {key: header.get(key) for key in keys}
-    fp8 = header.get("fp8")
-    if fp8 == "none" and header.get("bf16"):
-        meta["precision"] = "bf16"
+    notes: list[str] = []
+    if header.get("data_seq"):
+        meta["seq"] = header["data_seq"]  # Bridge's dataset length: what each sample holds
+    preset, fp8, fp4 = header.get("precision_preset"), header.get("fp8"), header.get("fp4")
+    if fp8 is None and ("fp8_e4m3" in header or "fp8_hybrid" in header):
+        fp8 = "e4m3" if header.get("fp8_e4m3") else "hybrid" if header.get("fp8_hybrid") else "none"
+    if preset:
+        meta["precision"] = preset_precision(preset)
     elif fp8 not in (None, "none"):
         meta["precision"] = RECIPE_TO_PRECISION.get(header.get("fp8_recipe"), "fp8")
-    if meta["gbs"] is None and batch_sizes:
-        meta["gbs"] = max(set(batch_sizes), key=batch_sizes.count)  # as printed on the iteration lines
-    return _clean(meta)
+    elif fp4 not in (None, "none"):
+        meta["precision"] = "nvfp4"  # not a recipe of this project: compared with nothing, never taken for BF16
+    elif fp8 == "none" and header.get("bf16"):
+        meta["precision"] = "bf16"
+    if batch_sizes:
+        logged = max(set(batch_sizes), key=batch_sizes.count)  # as printed on the iteration lines: what ran
+        if meta["gbs"] is not None and meta["gbs"] != logged:
+            notes.append(f"the printed config says global batch {meta['gbs']}, the iteration lines {logged}: "
+                         f"{logged} used")
+        meta["gbs"] = logged
+    return _clean(meta), notes
+
+
+# Megatron-Bridge's mixed-precision presets (megatron.bridge.training.mixed_precision), by the words in their names.
+PRESET_WORDS = [
+    ("mxfp8", "mxfp8"),
+    ("fp8_delayed", "fp8_delayed"),
+    ("fp8_current", "fp8_current"),
+    ("fp8_subchannel", "fp8_blockwise"),
+    ("fp8_blockwise", "fp8_blockwise"),
+    ("nvfp4", "nvfp4"),
+    ("fp8", "fp8"),
+    ("bf16", "bf16"),
+]
+
+
+def preset_precision(preset: str) -> Optional[str]:
+    """`bf16_with_fp8_current_scaling_mixed` -> fp8_current, `bf16_mixed` -> bf16; None for any other name."""
+    return next((precision for word, precision in PRESET_WORDS if word in preset), None)
 
 
 # ---- 4. tokens in the file name ----

@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+import csv
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -90,18 +92,43 @@ def _rank(label: str) -> tuple:
     return (PRECISION_ORDER.index(name) if name in PRECISION_ORDER else len(PRECISION_ORDER), label)
 
 
-def loss_curves(baseline: Result, others: list[Result], path: Path, tolerance: float) -> Path:
+@dataclass
+class Curve:
+    """One plotted line: a run's loss (top panel) or its relative difference to BF16 (bottom panel)."""
+
+    run: Result
+    panel: str  # "loss" or "relative difference to bf16"
+    steps: list[int]
+    values: list[float]
+
+
+def loss_curve_data(baseline: Result, others: list[Result]) -> list[Curve]:
+    """The lines of the loss-curve figure, in drawing order: BF16's loss, then each recipe's loss and its relative
+    difference to BF16 (at BF16's logged steps, the recipe's loss interpolated linearly between its own)."""
+    base_steps, base_loss = _curve(baseline)
+    curves = [Curve(baseline, "loss", base_steps, base_loss)]
+    for other in sorted(others, key=lambda r: _rank(precision_label(r.meta))):
+        steps, loss = _curve(other)
+        xs, rel = _relative_difference(steps, loss, base_steps, base_loss)
+        curves += [Curve(other, "loss", steps, loss), Curve(other, "relative difference to bf16", xs, rel)]
+    return curves
+
+
+def loss_curves(curves: list[Curve], path: Path, tolerance: float) -> Path:
     fig, (top, bottom) = plt.subplots(
         2, 1, figsize=(FIGSIZE[0], FIGSIZE[1] * 1.3), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
     )
-    base_steps, base_loss = _curve(baseline)
-    top.plot(base_steps, base_loss, color="black", linewidth=1.2, label=precision_label(baseline.meta))
+    baseline = curves[0]
+    top.plot(baseline.steps, baseline.values, color="black", linewidth=1.2, label=precision_label(baseline.run.meta))
     extra: dict[str, str] = {}
-    for other in sorted(others, key=lambda r: _rank(precision_label(r.meta))):
-        steps, loss = _curve(other)
+    for curve in curves[1:]:
+        other = curve.run
         color = _color(other.meta.get("precision", ""), extra)
         label = precision_label(other.meta)
-        top.plot(steps, loss, color=color, linewidth=1.0, label=label)
+        if curve.panel != "loss":
+            bottom.plot(curve.steps, [100 * d for d in curve.values], color=color, linewidth=1.0, label=label)
+            continue
+        top.plot(curve.steps, curve.values, color=color, linewidth=1.0, label=label)
         if other.first_bad_step is not None:
             top.axvline(
                 other.first_bad_step,
@@ -109,8 +136,6 @@ def loss_curves(baseline: Result, others: list[Result], path: Path, tolerance: f
                 linestyle=":",
                 label=f"{label}: NaN/inf from step {other.first_bad_step}",
             )
-        xs, rel = _relative_difference(steps, loss, base_steps, base_loss)
-        bottom.plot(xs, [100 * d for d in rel], color=color, linewidth=1.0, label=label)
     bottom.axhline(0.0, color="black", linewidth=0.8)
     for sign in (1, -1):
         bottom.axhline(sign * 100 * tolerance, color="gray", linewidth=0.8, linestyle="--")
@@ -120,9 +145,21 @@ def loss_curves(baseline: Result, others: list[Result], path: Path, tolerance: f
     bottom.set_ylabel("(loss - BF16) / BF16 (%)")
     bottom.set_xlabel("step")
     bottom.grid(True, alpha=0.3)
-    m = baseline.meta
+    m = baseline.run.meta
     top.set_title(f"{m.get('model', 'unknown')} on {m.get('gpu', 'unknown')}, {describe_layout(m)}: loss vs BF16")
     return _save(fig, path)
+
+
+def write_curve_csv(curves: list[Curve], path: Path) -> Path:
+    """The numbers behind a figure's lines, one row per point: run, precision, panel, step, value."""
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["run", "precision", "panel", "step", "value"])
+        for curve in curves:
+            label = precision_label(curve.run.meta)
+            writer.writerows([curve.run.run.name, label, curve.panel, step, format(value, ".10g")]
+                             for step, value in zip(curve.steps, curve.values))
+    return path
 
 
 def _curve(result: Result) -> tuple[list[int], list[float]]:

@@ -37,6 +37,7 @@ class Run:
     meta_origin: dict[str, str] = field(default_factory=dict)  # metadata key -> where it came from
     provenance: dict[str, Any] = field(default_factory=dict)  # commit, versions, device (run directories)
     notes: list[str] = field(default_factory=list)  # what was skipped and why
+    label_target: str = ""  # the FILE of a --label that names this run (its first file, as given)
 
 
 def merge_steps(segments: list[list[Step]]) -> tuple[list[Step], int]:

@@ -13,7 +13,7 @@ from recipes.report.records import Run
 
 EXIT_OK, EXIT_FLAGGED, EXIT_USAGE = 0, 1, 2
 # Figures this tool writes; removed from the output folder first so a regenerated folder holds no stale plot.
-FIGURE_PATTERNS = ["speedup_vs_model_size.png", "loss_curves_*.png", "gemm_speedup_vs_k.png"]
+FIGURE_PATTERNS = ["speedup_vs_model_size.png", "loss_curves_*.png", "loss_curves_*.csv", "gemm_speedup_vs_k.png"]
 
 
 class UsageError(ValueError):
@@ -79,12 +79,13 @@ def build_report(
         figures=figures,
         gemm=gemm_table,
         provenance=_provenance(results, base),
-        notes=notes + seed_notes + [note for r in results for note in r.run.notes],
+        notes=notes + seed_notes + [note for r in results for note in r.run.notes]
+        + [f"{r.run.name}: {r.note}" for r in results if r.note],
     )
     (out / "report.md").write_text(render.markdown(report))
     (out / "report.html").write_text(render.html_page(report))
     render.write_csv(out / "results.csv", table.CSV_HEADERS, table.csv_rows(results, lambda p: display_path(p, base)))
-    log(f"wrote {out}/: report.md, report.html, results.csv and {len(figures)} figure(s)")
+    log(f"wrote {out}/: report.md, report.html, results.csv and {len(figures)} figure(s) (with their data as CSV)")
     if not runs:
         log("no usable run in the inputs (see the notes in report.md)")
         return EXIT_USAGE, results
@@ -139,12 +140,15 @@ def _figures(results: list[table.Result], out: Path, tolerance: float) -> list[r
         while name in used:
             name += "_"
         used.add(name)
-        path = plots.loss_curves(baseline, others, out / f"{name}.png", tolerance)
+        curves = plots.loss_curve_data(baseline, others)
+        path = plots.loss_curves(curves, out / f"{name}.png", tolerance)
+        data = plots.write_curve_csv(curves, out / f"{name}.csv")
         figures.append(
             render.Figure(
                 f"Loss vs BF16: {m.get('model')} on {m.get('gpu')} ({baseline.run.name})",
                 path,
-                f"Bottom: relative difference to BF16; dashed: the divergence tolerance ±{tolerance:.1%}.",
+                f"Bottom: relative difference to BF16; dashed: the divergence tolerance ±{tolerance:.1%}. "
+                f"Every point of every line: {data.name}.",
             )
         )
     return figures

@@ -4,6 +4,7 @@ divergence alarm. `rules()` states each rule as the report prints it; the functi
 from __future__ import annotations
 
 import math
+import shlex
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -14,6 +15,7 @@ from recipes.report.records import Run, Step
 from recipes.report.render import Table
 
 MATCH_KEYS = ("model", "gpu", "engine", "nodes", "world_size", "tp", "pp", "cp", "vp", "mbs", "gbs", "seq")
+REQUIRED_KEYS = ("model", "gpu")  # must be known to match at all
 DEFAULT_LOSS_TOLERANCE = 0.05
 
 
@@ -36,6 +38,7 @@ class Result:
     max_loss_gap: Optional[float] = None  # largest |relative gap| over the windows, signed
     max_gap_window: Optional[tuple[int, int]] = None
     flags: list[str] = field(default_factory=list)
+    note: str = ""  # why there is no baseline (the field that blocked the match, and the --label that supplies it)
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -135,6 +138,7 @@ def compare(runs: list[Run], loss_tolerance: float = DEFAULT_LOSS_TOLERANCE) -> 
             continue
         if not result.meta.get("recipe"):
             result.baseline_status = "precision unknown"
+            result.note = f"no speedup: {_unknown_precision(result)}"
             continue
         matches = [b for b in baselines if _same_setup(result.meta, b.meta)]
         seed = result.meta.get("seed")
@@ -145,14 +149,55 @@ def compare(runs: list[Run], loss_tolerance: float = DEFAULT_LOSS_TOLERANCE) -> 
             result.baseline_status = (
                 f"ambiguous: {len(matches)} BF16 runs match ({', '.join(b.run.name for b in matches)})"
             )
+            result.note = f"speedup missing: {result.baseline_status}; give each its seed with --label FILE:seed=N"
         elif matches:
             result.baseline, result.baseline_status = matches[0], "found"
             _compare_to(result, matches[0], loss_tolerance)
+        else:
+            result.note = f"speedup missing: {_why_no_match(result, baselines)}"
     return sorted(results, key=_order)
 
 
+def _label(result: Result, key: str) -> str:
+    return "--label " + shlex.quote(f"{result.run.label_target}:{key}={key.upper()}")
+
+
+def _unknown_precision(result: Result) -> str:
+    precision = result.meta.get("precision")
+    if precision:
+        return f"precision {precision} is none of this project's recipes"
+    return f"precision unknown; supply it with {_label(result, 'precision')}"
+
+
+def _why_no_match(result: Result, baselines: list[Result]) -> str:
+    """The fields that keep a run from its BF16 baseline, against the closest BF16 run, and the --label that
+    supplies each unknown one (model and GPU must be known on both sides; another field matches only its equal)."""
+    if not baselines:
+        return "no BF16 run among the inputs"
+
+    def blocking(baseline: Result) -> list[str]:
+        return [key for key in MATCH_KEYS if result.meta.get(key) != baseline.meta.get(key)
+                or (key in REQUIRED_KEYS and result.meta.get(key) is None)]
+
+    closest = min(baselines, key=lambda b: (len(blocking(b)), b.run.name))
+    reasons = []
+    for key in blocking(closest):
+        ours, theirs = result.meta.get(key), closest.meta.get(key)
+        if ours is None and theirs is None:
+            reasons.append(f"{key} unknown here and on BF16 run {closest.run.name}; supply it with "
+                           f"{_label(result, key)} {_label(closest, key)}")
+        elif ours is None:
+            reasons.append(f"{key} unknown here ({theirs} on BF16 run {closest.run.name}); supply it with "
+                           f"{_label(result, key)}")
+        elif theirs is None:
+            reasons.append(f"{key} unknown on BF16 run {closest.run.name}; supply it with {_label(closest, key)}")
+        else:
+            reasons.append(f"{key} {ours} here, {theirs} on BF16 run {closest.run.name}")
+    return "; ".join(reasons)
+
+
 def _same_setup(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    if not (a.get("model") and a.get("gpu")):
+    if not all(a.get(key) for key in REQUIRED_KEYS):
         return False
     return all(a.get(key) == b.get(key) for key in MATCH_KEYS)
 
@@ -269,12 +314,15 @@ def display_rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
 CSV_HEADERS = """
     run model params gpu nodes world_size engine precision recipe emulated tp pp cp vp dp mbs gbs seq seed
     steps_logged last_step warmup_steps steps_measured median_step_time_s tokens_per_s_per_gpu tflops_per_gpu mfu
-    baseline speedup final_loss loss_gap_vs_bf16 max_loss_gap_vs_bf16 flag format sources
+    baseline speedup final_loss loss_gap_vs_bf16 max_loss_gap_vs_bf16 flag note format sources
 """.split()
 META_COLUMNS = CSV_HEADERS[1 : CSV_HEADERS.index("seed") + 1]  # model .. seed, straight from the run's metadata
 
 
 def csv_rows(results: list[Result], display_path) -> list[list[str]]:
+    """Raw values; an empty cell is the one missing-value code (unknown, or not applicable: a BF16 run has no
+    baseline). `baseline` holds a run name or nothing; why there is none is in `note`."""
+
     def raw(value: Any) -> str:
         if value is None:
             return ""
@@ -285,15 +333,13 @@ def csv_rows(results: list[Result], display_path) -> list[list[str]]:
     rows = []
     for r in results:
         m = r.meta
-        baseline = r.baseline.run.name if r.baseline else ("" if r.baseline_status == "baseline" else r.baseline_status)
-        text_or_unknown = {"model", "gpu", "engine", "precision", "recipe"}
-        metadata = [m.get(key, UNKNOWN if key in text_or_unknown else None) for key in META_COLUMNS]
         values = [
             r.run.name,
-            *metadata,
+            *(m.get(key) for key in META_COLUMNS),
             *(len(r.run.steps), r.run.steps[-1].step, r.warmup_steps, r.steps_measured),
             *(r.step_time_s, r.tokens_per_s_per_gpu, r.tflops_per_gpu, r.mfu),
-            *(baseline, r.speedup, r.final_loss, r.loss_gap, r.max_loss_gap, "; ".join(r.flags)),
+            r.baseline.run.name if r.baseline else None,
+            *(r.speedup, r.final_loss, r.loss_gap, r.max_loss_gap, "; ".join(r.flags), r.note),
             r.run.format,
             " ".join(display_path(p) for p in r.run.paths),
         ]
