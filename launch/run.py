@@ -11,13 +11,16 @@ Groups (conf/): model, precision, gpu, executor, data. `--cfg job` prints the co
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import sys
 from pathlib import Path
 
 import hydra
+import yaml
+from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -29,11 +32,40 @@ from recipes.plan import describe, make_plan, resolve  # noqa: E402
 
 
 def run_dir(cfg: DictConfig) -> Path:
-    """The run's directory: run.dir for a single run; one folder per job under the sweep dir for -m."""
+    """The run's directory: the folder Hydra made for this job, hydra.run.dir (run.dir unless given) for one run,
+    hydra.sweep.dir/hydra.sweep.subdir for each point of -m. A run.dir that would be ignored is refused."""
     hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode == RunMode.MULTIRUN:
-        return Path(hydra_cfg.sweep.dir, hydra_cfg.sweep.subdir).resolve()
-    return Path(cfg.run.dir).resolve()
+    directory = Path(hydra_cfg.runtime.output_dir).resolve()
+    if hydra_cfg.mode == RunMode.RUN and "run.dir" in overridden_keys(hydra_cfg.overrides.task):
+        if directory != Path(cfg.run.dir).resolve():
+            raise ConfigError(f"run.dir={cfg.run.dir} and hydra.run.dir={hydra_cfg.run.dir} name two folders; "
+                              "give one of them (run.dir)")
+    return directory
+
+
+def overridden_keys(overrides) -> set[str]:
+    return {override.split("=", 1)[0].lstrip("+~") for override in overrides}
+
+
+def check_command_line(argv: list[str]) -> None:
+    """Before Hydra composes anything: every override key is in the schema, and run.dir is not given to -m.
+    Hydra's own parser tells its flags from the overrides; with -sc (shell completion) the words after it are
+    Hydra's completion command (install=bash, query=bash), not overrides."""
+    args = get_args_parser().parse_args(argv)
+    if args.shell_completion:
+        return
+    check_override_keys(args.overrides)
+    if args.multirun and "run.dir" in overridden_keys(args.overrides):
+        raise ConfigError("run.dir with -m: each point gets its own folder under hydra.sweep.dir; give "
+                          "hydra.sweep.dir=DIR instead")
+
+
+def save_overrides(hydra_cfg, path: Path) -> None:
+    """The command line that made the run, as Hydra's own overrides.yaml holds it (a list of `key=value`), with
+    the whole command as a comment above: for a point of -m, the overrides are that point's."""
+    command = shlex.join(["python", "launch/run.py", *sys.argv[1:]]).replace("\n", "\\n")
+    overrides = OmegaConf.to_container(hydra_cfg.overrides.task)
+    path.write_text(f"# {command}\n" + yaml.safe_dump(overrides, default_flow_style=False))
 
 
 def experiment_name(cfg: Config) -> str:
@@ -46,10 +78,10 @@ def experiment_name(cfg: Config) -> str:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(dict_cfg: DictConfig) -> None:
-    directory = run_dir(dict_cfg)
-    dict_cfg.run.dir = str(directory)
+    directory = Path(HydraConfig.get().runtime.output_dir).resolve()
     config_path = directory / "config.yaml"
     try:
+        dict_cfg.run.dir = str(run_dir(dict_cfg))
         cfg: Config = resolve(to_config(dict_cfg))
         plan = make_plan(cfg, config_path)
     except ConfigError as error:
@@ -59,6 +91,7 @@ def main(dict_cfg: DictConfig) -> None:
     print(describe(plan), flush=True)
     directory.mkdir(parents=True, exist_ok=True)
     save_config(dataclasses.replace(cfg, dryrun=False), config_path)  # the config as the engine will run it
+    save_overrides(HydraConfig.get(), directory / "overrides.yaml")
     try:
         status = launch(plan, config_path, experiment_name(cfg))
     except ConfigError as error:
@@ -70,7 +103,7 @@ def main(dict_cfg: DictConfig) -> None:
 if __name__ == "__main__":
     register_schema()
     try:
-        check_override_keys([arg for arg in sys.argv[1:] if not arg.startswith("-") and "=" in arg])
+        check_command_line(sys.argv[1:])
     except ConfigError as error:
         sys.exit(f"error: {error}")
     main()

@@ -240,8 +240,31 @@ def test_hydra_keeps_cwd_and_writes_no_hydra_folder(tmp_path):
     assert result.lines("run") == [f"run dir     {run_dir}"]
     assert result.lines("command") == [engine_command(run_dir / "config.yaml")]
     assert load_config(run_dir / "config.yaml").run.dir == str(run_dir)
-    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "overrides.yaml"]
     assert_confined(result, allowed=("rel",))
+
+
+def test_hydra_run_dir_is_the_run_dir_and_the_command_is_kept_beside_the_config(tmp_path):
+    result = launch(tmp_path, "hydra.run.dir=fp8_runs/h", "trainer.max_steps=3", "dryrun=true")
+    assert result.returncode == 0, str(result)
+    run_dir = result.runs / "h"
+    assert result.config_files() == [run_dir / "config.yaml"]  # not an empty h and a run under runs/<time>-...
+    assert load_config(run_dir / "config.yaml").run.dir == str(run_dir)
+    # Hydra's overrides.yaml: the task's overrides as a list, and the whole command line above them
+    text = (run_dir / "overrides.yaml").read_text()
+    assert text.splitlines()[0] == "# python launch/run.py hydra.run.dir=fp8_runs/h trainer.max_steps=3 dryrun=true"
+    assert yaml.safe_load(text) == ["trainer.max_steps=3", "dryrun=true"]
+    assert_confined(result)
+
+
+def test_shell_completion_passes_through(tmp_path):
+    result = launch(tmp_path, "-sc", "install=bash")
+    assert result.returncode == 0 and "complete -o nospace -o default -F hydra_bash_completion" in result.stdout, \
+        str(result)
+    env = {"COMP_LINE": "python launch/run.py trainer.max"}
+    query = subprocess.run([sys.executable, str(RUN_PY), "-sc", "query=bash"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120, env={**os.environ, **env})
+    assert query.returncode == 0 and query.stdout.split() == ["trainer.max_steps="], query.stdout + query.stderr
 
 
 # ---- every model x precision ----
@@ -337,6 +360,10 @@ ERROR_CASES = {
     "profile_step": (("trainer.max_steps=10", "trainer.profile_step=11", "dryrun=true"),
                      ("trainer.profile_step=11", "trainer.max_steps=10")),
     "unknown_engine": (("engine=jax", "dryrun=true"), ("engine=jax", "not available", "torch, megatron")),
+    "two_run_dirs": (("hydra.run.dir=fp8_runs/y", "run.dir=fp8_runs/z", "dryrun=true"),
+                     ("run.dir=fp8_runs/z and hydra.run.dir=fp8_runs/y name two folders; give one of them (run.dir)",)),
+    "run_dir_with_multirun": (("-m", "run.dir=fp8_runs/w", "precision=bf16,fp8_current", "dryrun=true"),
+                              ("run.dir with -m", "hydra.sweep.dir=DIR")),
     # hidden 200 keeps heads % groups and the even rotary dimension valid; only the FP8 check rejects it
     "fp8_dims": (("model.hidden_size=200", "dryrun=true"), ("divisible by 16", "hidden_size = 200")),
     "gpu_count": (_gpu_count_case(), (f"executor.gpus={max(2, torch.cuda.device_count() + 1)}",
@@ -401,6 +428,16 @@ def test_help_lists_groups_and_options(tmp_path):
     for group, names in listed.items():
         assert names == options(group), group
     assert not result.runs.exists()
+    assert_confined(result)
+
+
+def test_multirun_honours_hydra_sweep_dir(tmp_path):
+    result = launch(tmp_path, "-m", "hydra.sweep.dir=fp8_runs/s", "precision=bf16,fp8_current", "dryrun=true")
+    assert result.returncode == 0, str(result)
+    configs = result.config_files()
+    assert sorted(path.parent.name for path in configs) == ["0-tiny_llama-bf16", "1-tiny_llama-fp8_current"]
+    assert {path.parent.parent for path in configs} == {result.runs / "s"}
+    assert yaml.safe_load((configs[0].parent / "overrides.yaml").read_text()) == ["precision=bf16", "dryrun=True"]  # as Hydra's sweeper writes them
     assert_confined(result)
 
 
