@@ -225,8 +225,10 @@ class ExecutorConfig:
     name: str = "local"
     gpus: int = 1  # processes per node: one per GPU (or CPU processes on a CPU-only machine)
     nodes: int = 1
-    nemo_run_home: str = "${run.root}/nemo_run"  # where nemo-run keeps its experiment records (and, on Slurm
-    # with the local tunnel, the jobs' folders and logs: shared storage there)
+    # Where nemo-run keeps its experiment records for every executor (and, on Slurm with the local tunnel, the jobs'
+    # folders and logs: shared storage there); its CLI reads it as NEMORUN_HOME (recipes.nemo_run_home). Not
+    # ".../nemo_run": nemo-run rewrites "/nemo_run" in the sbatch script of a job without container.
+    nemo_run_home: str = "${run.root}/nemo-run"
     slurm: Optional[SlurmConfig] = None  # executor=slurm only
 
 

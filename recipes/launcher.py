@@ -11,9 +11,10 @@ import os
 import sys
 from pathlib import Path
 
-from recipes.config import ConfigError
+from recipes.config import REPO_ROOT, ConfigError
+from recipes.nemo_run_home import cli_commands, use_nemo_run_home
 from recipes.plan import ENGINE_MODULE, Plan
-from recipes.config import REPO_ROOT
+from recipes.slurm import TASK, slug
 
 
 def launch(plan: Plan, config_path: Path, experiment: str) -> int:
@@ -32,14 +33,16 @@ def launch(plan: Plan, config_path: Path, experiment: str) -> int:
     if cfg.dryrun:
         print(f"dry run: nothing launched; the resolved config is {config_path}, and the command above runs it")
         return 0
-    return run_local(plan, config_path)
+    return run_local(plan, config_path, experiment)
 
 
-def run_local(plan: Plan, config_path: Path) -> int:
-    """Run the job on this machine through nemo-run, stream its output, and return 0 when it succeeded."""
+def run_local(plan: Plan, config_path: Path, experiment: str) -> int:
+    """Run the job on this machine through nemo-run, stream its output, and return 0 when it succeeded. Every point
+    of a -m sweep goes into the sweep's experiment, as on Slurm."""
     import nemo_run as run  # imported here: planning and dry runs do not need it
 
     cfg = plan.cfg
+    home = use_nemo_run_home(cfg.executor.nemo_run_home)
     executor = run.LocalExecutor(
         ntasks_per_node=cfg.executor.gpus,
         launcher="torchrun" if plan.processes > 1 else None,
@@ -47,14 +50,16 @@ def run_local(plan: Plan, config_path: Path) -> int:
                   "LOGLEVEL": "WARNING", "PYTHONUNBUFFERED": "1"},
     )
     task = run.Script(path=ENGINE_MODULE[cfg.engine], m=True, entrypoint=sys.executable, args=[str(config_path)])
-    base_dir = Path(cfg.executor.nemo_run_home).expanduser().resolve()
-    with run.Experiment(cfg.run.name, executor=executor, base_dir=str(base_dir), log_level="WARN") as experiment:
-        experiment.add(task, name="train")
-        experiment.run(sequential=True, tail_logs=True, detach=False)
-    status = experiment.status(return_dict=True) or {}
+    title = slug(experiment)
+    with run.Experiment(title, executor=executor, base_dir=str(home), log_level="WARN",
+                        enable_goodbye_message=False) as exp:
+        exp.add(task, name=TASK)
+        exp.run(sequential=True, tail_logs=True, detach=False)
+    print(cli_commands(home, title, exp._id), flush=True)
+    status = exp.status(return_dict=True) or {}
     states = {name: str(job.get("status")) for name, job in status.items()}
     failed = {name: state for name, state in states.items() if state != "SUCCEEDED"}
     if failed:
-        print(f"error: job(s) did not succeed: {failed}; logs under {base_dir}", file=sys.stderr)
+        print(f"error: job(s) did not succeed: {failed}; logs under {exp._exp_dir}", file=sys.stderr)
         return 1
     return 0

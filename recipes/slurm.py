@@ -229,9 +229,10 @@ def submit(plan: Plan, config_path: Path, experiment: str, dryrun: bool) -> int:
     """Render (dryrun) or submit the run's sbatch job, print where everything is, and return without waiting."""
     import nemo_run as run
 
+    from recipes.nemo_run_home import cli_commands, use_nemo_run_home
+
     cfg = plan.cfg
-    nemo_run_home = Path(cfg.executor.nemo_run_home).expanduser().resolve()
-    os.environ["NEMORUN_HOME"] = str(nemo_run_home)  # nemo-run's own job list (.slurm_jobs) lives there
+    nemo_run_home = use_nemo_run_home(cfg.executor.nemo_run_home)  # nemo-run's own job list (.slurm_jobs) too
     run_dir = config_path.parent
     site = job_site(cfg, run_dir, nemo_run_home)
     ssh = site.ssh
@@ -242,7 +243,8 @@ def submit(plan: Plan, config_path: Path, experiment: str, dryrun: bool) -> int:
         require_secrets(cfg.executor.slurm.secret_env)
     elif not dryrun:  # secrets come from the login node's environment: sbatch runs there
         _prepare_login_node(cfg, site)
-    with run.Experiment(slug(experiment), executor=executor, base_dir=str(nemo_run_home), log_level="WARN") as exp:
+    with run.Experiment(slug(experiment), executor=executor, base_dir=str(nemo_run_home), log_level="WARN",
+                        enable_goodbye_message=False) as exp:
         exp.add(_task(plan, site), name=TASK)
         if dryrun:
             exp.dryrun(log=False, delete_exp_dir=False)
@@ -268,7 +270,8 @@ def submit(plan: Plan, config_path: Path, experiment: str, dryrun: bool) -> int:
           + f"logs        {record.log_dir}/log-{record.job_name}_{job_id}_<restart>.out"
           + (f" on {ssh.host}\nremote run  {site.run_dir} on {ssh.host} (status gathers it here)" if ssh else "")
           + f"\nrun dir     {run_dir}\n"
-          f"status      python launch/status.py {shlex.quote(str(run_dir))}", flush=True)
+          f"status      python launch/status.py {shlex.quote(str(run_dir))}\n"
+          + cli_commands(nemo_run_home, record.experiment, record.experiment_id), flush=True)
     return 0
 
 

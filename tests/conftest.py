@@ -1,12 +1,15 @@
-"""Fixtures shared by the test modules: the real single-node Slurm that the cluster tests submit to, and Hydra
-composition of conf/ in this process."""
+"""Fixtures shared by the test modules: the real single-node Slurm that the cluster tests submit to, Hydra
+composition of conf/ in this process, and nemo-run's CLI as a launch tells the user to run it."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,3 +70,29 @@ def megatron_state():
     yield
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
+
+
+class NemoCli:
+    """The nemo-run CLI commands a launch printed (`NEMORUN_HOME=... nemo experiment VERB ARGS`), run as a user's
+    shell runs them: NEMORUN_HOME only from the command itself, `nemo` from this interpreter's environment."""
+
+    @staticmethod
+    def printed(output: str) -> dict[str, list[str]]:
+        commands: dict[str, list[str]] = {}
+        for match in re.finditer(r"(NEMORUN_HOME=\S+ nemo experiment (\w+) .+)", output):
+            commands.setdefault(match[2], []).append(match[1])
+        return commands
+
+    @staticmethod
+    def run(command: str) -> str:
+        env = {key: value for key, value in os.environ.items() if key != "NEMORUN_HOME"}
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        done = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=300)
+        output = done.stdout + done.stderr
+        assert done.returncode == 0 and "Traceback" not in output, f"{command}\n{output}"
+        return output
+
+
+@pytest.fixture(scope="session")
+def nemo_cli() -> NemoCli:
+    return NemoCli()

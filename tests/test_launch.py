@@ -119,7 +119,7 @@ def assert_confined(result: Launch, allowed: tuple[str, ...] = ()) -> None:
 
 
 def assert_nothing_launched(result: Launch) -> None:
-    assert not (result.runs / "nemo_run").exists(), "nemo-run was started"
+    assert not (result.runs / "nemo-run").exists(), "nemo-run was started"
     assert not list(result.cwd.rglob("metrics.jsonl")), "an engine ran"
 
 
@@ -214,7 +214,7 @@ def test_saved_config_is_what_was_asked(tmp_path):
         model=load_option("model", "llama3_70b"),
         precision=load_option("precision", "bf16"),
         gpu=gpu,
-        executor=ExecutorConfig(name="local", gpus=1, nodes=1, nemo_run_home=str(result.runs / "nemo_run")),
+        executor=ExecutorConfig(name="local", gpus=1, nodes=1, nemo_run_home=str(result.runs / "nemo-run")),
         data=DataConfig(name="text", kind=DataKind.indexed, path=None, cache_dir=str(result.cache)),
         trainer=TrainerConfig(max_steps=7),
         run=RunConfig(root=str(result.runs), name="llama3_70b-bf16", dir=str(run_dir)),

@@ -115,3 +115,20 @@ def test_failed_job_makes_launch_fail(tmp_path, cache_dir):
     result = launch(tmp_path, cache_dir, "model.init_std=1e30", "trainer.max_steps=2", f"run.dir={tmp_path / 'f'}")
     assert result.returncode != 0
     assert "did not succeed" in result.stderr
+
+
+
+def test_local_sweep_is_one_experiment_that_nemo_runs_cli_reads(tmp_path, cache_dir, nemo_cli):
+    result = launch(tmp_path, cache_dir, "-m", "trainer.seed=1,2", "precision=bf16", "data=mock",
+                    "model.seq_length=64", "trainer.max_steps=2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (sweep,) = (tmp_path / "runs").glob("*-sweep")
+    home = tmp_path / "runs" / "nemo-run"  # one home for every executor, as executor=slurm's
+    ids = sorted(p.name for p in (home / "experiments" / sweep.name).iterdir())
+    assert len(ids) == 2  # both points under the sweep's experiment title, as a Slurm sweep is
+    commands = nemo_cli.printed(result.stdout)
+    assert [c.split()[-1] for c in commands["status"]] == ids and f"NEMORUN_HOME={home} " in commands["status"][0]
+    assert "Status: SUCCEEDED" in nemo_cli.run(commands["status"][0])
+    assert "final loss" in nemo_cli.run(commands["logs"][0])  # the engine's summary, from nemo-run's own log
+    listed = nemo_cli.run(commands["list"][-1])
+    assert all(experiment_id in listed for experiment_id in ids)
