@@ -266,8 +266,21 @@ class TrainerConfig:
     grad_reduce: GradReduce = GradReduce.per_step  # FSDP2 with gradient accumulation: see GradReduce
     fsdp_fp8_all_gather: bool = False  # FSDP2 all-gathers per-tensor FP8 recipes' weights in FP8 (recipes.fp8.all_gather)
     log_interval: int = 10
+    tensorboard: bool = True  # every step's metrics as TensorBoard scalars in <run dir>/tensorboard (recipes.metrics)
     profile_step: Optional[int] = None  # profile this step: RUN_DIR/profile/ trace + time split (recipes.profiling)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # resumes from the newest one found
+
+
+@dataclass
+class WandbConfig:
+    project: Optional[str] = None  # a W&B project: every step's metrics go there too (needs `pip install wandb`)
+    entity: Optional[str] = None  # the W&B team or user; None: wandb's default
+    name: Optional[str] = None  # the W&B run's name; None: run.name
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
@@ -288,6 +301,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # engine=megatron only
     run: RunConfig = field(default_factory=RunConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     engine: str = "torch"  # torch (recipes.engine.torch_engine) or megatron (recipes.engine.megatron_engine)
     dryrun: bool = False
 

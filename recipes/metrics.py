@@ -17,17 +17,24 @@ between recipes equal their speedups. On a CPU there is no published peak and MF
 
 Steady state: `summary.json` holds medians over the steps after the first `warmup_steps(n)` of n steps
 (10%, at least 1: the first step includes compilation and allocator warm-up).
+
+Where every step goes (`MetricsWriter`, one place for both engines): `metrics.jsonl`, TensorBoard scalars
+(`trainer.tensorboard`, tags `train/<field>`) and W&B (`logger.wandb.project`). megatron-core (0.16) has no writer
+of its own: its `Timers.write` and MoE loss tracking take the caller's `torch.utils.tensorboard.SummaryWriter`,
+which Megatron-LM creates as this module does.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from recipes.config import Activation, Config, ModelConfig
+from recipes.config import Activation, Config, ConfigError, ModelConfig, to_dict
 
 
 def flops_per_token(model: ModelConfig, include_output_layer: bool = True, causal: bool = True) -> float:
@@ -79,19 +86,63 @@ def step_metrics(
     )
 
 
-class MetricsWriter:
-    """Appends one JSON line per step to `<run dir>/metrics.jsonl`, flushed so a crash loses nothing written."""
+TENSORBOARD_DIR = "tensorboard"  # in the run directory
 
-    def __init__(self, run_dir: Path):
+
+def check_loggers(cfg: Config) -> None:
+    """The loggers the config asks for can start in this Python; ConfigError naming the fix otherwise."""
+    if cfg.trainer.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("trainer.tensorboard=true needs the tensorboard package (a dependency of this project: "
+                          "pip install tensorboard), or set trainer.tensorboard=false")
+    if cfg.logger.wandb.project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"logger.wandb.project={cfg.logger.wandb.project} needs wandb, which this Python lacks: "
+                          "pip install wandb, or leave logger.wandb.project unset")
+
+
+class MetricsWriter:
+    """Every step's metrics, written by the logging process: a JSON line in `<run dir>/metrics.jsonl` (flushed, so a
+    crash loses nothing written), TensorBoard scalars in `<run dir>/tensorboard/` and a W&B run, as the config asks.
+    `first_step` > 1 is a resumed run: TensorBoard hides what a crashed attempt logged from that step on, as
+    metrics.jsonl drops it."""
+
+    def __init__(self, run_dir: Path, cfg: Config, first_step: int = 1):
+        check_loggers(cfg)
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a")
+        self._tensorboard = None
+        if cfg.trainer.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(run_dir / TENSORBOARD_DIR),
+                                              purge_step=first_step if first_step > 1 else None)
+        self._wandb = _start_wandb(cfg, run_dir) if cfg.logger.wandb.project else None
 
     def write(self, metrics: StepMetrics) -> None:
-        self._file.write(json.dumps(asdict(metrics)) + "\n")
+        record = asdict(metrics)
+        self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        scalars = {f"train/{key}": value for key, value in record.items() if key != "step" and value is not None}
+        if self._tensorboard is not None:
+            for tag, value in scalars.items():
+                self._tensorboard.add_scalar(tag, value, metrics.step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=metrics.step)
 
     def close(self) -> None:
         self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _start_wandb(cfg: Config, run_dir: Path):
+    import wandb
+
+    settings = cfg.logger.wandb
+    run_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]  # a resumed run continues its W&B run
+    return wandb.init(project=settings.project, entity=settings.entity, name=settings.name or cfg.run.name,
+                      dir=str(run_dir), id=run_id, resume="allow", config=to_dict(cfg))
 
 
 def summarize(cfg: Config, history: list[StepMetrics], world_size: int, extra: dict) -> dict:

@@ -19,6 +19,7 @@ import torch
 from recipes.config import (Config, ConfigError, Fp8Format, GradReduce, MegatronConfig, ModelConfig, Recipe, Recompute,
                             load_option)
 from recipes.fp8.all_gather import FP8_ALL_GATHER_RECIPES, fp8_all_gather_applies
+from recipes.metrics import check_loggers
 from recipes.models.transformer import count_parameters
 
 ENGINE_MODULE = {"torch": "recipes.engine.torch_engine", "megatron": "recipes.engine.megatron_engine"}
@@ -67,6 +68,8 @@ def data_parallel_size(cfg: Config) -> int:
 def validate(cfg: Config) -> None:
     """Raise ConfigError for the first thing that cannot run."""
     _validate_launch(cfg)
+    if cfg.executor.name == "local":  # on Slurm the job's Python (a container's) decides, when the engine starts
+        check_loggers(cfg)
     _validate_model(cfg.model)
     _validate_parallel(cfg)
     _validate_precision(cfg)

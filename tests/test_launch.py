@@ -11,6 +11,7 @@ fast on a two-core machine.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 import subprocess
@@ -360,6 +361,10 @@ ERROR_CASES = {
     "profile_step": (("trainer.max_steps=10", "trainer.profile_step=11", "dryrun=true"),
                      ("trainer.profile_step=11", "trainer.max_steps=10")),
     "unknown_engine": (("engine=jax", "dryrun=true"), ("engine=jax", "not available", "torch, megatron")),
+    # wandb is no dependency: asking for it without it installed is refused before anything runs
+    **({} if importlib.util.find_spec("wandb") else {"wandb_missing": (
+        ("logger.wandb.project=fp8", "dryrun=true"),
+        ("logger.wandb.project=fp8 needs wandb", "pip install wandb", "leave logger.wandb.project unset"))}),
     "two_run_dirs": (("hydra.run.dir=fp8_runs/y", "run.dir=fp8_runs/z", "dryrun=true"),
                      ("run.dir=fp8_runs/z and hydra.run.dir=fp8_runs/y name two folders; give one of them (run.dir)",)),
     "run_dir_with_multirun": (("-m", "run.dir=fp8_runs/w", "precision=bf16,fp8_current", "dryrun=true"),

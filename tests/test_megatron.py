@@ -330,6 +330,7 @@ def test_iteration_line_is_megatrons_and_the_report_reads_it(tmp_path):
     line = megatron_iteration_line(steps, max_steps=100, global_batch_size=128)
     assert "] iteration       10/     100 | consumed samples:         1280 | elapsed time per iteration (ms): 1950.0 |" in line
     assert "| lm loss: 1.150000E+01 | loss scale: 1.0 | grad norm: 0.500 |" in line
+    assert line.endswith(" ETA: 0:02:56 |")  # the median of 1.9 s and 2.0 s x 90 steps left = 175.5 s
     log = tmp_path / "train.log"
     log.write_text(line + "\n")
     (record,) = read_log(log, "train.log").steps

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
 from recipes.config import load_config
 from recipes.engine.torch_engine import main as engine_main
 from recipes.metrics import StepMetrics, warmup_steps
@@ -78,6 +80,15 @@ def test_training_run_loss_falls(tmp_path, cache_dir, precision):
     cfg = load_config(run_dir / "config.yaml")
     assert cfg.precision.name == precision and cfg.gpu.name == "cpu"
 
+    # TensorBoard (trainer.tensorboard, on by default): every step's metrics, as tensorboard's own reader sees them
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    for field in sorted(STEP_FIELDS - {"step", "mfu"}):  # MFU is null on a CPU (no published peak): not logged
+        logged = events.Scalars(f"train/{field}")
+        assert [e.step for e in logged] == list(range(1, steps + 1)), field
+        assert [e.value for e in logged] == pytest.approx([m[field] for m in metrics], rel=1e-6), field  # float32
+    assert "train/mfu" not in events.Tags()["scalars"]
+
 
 def test_two_processes_train_sharded_through_torchrun_and_profile_a_step(tmp_path, cache_dir):
     run_dir = tmp_path / "ddp"
@@ -120,9 +131,10 @@ def test_failed_job_makes_launch_fail(tmp_path, cache_dir):
 
 def test_local_sweep_is_one_experiment_that_nemo_runs_cli_reads(tmp_path, cache_dir, nemo_cli):
     result = launch(tmp_path, cache_dir, "-m", "trainer.seed=1,2", "precision=bf16", "data=mock",
-                    "model.seq_length=64", "trainer.max_steps=2")
+                    "model.seq_length=64", "trainer.max_steps=2", "trainer.tensorboard=false")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (sweep,) = (tmp_path / "runs").glob("*-sweep")
+    assert not list(sweep.glob("*/tensorboard")) and len(list(sweep.glob("*/metrics.jsonl"))) == 2
     home = tmp_path / "runs" / "nemo-run"  # one home for every executor, as executor=slurm's
     ids = sorted(p.name for p in (home / "experiments" / sweep.name).iterdir())
     assert len(ids) == 2  # both points under the sweep's experiment title, as a Slurm sweep is
@@ -132,3 +144,13 @@ def test_local_sweep_is_one_experiment_that_nemo_runs_cli_reads(tmp_path, cache_
     assert "final loss" in nemo_cli.run(commands["logs"][0])  # the engine's summary, from nemo-run's own log
     listed = nemo_cli.run(commands["list"][-1])
     assert all(experiment_id in listed for experiment_id in ids)
+
+
+def test_progress_line_shows_the_time_left():
+    from recipes.engine.console import step_line
+
+    times = [30.0, 2.0, 2.2, 2.1, 9.0]  # compilation first, a profiled step last: the median of all five is 2.2
+    history = [StepMetrics(step=s, loss=3.0, grad_norm=1.0, lr=1e-3, step_time_s=t, tokens_per_s_per_gpu=100.0,
+                           model_tflops_per_gpu=1.0, mfu=None, peak_memory_gib=1.0) for s, t in enumerate(times, 1)]
+    assert step_line(history, max_steps=1005).endswith(" | ETA 0:36:40")  # 1000 steps left x 2.2 s = 2200 s
+    assert step_line(history, max_steps=5).endswith(" | ETA 0:00:00")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import statistics
 import time
 from pathlib import Path
@@ -16,18 +17,33 @@ from recipes.provenance import provenance
 console = Console(highlight=False, soft_wrap=True)
 
 
-def print_step(m: StepMetrics, max_steps: int) -> None:
+def eta(step_times: list[float], steps_left: int) -> str:
+    """Time to the run's last step at the recent pace, H:MM:SS: the median of the last (up to) 20 step times, so a
+    slow first step (compilation) or a profiled one barely moves it, times the steps left."""
+    recent = step_times[-20:]
+    return str(datetime.timedelta(seconds=round(statistics.median(recent) * steps_left if recent else 0)))
+
+
+def step_line(history: list[StepMetrics], max_steps: int) -> str:
+    """The torch engine's progress line for the last step in `history` (the run's steps so far)."""
+    m = history[-1]
     mfu = f" | MFU {m.mfu:.1%}" if m.mfu is not None else ""
-    console.print(
+    return (
         f"step {m.step:>5}/{max_steps} | loss {m.loss:.4f} | grad norm {m.grad_norm:.3f} | lr {m.lr:.2e} | "
         f"{m.step_time_s:.3f} s/step | {m.tokens_per_s_per_gpu:,.0f} tokens/s/GPU | "
-        f"{m.model_tflops_per_gpu:.2f} TFLOP/s/GPU{mfu} | peak mem {m.peak_memory_gib:.2f} GiB"
+        f"{m.model_tflops_per_gpu:.2f} TFLOP/s/GPU{mfu} | peak mem {m.peak_memory_gib:.2f} GiB | "
+        f"ETA {eta([h.step_time_s for h in history], max_steps - m.step)}"
     )
+
+
+def print_step(history: list[StepMetrics], max_steps: int) -> None:
+    console.print(step_line(history, max_steps))
 
 
 def megatron_iteration_line(interval: list[StepMetrics], max_steps: int, global_batch_size: int) -> str:
     """Megatron-LM's iteration line (training.py training_log) for the steps since the last one: time, throughput
-    and loss averaged over them, learning rate and gradient norm of the last. BF16 has no loss scaling (1.0)."""
+    and loss averaged over them, learning rate and gradient norm of the last. BF16 has no loss scaling (1.0).
+    Megatron prints no time left; `ETA` at the end is ours (a field that readers of this line skip)."""
     last = interval[-1]
     nan = sum(1 for m in interval if m.loss != m.loss or m.grad_norm != m.grad_norm)
     return (
@@ -42,6 +58,7 @@ def megatron_iteration_line(interval: list[StepMetrics], max_steps: int, global_
         f" grad norm: {last.grad_norm:.3f} |"
         f" number of skipped iterations: {0:3d} |"
         f" number of nan iterations: {nan:3d} |"
+        f" ETA: {eta([m.step_time_s for m in interval], max_steps - last.step)} |"
     )
 
 

@@ -140,7 +140,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
     num_micro_batches = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * dp_size)
     forward_backward = get_forward_backward_func()
     history: list[StepMetrics] = checkpoint.resume_metrics(run_dir, first_step - 1) if is_logger else []
-    writer = MetricsWriter(run_dir) if is_logger else None
+    writer = MetricsWriter(run_dir, cfg, first_step) if is_logger else None
     last_logged = first_step - 1
 
     try:

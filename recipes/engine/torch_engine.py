@@ -124,7 +124,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
     batches = MicroBatches(cfg, rank, world_size, device)
     # The whole run's steps, those of earlier attempts included; metrics.jsonl is cut back to the checkpoint.
     history: list[StepMetrics] = checkpoint.resume_metrics(run_dir, first_step - 1) if is_logger else []
-    writer = MetricsWriter(run_dir) if is_logger else None
+    writer = MetricsWriter(run_dir, cfg, first_step) if is_logger else None
 
     def step_loss(step: int):
         def micro_batch_loss(micro: int) -> torch.Tensor:
@@ -160,7 +160,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
             if writer:
                 writer.write(metrics)
                 if step == 1 or step % cfg.trainer.log_interval == 0 or step == cfg.trainer.max_steps:
-                    print_step(metrics, cfg.trainer.max_steps)
+                    print_step(history, cfg.trainer.max_steps)
             if checkpoint.is_due(cfg, step):
                 saved = checkpoint.save(checkpoints, step, model, optimizer, cfg, rank, world_size, device)
                 if saved:
