@@ -394,6 +394,13 @@ def test_engine_trains_two_pipeline_stages_writes_metrics_and_resumes_exactly(hy
     assert metrics[-1]["loss"] < metrics[0]["loss"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["engine"], summary["world_size"], summary["steps"]) == ("megatron", 2, 4)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()  # the logging rank's TensorBoard scalars, as for the torch engine
+    for field in ("loss", "lr", "grad_norm", "model_tflops_per_gpu"):
+        assert [(e.step, e.value) for e in events.Scalars(f"train/{field}")] == [
+            (m["step"], pytest.approx(m[field], rel=1e-6)) for m in metrics]
     log = tmp_path / "stdout.log"
     log.write_text(result.stdout)
     logged = read_log(log, "stdout").steps
