@@ -177,7 +177,7 @@ def test_injection_in_a_value_reaches_the_job_intact_and_never_runs(cluster, tmp
     assert (job, state) == (record.job_id, "COMPLETED")
 
 
-def test_sweep_submits_one_job_per_point_as_one_experiment(cluster, tmp_path):
+def test_sweep_submits_one_job_per_point_as_one_experiment(cluster, tmp_path, nemo_cli):
     result = run_py(tmp_path, "-m", "precision=bf16,fp8_current", *TINY_CPU, "trainer.max_steps=3")
     (sweep,) = (tmp_path / "runs").glob("*-sweep")
     records = [JobRecord.load(path) for path in sorted(sweep.glob(f"*/{JOB_RECORD}"))]
@@ -188,6 +188,13 @@ def test_sweep_submits_one_job_per_point_as_one_experiment(cluster, tmp_path):
         assert wait_for(record.job_id, FINISHED) == "COMPLETED"
     by_name = status(sweep.name, tmp_path)  # the experiment by name, as nemo-run groups it
     assert [(row[0], row[1], row[3]) for row in by_name] == [(r.job_id, "COMPLETED", "3") for r in records]
+    # nemo-run's own CLI, as the launch printed it (NEMORUN_HOME set to executor.nemo_run_home)
+    commands = nemo_cli.printed(result.stdout)
+    assert [c.split()[-1] for c in commands["status"]] == [r.experiment_id for r in records]
+    assert "Status: SUCCEEDED" in nemo_cli.run(commands["status"][0])
+    assert "step     3/3" in nemo_cli.run(commands["logs"][0])  # the job's srun log
+    listed = nemo_cli.run(commands["list"][-1])
+    assert all(r.experiment_id in listed for r in records)
     report = subprocess.run([sys.executable, str(REPO / "scripts" / "compare.py"), str(sweep), "--out",
                              str(tmp_path / "report")], capture_output=True, text=True)
     assert report.returncode in (0, 1), report.stderr  # 1: a 3-step FP8 loss may differ from BF16 beyond tolerance

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Tear down the single-node Slurm that scripts/slurm/start.sh brought up: stop slurmd, slurmctld and munged (by
-# their pid files), then remove the state directory and the configuration start.sh wrote.
-#   --daemons-only   stop the Slurm daemons and keep everything else (start.sh uses it before a restart)
+# Tear down the single-node Slurm that scripts/slurm/start.sh brought up: stop slurmd, slurmctld, slurmdbd, MariaDB
+# and munged (by their pid files), then remove the state directory and the configuration start.sh wrote.
+#   --daemons-only   stop the Slurm daemons and the database, keep everything else (start.sh uses it before a restart)
+# FP8_SLURM_DIR and FP8_SLURM_CONF name the cluster, as for start.sh.
 set -euo pipefail
 
 STATE_DIR="${FP8_SLURM_DIR:-/tmp/fp8-recipes-slurm}"
+CONF_DIR="$(dirname "${FP8_SLURM_CONF:-/etc/slurm/slurm.conf}")"
 MARKER="# written by fp8-recipes scripts/slurm/start.sh"
 
 stop_pidfile() {  # stop the process whose id is in $1, waiting (bounded) until it is gone
@@ -19,10 +21,12 @@ stop_pidfile() {  # stop the process whose id is in $1, waiting (bounded) until 
 
 stop_pidfile "$STATE_DIR/slurmd.pid"
 stop_pidfile "$STATE_DIR/slurmctld.pid"
+stop_pidfile "$STATE_DIR/slurmdbd.pid"
+stop_pidfile "$STATE_DIR/mariadb.pid"
 [ "${1:-}" = --daemons-only ] && exit 0
 
 stop_pidfile /run/munge/munged.pid
-for conf in /etc/slurm/slurm.conf /etc/slurm/cgroup.conf; do
+for conf in "${FP8_SLURM_CONF:-$CONF_DIR/slurm.conf}" "$CONF_DIR/slurmdbd.conf" "$CONF_DIR/cgroup.conf"; do
     if [ -f "$conf" ] && grep -qF "$MARKER" "$conf"; then rm -f "$conf"; fi
 done
 rm -rf "$STATE_DIR"
