@@ -20,6 +20,7 @@ import pytest
 from recipes.report import build_report, metadata
 from recipes.report.inputs import find_sources, read_source
 from recipes.report.parse import read_log, read_metrics_jsonl
+from recipes.report.table import compare
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "logs"
@@ -204,7 +205,7 @@ def test_fp8_only_where_the_log_says_it_is_on(tmp_path):
     recipe_only.write_text("fp8_recipe: delayed\nbf16: true\n" + iteration)  # TE's default recipe, FP8 never switched on
     run, _ = read_one(recipe_only)
     assert "precision" not in run.meta
-    assert any("precision unknown" in note for note in run.notes)
+    assert compare([run])[0].note.startswith("no speedup: precision unknown")
 
 
 def test_a_loss_under_another_name_is_reported_not_guessed(tmp_path):
@@ -349,8 +350,8 @@ def test_broken_inputs_give_a_report_listing_what_was_skipped(tmp_path):
     status, results = report(["broken"], tmp_path)
     assert status == 1  # nan_megatron.log holds a NaN loss
     text = (tmp_path / "report.md").read_text()
-    assert ("truncated: precision unknown: nothing read says whether FP8 was on; say it with "
-            "--label tests/fixtures/logs/broken/truncated.log:precision=NAME") in text
+    assert ("truncated: no speedup: precision unknown (nothing read says whether FP8 was on); supply it with "
+            "--label tests/fixtures/logs/broken/truncated.log:precision=PRECISION") in text
     for reason in ("empty file", "cut off", "two records on one line", "unreadable loss", "not valid JSON"):
         assert reason in text
     assert {r.run.name for r in results} == {

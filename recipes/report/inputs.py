@@ -21,7 +21,6 @@ import fnmatch
 import json
 import os
 import re
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -188,9 +187,7 @@ def read_source(
     ]
     meta, origin = metadata.merge(layers)
     provenance = {key: summary[key] for key in ("commit", "versions", "device") if key in summary}
-    label_target = display_path(source.paths[0], base)
-    unread = _unread_columns(source.name, steps, meta, {key for read in reads for key in read.other_losses},
-                             label_target)
+    unread = _unread_columns(source.name, steps, {key for read in reads for key in read.other_losses})
     run = Run(
         name=meta.get("name") or source.name,
         format=fmt,
@@ -200,13 +197,14 @@ def read_source(
         meta_origin=origin,
         provenance=provenance,
         notes=notes + file_notes + [f"{source.name}: {note}" for note in header_notes] + unread,
-        label_target=label_target,
+        label_target=display_path(source.paths[0], base),
     )
     return run, []
 
 
-def _unread_columns(name: str, steps: list, meta: dict[str, Any], other_losses: set[str], target: str) -> list[str]:
-    """One note per column the run's records or metadata leave empty: loss, step time, precision."""
+def _unread_columns(name: str, steps: list, other_losses: set[str]) -> list[str]:
+    """One note per column the run's records leave empty: loss, step time (an unknown precision is noted where it
+    keeps the run from a baseline: table.compare)."""
     notes = []
     for attribute, column in (("loss", "loss"), ("time_s", "step time")):
         missing = sum(getattr(record, attribute) is None for record in steps)
@@ -217,9 +215,6 @@ def _unread_columns(name: str, steps: list, meta: dict[str, Any], other_losses: 
             why = f" (its records name {', '.join(sorted(other_losses))}, none of which is the training loss)"
         amount = "any" if missing == len(steps) else f"{missing} of the {len(steps)}"
         notes.append(f"{name}: no {column} read from {amount} record(s){why}")
-    if not meta.get("precision"):
-        notes.append(f"{name}: precision unknown: nothing read says whether FP8 was on; say it with "
-                     f"--label {shlex.quote(target + ':precision=NAME')}")
     return notes
 
 

@@ -166,7 +166,7 @@ def _unknown_precision(result: Result) -> str:
     precision = result.meta.get("precision")
     if precision:
         return f"precision {precision} is none of this project's recipes"
-    return f"precision unknown; supply it with {_label(result, 'precision')}"
+    return f"precision unknown (nothing read says whether FP8 was on); supply it with {_label(result, 'precision')}"
 
 
 def _why_no_match(result: Result, baselines: list[Result]) -> str:
