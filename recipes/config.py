@@ -108,7 +108,7 @@ class PrecisionConfig:
     fp8_wgrad: bool = True  # False: the wgrad GEMM runs in BF16
     amax_history_len: int = 1024  # delayed scaling only
     amax_compute_algo: AmaxComputeAlgo = AmaxComputeAlgo.max  # delayed scaling only
-    margin: int = 0  # scale = fp8_max / amax / 2**margin
+    margin: int = 0  # delayed scaling only: scale = (fp8_max * 2**-margin) / amax
     num_layers_at_start_in_bf16: int = 0
     num_layers_at_end_in_bf16: int = 0
     fp8_param_gather: bool = False  # all-gather FP8 weights (sharded engines only)

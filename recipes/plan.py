@@ -19,6 +19,7 @@ import torch
 from recipes.config import (Config, ConfigError, Fp8Format, GradReduce, MegatronConfig, ModelConfig, Recipe, Recompute,
                             load_option)
 from recipes.fp8.all_gather import FP8_ALL_GATHER_RECIPES, fp8_all_gather_applies
+from recipes.fp8.linear import recipe_from_config
 from recipes.models.transformer import count_parameters
 
 ENGINE_MODULE = {"torch": "recipes.engine.torch_engine", "megatron": "recipes.engine.megatron_engine"}
@@ -152,6 +153,7 @@ def _validate_precision(cfg: Config) -> None:
         return
     if precision.fp8_format is None:
         raise ConfigError(f"precision={precision.name}: set precision.fp8_format (hybrid or e4m3)")
+    recipe_from_config(precision)  # refuses what no recipe computes: precision.margin outside delayed scaling
     if megatron and precision.emulate:
         raise ConfigError("precision.emulate=true is the torch engine's (engine=torch): engine=megatron runs "
                           "Transformer Engine's kernels, which are native or absent")

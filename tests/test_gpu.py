@@ -142,6 +142,23 @@ def test_delayed_scaling_compiles_and_matches_eager():
         assert torch.equal(eager.fp8_state.scale, compiled.fp8_state.scale)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_scales_follow_transformer_engine_on_cuda(compiled):
+    """tests/test_te_parity.py's checks with CUDA kernels (and Triton's, compiled): delayed scaling's histories and
+    scales equal TE's fused update bit for bit, MXFP8 exponents TE's float_to_e8m0 over every binade (no flush
+    of subnormal products to zero), blockwise FP32 scales TE's compute_scale_from_types."""
+    from test_te_parity import check_blockwise_scales, check_delayed_sequence, check_mx_exponents
+
+    cuda = torch.device("cuda")
+    for algo, margin in (("max", 1), ("most_recent", 0)):
+        check_delayed_sequence(algo, margin, compiled, cuda)
+    for dtype in (E4M3, E5M2):
+        check_mx_exponents(dtype, compiled, cuda)
+    for in_dtype in (torch.bfloat16, torch.float32):
+        for pow2 in (False, True):
+            check_blockwise_scales(in_dtype, pow2, compiled, cuda)
+
+
 def test_blockwise_linear_compiles_in_one_graph_and_matches_eager():
     """The native block-scaled GEMM is an opaque custom op: Dynamo traces the whole FP8 linear (a graph break
     inside it would run its quantization eagerly) and the compiled layer computes what the eager one does."""

@@ -348,6 +348,9 @@ ERROR_CASES = {
                        ("divisible by 128", "num_query_groups * kv_channels = 64")),
     "mxfp8_hopper": (("model=llama3_70b", "precision=mxfp8", "gpu=h100", "dryrun=true"),
                      ("precision=mxfp8", "Blackwell", "gpu=h100", "fp8_current", "precision.emulate=true")),
+    # Transformer Engine's Float8CurrentScaling has no margin: refused, not ignored
+    "margin_current": (("precision=fp8_current", "precision.margin=1", "dryrun=true"),
+                       ("precision.margin=1", "precision=fp8_current", "precision=fp8_delayed")),
 }
 
 

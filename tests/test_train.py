@@ -111,6 +111,56 @@ def test_non_finite_loss_stops_the_run_and_is_recorded(tmp_path, cache_dir, caps
     assert not (tmp_path / "nan" / "summary.json").exists()
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_non_finite_amax_stops_a_delayed_scaling_run_naming_step_layer_and_role(tmp_path, cache_dir, capsys,
+                                                                                monkeypatch, bad):
+    """An inf or NaN reaches one FP8 layer's input in step 2. Delayed scaling casts with its stored scale (an inf
+    saturates and the loss stays finite; a NaN spreads), its amax reaches the history, and the run stops at the
+    end of step 2 with one line naming the step, the layer (without the activation-checkpointing wrapper) and
+    the role."""
+    from recipes.engine import torch_engine
+    from recipes.fp8.linear import Fp8Linear
+
+    run_dir = tmp_path / "run"
+    small = ("model.num_layers=2", "model.seq_length=32", "trainer.micro_batch_size=1", "trainer.global_batch_size=1")
+    result = launch(tmp_path, cache_dir, "precision=fp8_delayed", "trainer.max_steps=2", *small,  # CPU FP8 is slow
+                    "trainer.activation_checkpointing=true", f"run.dir={run_dir}", "dryrun=true")
+    assert result.returncode == 0, result.stderr
+    now, faulty = {}, {}
+    learning_rate, build_model = torch_engine.learning_rate, torch_engine.build_model
+
+    def noting_the_step(step, trainer):
+        now["step"] = step
+        return learning_rate(step, trainer)
+
+    def with_a_fault(*args, **kwargs):
+        model = build_model(*args, **kwargs)
+        name, layer = next((n, m) for n, m in model.named_modules() if n.startswith("layers.1.")
+                           and isinstance(m, Fp8Linear))
+        faulty["name"] = "layers.1." + name.split("_checkpoint_wrapped_module.")[1]
+
+        def inject(module, args):
+            if now["step"] == 2:
+                x = args[0].clone()
+                x.view(-1)[5] = bad
+                return (x,)
+
+        layer.register_forward_pre_hook(inject)
+        return model
+
+    monkeypatch.setattr(torch_engine, "learning_rate", noting_the_step)
+    monkeypatch.setattr(torch_engine, "build_model", with_a_fault)
+    assert engine_main([str(run_dir / "config.yaml")]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("error: training stopped: step 2: ") and error.endswith("(precision=fp8_delayed)")
+    if bad == float("inf"):
+        assert f"the amax of {faulty['name']}'s input is inf or NaN (delayed scaling)" in error, error
+        assert "loss" not in error  # saturated in the cast: only the amax tells
+    else:
+        assert f"the amax of {faulty['name']}'s input (and " in error and "loss nan" in error, error
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2]
+
+
 def test_failed_job_makes_launch_fail(tmp_path, cache_dir):
     result = launch(tmp_path, cache_dir, "model.init_std=1e30", "trainer.max_steps=2", f"run.dir={tmp_path / 'f'}")
     assert result.returncode != 0

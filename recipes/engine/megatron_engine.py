@@ -175,7 +175,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
                 # Megatron's optimizer has stepped already; the run stops here, before any checkpoint of it.
                 if writer:
                     writer.write(metrics)
-                raise NonFiniteError(loss_value, grad_norm_value)
+                raise NonFiniteError(loss_value, grad_norm_value, step=step)
             history.append(metrics)
             if writer:
                 writer.write(metrics)

@@ -149,7 +149,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
                     if writer:
                         writer.write(step_metrics(cfg, step, error.loss, error.grad_norm, lr, float("nan"), world_size,
                                                   peak_memory_gib(device)))
-                    raise NonFiniteError(error.loss, error.grad_norm) from None
+                    raise NonFiniteError(error.loss, error.grad_norm, error.amaxes, step) from None
                 if world_size > 1:
                     dist.all_reduce(loss)  # a sum: Gloo has no average
                     loss /= world_size

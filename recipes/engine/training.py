@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -11,7 +11,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from recipes.config import PrecisionConfig, TrainerConfig
 from recipes.engine.fsdp import replicated, set_gradient_sync
-from recipes.fp8 import update_fp8_scaling
+from recipes.fp8 import fp8_amaxes_finite, non_finite_amaxes, update_fp8_scaling
 from recipes.fp8.all_gather import update_all_gather_scales
 from recipes.fp8.linear import (
     CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, attach_main_grads, attach_weight_caches, expose_main_grads,
@@ -20,11 +20,17 @@ from recipes.fp8.linear import (
 
 
 class NonFiniteError(RuntimeError):
-    """The loss or the gradient norm is inf or NaN: the step is not applied and training stops."""
+    """The loss, the gradient norm or an amax recorded by delayed scaling is inf or NaN: the step is not applied
+    and training stops. `amaxes` names the layers and roles of such amaxes (recipes.fp8.non_finite_amaxes)."""
 
-    def __init__(self, loss: float, grad_norm: float):
-        super().__init__(f"loss {loss} / gradient norm {grad_norm} is not finite")
-        self.loss, self.grad_norm = loss, grad_norm
+    def __init__(self, loss: float, grad_norm: float, amaxes: str = "", step: Optional[int] = None):
+        problems = []
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            problems.append(f"loss {loss} / gradient norm {grad_norm} is not finite")
+        if amaxes:
+            problems.append(f"the amax of {amaxes} is inf or NaN (delayed scaling)")
+        super().__init__(("" if step is None else f"step {step}: ") + "; ".join(problems))
+        self.loss, self.grad_norm, self.amaxes = loss, grad_norm, amaxes
 
 
 def checkpoint_blocks(layers: nn.ModuleList) -> None:
@@ -95,10 +101,10 @@ def optimizer_step(
     """Forward and backward of each micro-batch (gradients accumulate), clip, one optimizer step.
 
     Returns the mean loss and the gradient norm before clipping. Raises NonFiniteError, before the weights are
-    touched, when either is inf or NaN (one host sync per step). Under FSDP gradients are reduce-scattered in
-    the last micro-batch's backward only, or in every one with `reduce_every_micro_batch` (FSDP then adds them
-    into the sharded gradients). After each backward, delayed scaling folds the micro-batch's amaxes into
-    its scales (recipes.fp8.update_fp8_scaling).
+    touched, when either is inf or NaN or delayed scaling recorded an inf or NaN amax (one host sync per step
+    for the three). Under FSDP gradients are reduce-scattered in the last micro-batch's backward only, or in
+    every one with `reduce_every_micro_batch` (FSDP then adds them into the sharded gradients). After each
+    backward, delayed scaling folds the micro-batch's amaxes into its scales (recipes.fp8.update_fp8_scaling).
     """
     total = torch.zeros((), device=next(model.parameters()).device)
     for micro in range(num_micro_batches):
@@ -111,9 +117,9 @@ def optimizer_step(
     set_weight_cache_mode(model, CACHE_OFF)  # the weights change now: a forward outside this step quantizes afresh
     expose_main_grads(model)  # the main gradients the GEMMs summed, as the weights' .grad
     grad_norm = replicated(nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True))
-    if not bool(torch.isfinite(total) & torch.isfinite(grad_norm)):
+    if not bool(torch.isfinite(total) & torch.isfinite(grad_norm) & fp8_amaxes_finite(model)):
         optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteError(total.item(), grad_norm.item())
+        raise NonFiniteError(total.item(), grad_norm.item(), non_finite_amaxes(model))
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()

@@ -17,16 +17,16 @@ The scale of the whole weight, per recipe:
                       step for every layer together (`update_all_gather_scales`, after the optimizer step and
                       before the first forward). The FP8 weight is then exactly what one process would quantize
                       from its FP32 weight (the BF16 all-gather quantizes the BF16-rounded weight instead).
-    delayed scaling   the layer's weight scale from its amax history; `update_fp8_scaling` puts each shard's amax
-                      into the history's open slot before its all-reduce (max) makes it the whole weight's (not
-                      the all-gather itself: a backward's re-gather must not touch tensors the backward uses).
+    delayed scaling   the layer's weight scale from its amax history. The same all-reduce puts the whole weight's
+                      amax into the history's open slot, once per optimizer step as a cached weight's (and as TE
+                      records an FP8 weight's amax when it casts the master weight after the optimizer step);
+                      the next update_fp8_scaling folds it in (not the all-gather itself: a backward's re-gather
+                      must not touch tensors the backward uses).
 Block-scaled recipes (blockwise, MXFP8) keep the BF16 all-gather: their weight scales are per block, computed from
 the gathered weight.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -203,25 +203,30 @@ def rebind_all_gather_scales(model: nn.Module) -> None:
 
 @torch.no_grad()
 def update_all_gather_scales(model: nn.Module) -> None:
-    """Current scaling: each FP8-all-gathered weight's scale from its whole FP32 weight, one all-reduce (max) for
-    all of them. Call after every optimizer step and before the first forward (and after restoring weights)."""
-    layers = [m for m in _fp8_linears(model) if hasattr(m, "all_gather_scale")]
+    """The amaxes of the FP8-all-gathered weights, from their shards with one all-reduce (max) for all of them:
+    current scaling's weight scales, delayed scaling's weight amaxes (into the open history slot). Call after
+    every optimizer step and before the first forward (and after restoring weights)."""
+    from recipes.fp8.linear import WEIGHT
+
+    layers = [m for m in _fp8_linears(model) if isinstance(_local(m.weight), (Fp8ShardedWeight, Fp8GatheredWeight))]
     if not layers:
         return
     amax = torch.stack([shard_amax(m.weight) for m in layers])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX)
-    scales = tensorwise_scale(amax, E4M3, layers[0].recipe.margin)
-    torch._foreach_copy_([m.all_gather_scale for m in layers], list(scales.unbind(0)))
+    if layers[0].fp8_state is None:  # convert_to_fp8 gives every layer of a model the same recipe
+        targets, values = [m.all_gather_scale for m in layers], tensorwise_scale(amax, E4M3)
+    else:
+        targets = [m.fp8_state.amax_history[WEIGHT, 0] for m in layers]
+        values = torch.maximum(torch.stack(targets), amax)
+    torch._foreach_copy_(targets, list(values.unbind(0)))
 
 
-def shard_amax(weight: torch.Tensor) -> Optional[torch.Tensor]:
+def shard_amax(weight: torch.Tensor) -> torch.Tensor:
     """amax (FP32, 0-d) of this process's shard of an FP8-all-gathered weight (the sharded parameter, between
-    steps); None for any other weight. An empty shard (uneven sharding) has amax 0."""
+    steps). An empty shard (uneven sharding) has amax 0."""
     local = _local(weight)
     if isinstance(local, Fp8GatheredWeight):
         raise RuntimeError("a weight's shard amax was asked for while FSDP2 holds it unsharded (inside a step)")
-    if not isinstance(local, Fp8ShardedWeight):
-        return None
     shard = local._tensor
     return shard.abs().amax().float() if shard.numel() else shard.new_zeros((), dtype=torch.float32)

@@ -25,10 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from recipes.config import AmaxComputeAlgo, ConfigError, PrecisionConfig, Recipe
-from recipes.fp8.all_gather import Fp8GatheredWeight, shard_amax
+from recipes.fp8.all_gather import Fp8GatheredWeight
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise
 from recipes.fp8.current_scaling import quantize_tensorwise
-from recipes.fp8.delayed_scaling import NUM_ROLES, DelayedScalingState, quantize_delayed, update_delayed_scaling
+from recipes.fp8.delayed_scaling import (
+    NUM_ROLES, ROLE_NAMES, DelayedScalingState, quantize_delayed, update_delayed_scaling,
+)
 from recipes.fp8.formats import forward_and_backward_dtypes
 from recipes.fp8.gemm import fp8_gemm, fp8_gemm_into, mm_into
 from recipes.fp8.mxfp8 import quantize_mx
@@ -40,11 +42,10 @@ CACHE_OFF, CACHE_REFRESH, CACHE_REUSE = "off", "refresh", "reuse"  # quantize W 
 
 @dataclass(frozen=True)
 class Fp8Recipe:
-    """What every recipe shares: FP8 types, margin, FP8 wgrad on/off, emulation of block-scaled GEMMs."""
+    """What every recipe shares: FP8 types, FP8 wgrad on/off, emulation of block-scaled GEMMs."""
 
     forward_dtype: torch.dtype
     backward_dtype: torch.dtype
-    margin: int = 0
     fp8_wgrad: bool = True
     emulate: bool = False
     fused_kernels: bool = False  # Triton kernels for transposed operands where they run (recipes.fp8.kernels)
@@ -93,7 +94,7 @@ class CurrentScaling(Fp8Recipe):
     """Per-tensor current scaling (TE Float8CurrentScaling): the scale from each tensor's amax now."""
 
     def quantize(self, t, role, state):
-        return quantize_tensorwise(t, self.dtype(role), self.margin)
+        return quantize_tensorwise(t, self.dtype(role))
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class DelayedScaling(Fp8Recipe):
 
     amax_history_len: int = 1024
     amax_compute_algo: AmaxComputeAlgo = AmaxComputeAlgo.max
+    margin: int = 0  # scale = fp8_max * 2**-margin / amax
     stateful = True
 
     def quantize(self, t, role, state):
@@ -146,14 +148,18 @@ def recipe_from_config(precision: PrecisionConfig) -> Fp8Recipe:
     if precision.fp8_format is None:
         raise ConfigError(f"precision={precision.name}: set precision.fp8_format (hybrid or e4m3)")
     shared = dict(zip(("forward_dtype", "backward_dtype"), forward_and_backward_dtypes(precision.fp8_format)))
-    shared.update(margin=precision.margin, fp8_wgrad=precision.fp8_wgrad, emulate=precision.emulate,
-                  fused_kernels=precision.fused_kernels)
-    if precision.recipe == Recipe.tensorwise:
-        return CurrentScaling(**shared)
+    shared.update(fp8_wgrad=precision.fp8_wgrad, emulate=precision.emulate, fused_kernels=precision.fused_kernels)
     if precision.recipe == Recipe.delayed:
         return DelayedScaling(
-            **shared, amax_history_len=precision.amax_history_len, amax_compute_algo=precision.amax_compute_algo
+            **shared, amax_history_len=precision.amax_history_len, amax_compute_algo=precision.amax_compute_algo,
+            margin=precision.margin,
         )
+    if precision.margin:  # TE's Float8CurrentScaling, Float8BlockScaling and MXFP8 quantizers have none
+        raise ConfigError(f"precision.margin={precision.margin} is delayed scaling's: precision={precision.name} "
+                          "has no margin (none in Transformer Engine either); set precision.margin=0 or use "
+                          "precision=fp8_delayed")
+    if precision.recipe == Recipe.tensorwise:
+        return CurrentScaling(**shared)
     if precision.recipe == Recipe.blockwise:
         return BlockwiseScaling(**shared)
     if precision.recipe == Recipe.mxfp8:
@@ -386,13 +392,38 @@ def update_fp8_scaling(model: nn.Module) -> None:
     """Once after each micro-batch's backward: the delayed-scaling layers of `model` fold this micro-batch's amaxes
     into their histories and scales, reduced over the data-parallel ranks (recipes.fp8.delayed_scaling). Nothing
     to do for the other recipes, whose scales come from the tensor at hand."""
-    layers = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.fp8_state is not None]
-    for layer in layers:  # weights FSDP2 all-gathers in FP8: their shards' amaxes (recipes.fp8.all_gather)
-        amax = shard_amax(layer.weight)
-        if amax is not None:
-            slot = layer.fp8_state.amax_history[WEIGHT, 0]
-            slot.copy_(torch.maximum(slot, amax))
+    layers = _delayed_layers(model)
     if layers:
         recipe = layers[0].recipe  # convert_to_fp8 gives every layer of a model the same recipe
         dtypes = tuple(recipe.dtype(role) for role in range(NUM_ROLES))
         update_delayed_scaling([m.fp8_state for m in layers], dtypes, recipe.amax_compute_algo, recipe.margin)
+
+
+def fp8_amaxes_finite(model: nn.Module) -> torch.Tensor | bool:
+    """On the device, without a host sync: whether every amax that delayed scaling recorded was finite (True
+    without delayed scaling). The training loop reads it once per optimizer step, with the loss."""
+    layers = _delayed_layers(model)
+    if not layers:
+        return True
+    return torch.stack([m.fp8_state.nonfinite for m in layers]).amax() == 0
+
+
+def non_finite_amaxes(model: nn.Module) -> str:
+    """The layers and roles whose recorded amax was inf or NaN, for the error message ("" if none). First the one
+    where it most likely arose: the first in forward order among inputs and weights, else the first in backward
+    order among gradients (a NaN spreads downstream, and a NaN loss to every gradient)."""
+    forward, backward = [], []
+    for name, layer in model.named_modules():
+        if isinstance(layer, Fp8Linear) and layer.fp8_state is not None:
+            name = name.replace("_checkpoint_wrapped_module.", "")  # activation checkpointing's wrapper
+            for role in layer.fp8_state.nonfinite.nonzero().flatten().tolist():
+                tensor = f"{name}'s {ROLE_NAMES[role]}" if name else ROLE_NAMES[role]
+                (backward if role == GRAD else forward).append(tensor)
+    found = forward + backward[::-1]
+    if len(found) > 1:
+        return f"{found[0]} (and {len(found) - 1} more)"
+    return "".join(found)
+
+
+def _delayed_layers(model: nn.Module) -> list[Fp8Linear]:
+    return [m for m in model.modules() if isinstance(m, Fp8Linear) and m.fp8_state is not None]
