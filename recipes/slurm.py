@@ -35,12 +35,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from recipes.config import REPO_ROOT, Config, ConfigError, SlurmConfig, SshTunnelConfig, dump_config
+from recipes.run_files import CONFIG, JOB_RECORD, METRICS, SBATCH_SCRIPT, SLURM_LOG, SUMMARY, TRAIN_LOG, slurm_log_name
 
 
 if TYPE_CHECKING:  # launch/status.py reads jobs back without importing the planner (and torch)
     from recipes.plan import Plan
 
-JOB_RECORD = "slurm_job.json"
 TASK = "train"
 SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+-]+$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -205,7 +205,7 @@ def _task(plan: Plan, site: Site):
 
     from recipes.plan import ENGINE_MODULE
 
-    config = posixpath.join(site.run_dir, "config.yaml")
+    config = posixpath.join(site.run_dir, CONFIG)
     return run.Script(path=ENGINE_MODULE[plan.cfg.engine], m=True, entrypoint=shlex.quote(site.python),
                       args=[shlex.quote(config)])
 
@@ -220,7 +220,7 @@ def _prepare_login_node(cfg: Config, site: Site) -> None:
     try:
         check_remote_checkout(session, site.ssh, None if cfg.executor.slurm.container_image else site.python)
         remote_cfg = replace(cfg, run=replace(cfg.run, dir=site.run_dir), dryrun=False)
-        upload(session, dump_config(remote_cfg), posixpath.join(site.run_dir, "config.yaml"))
+        upload(session, dump_config(remote_cfg), posixpath.join(site.run_dir, CONFIG))
     finally:
         session.cleanup()
 
@@ -247,12 +247,12 @@ def submit(plan: Plan, config_path: Path, experiment: str, dryrun: bool) -> int:
         if dryrun:
             exp.dryrun(log=False, delete_exp_dir=False)
             script = Path(exp._exp_dir, f"{TASK}_sbatch.sh")
-            shutil.copy(script, run_dir / "sbatch.sh")
+            shutil.copy(script, run_dir / SBATCH_SCRIPT)
             shutil.rmtree(exp._exp_dir)
             if not any(Path(exp._exp_dir).parent.iterdir()):
                 Path(exp._exp_dir).parent.rmdir()
-            print(f"{(run_dir / 'sbatch.sh').read_text()}\n"
-                  f"dry run: nothing submitted; the sbatch script above is saved as {run_dir / 'sbatch.sh'}")
+            print(f"{(run_dir / SBATCH_SCRIPT).read_text()}\n"
+                  f"dry run: nothing submitted; the sbatch script above is saved as {run_dir / SBATCH_SCRIPT}")
             return 0
         exp.run(detach=True, tail_logs=False)
         job = exp.jobs[0]
@@ -261,11 +261,11 @@ def submit(plan: Plan, config_path: Path, experiment: str, dryrun: bool) -> int:
         log_dir = posixpath.join(job.executor.tunnel.job_dir, Path(job.executor.job_dir).name)
         record = JobRecord(slug(experiment), exp._id, job_id, f"{slug(cfg.run.name)}.{TASK}", log_dir, str(run_dir),
                            asdict(ssh) if ssh else None, site.run_dir if ssh else None)
-        shutil.copy(Path(exp._exp_dir, f"{TASK}_sbatch.sh"), run_dir / "sbatch.sh")
+        shutil.copy(Path(exp._exp_dir, f"{TASK}_sbatch.sh"), run_dir / SBATCH_SCRIPT)
         record.save(run_dir, Path(exp._exp_dir))
     print(f"submitted   Slurm job {job_id}, experiment {record.experiment_id}\n"
           + (f"after       job {_job_id(after)} ({cfg.executor.slurm.dependency})\n" if after else "")
-          + f"logs        {record.log_dir}/log-{record.job_name}_{job_id}_<restart>.out"
+          + f"logs        {record.log_dir}/{slurm_log_name(record.job_name, job_id, '<restart>')}"
           + (f" on {ssh.host}\nremote run  {site.run_dir} on {ssh.host} (status gathers it here)" if ssh else "")
           + f"\nrun dir     {run_dir}\n"
           f"status      python launch/status.py {shlex.quote(str(run_dir))}", flush=True)
@@ -328,10 +328,6 @@ def job_state(job_id: str, cluster=LOCAL) -> tuple[str, int]:
     return (lines[0].split()[0] if lines else "UNKNOWN"), 0
 
 
-# nemo-run's srun logs: log-<job name>_<job id>_<restart>.out|.err (scripts/compare.py reads them too).
-SLURM_LOG = re.compile(r"^log-(?P<name>.+)_(?P<job>\d+)_(?P<restart>\d+)\.(?P<stream>out|err)$")
-
-
 def newest_log(record: JobRecord, names: list[str]) -> Optional[str]:
     """Of the file names in the job's log folder, the srun log of its latest start:
     log-<name>_<job id>_<restart>.out with the highest restart."""
@@ -343,7 +339,7 @@ def newest_log(record: JobRecord, names: list[str]) -> Optional[str]:
     return max(logs)[1] if logs else None
 
 
-RUN_OUTPUTS = ("metrics.jsonl", "summary.json")  # what the job writes into its run directory
+RUN_OUTPUTS = (METRICS, SUMMARY)  # what the job writes into its run directory
 
 
 def gather(record: JobRecord, cluster=LOCAL) -> Optional[str]:
@@ -355,7 +351,7 @@ def gather(record: JobRecord, cluster=LOCAL) -> Optional[str]:
     if not run_dir.is_dir():
         return log
     if log is not None:
-        cluster.fetch(log, run_dir / "train.log")
+        cluster.fetch(log, run_dir / TRAIN_LOG)
     if record.remote_run_dir:
         present = set(cluster.listdir(record.remote_run_dir))
         for output in RUN_OUTPUTS:

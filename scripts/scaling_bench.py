@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from recipes.config import Config, GradReduce, TrainerConfig, load_config, load_option, save_config  # noqa: E402
 from recipes.plan import engine_command, validate  # noqa: E402
 from recipes.provenance import provenance  # noqa: E402
+from recipes.run_files import CONFIG, METRICS, SUMMARY, TRAIN_LOG  # noqa: E402
 
 WARMUP = 3
 RUN_TIMEOUT_S = 300
@@ -102,8 +103,8 @@ def make_config(run: Run, run_dir: Path, gpu: str) -> Path:
     cfg.run.dir = str(run_dir)
     validate(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    return run_dir / "config.yaml"
+    save_config(cfg, run_dir / CONFIG)
+    return run_dir / CONFIG
 
 
 def start(cfg_path: Path, devices: str) -> subprocess.Popen:
@@ -113,7 +114,7 @@ def start(cfg_path: Path, devices: str) -> subprocess.Popen:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
                                                        os.environ.get("PYTHONPATH")]))}
     command = engine_command(load_config(cfg_path), cfg_path)
-    log = open(cfg_path.parent / "train.log", "w")
+    log = open(cfg_path.parent / TRAIN_LOG, "w")
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -161,7 +162,7 @@ def execute(runs: list[Run], out: Path, gpu: str, gpus: int) -> dict[str, Path]:
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines()]
 
 
 def steady(run_dir: Path, field: str) -> float:
@@ -169,7 +170,7 @@ def steady(run_dir: Path, field: str) -> float:
 
 
 def throughput_row(run: Run, run_dir: Path) -> dict:
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = json.loads((run_dir / SUMMARY).read_text())
     return {
         "part": run.part, "run": run.name, "GPUs": run.gpus, "global batch": run.trainer["global_batch_size"],
         "s/step": f"{steady(run_dir, 'step_time_s'):.3f}",

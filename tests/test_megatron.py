@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from recipes.config import REPO_ROOT, ConfigError, load_option
 from recipes.layouts import lookup, table
-from recipes.models.transformer import count_parameters
+from recipes.metrics import count_parameters
 from recipes.plan import data_parallel_size, estimate_memory, make_plan, validate
 
 translate = pytest.importorskip("recipes.megatron.translate")

@@ -19,7 +19,7 @@ from recipes.metrics import StepMetrics, warmup_steps
 REPO = Path(__file__).resolve().parent.parent
 STEP_FIELDS = {f for f in StepMetrics.__dataclass_fields__}
 SUMMARY_FIELDS = {
-    "model", "precision", "recipe", "gpu", "engine", "world_size", "nodes", "num_layers", "seq_length",
+    "model", "parameters", "precision", "recipe", "gpu", "engine", "world_size", "nodes", "num_layers", "seq_length",
     "micro_batch_size", "global_batch_size", "steps", "warmup_steps_excluded", "median_step_time_s",
     "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu", "peak_memory_gib", "final_loss", "emulated",
     "commit", "versions", "device",
@@ -72,6 +72,7 @@ def test_training_run_loss_falls(tmp_path, cache_dir, precision):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary) == SUMMARY_FIELDS
     assert summary["precision"] == precision and summary["steps"] == steps
+    assert summary["parameters"] == 3_311_872  # tiny_llama, worked out by hand in tests/test_models.py
     assert summary["warmup_steps_excluded"] == warmup_steps(steps)
     steady = sorted(m["step_time_s"] for m in metrics[warmup_steps(steps):])
     assert summary["median_step_time_s"] == pytest.approx((steady[8] + steady[9]) / 2)

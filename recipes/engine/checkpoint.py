@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from recipes.config import Config, ConfigError, to_dict
 from recipes.metrics import StepMetrics
+from recipes.run_files import CHECKPOINTS, METRICS
 
 FILE = "checkpoint.pt"
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -72,7 +73,7 @@ class Checkpoint:
 
 def checkpoint_dir(cfg: Config, run_dir: Path) -> Path:
     configured = cfg.trainer.checkpoint.dir
-    return run_dir / "checkpoints" if configured is None else run_dir / Path(configured).expanduser()
+    return run_dir / CHECKPOINTS if configured is None else run_dir / Path(configured).expanduser()
 
 
 def is_due(cfg: Config, step: int) -> bool:
@@ -325,7 +326,7 @@ def rank_rng(checkpoint: Checkpoint, rank: int) -> dict[str, Any]:
 def resume_metrics(run_dir: Path, step: int) -> list[StepMetrics]:
     """Cut `metrics.jsonl` back to the steps <= `step` (a run that crashed after its last checkpoint wrote later
     steps, which the resumed run writes again) and return what is kept. step 0: a run that starts over."""
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS
     if not path.exists():
         return []
     lines = path.read_text().splitlines()
@@ -335,7 +336,7 @@ def resume_metrics(run_dir: Path, step: int) -> list[StepMetrics]:
         temporary = path.with_name(path.name + ".tmp")
         temporary.write_text("".join(line + "\n" for line, _ in kept))
         os.replace(temporary, path)
-        print(f"metrics.jsonl: dropped {len(lines) - len(kept)} line(s) after step {step}", flush=True)
+        print(f"{METRICS}: dropped {len(lines) - len(kept)} line(s) after step {step}", flush=True)
     history = [StepMetrics(**record) for _, record in kept]
     if [m.step for m in history] != list(range(1, step + 1)):
         print(f"warning: {path} does not hold exactly steps 1..{step}; summary.json covers those it holds", flush=True)

@@ -199,10 +199,3 @@ def init_weights(module: nn.Module, cfg: ModelConfig, generator: torch.Generator
         std = initial_std(name, cfg)
         if std is not None:
             param.normal_(0.0, std, generator=generator)
-
-
-def count_parameters(cfg: ModelConfig) -> int:
-    """Exact parameter count, from the model itself built on the meta device (no memory is allocated)."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    return sum(p.numel() for p in model.parameters())
