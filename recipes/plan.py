@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from recipes.config import Config, ConfigError, Fp8Format, GradReduce, ModelConfig, Recipe, Recompute, load_option
-from recipes.fp8.all_gather import FP8_ALL_GATHER_RECIPES, fp8_all_gather_applies
+from recipes.fp8.training import FP8_ALL_GATHER_RECIPES, fp8_all_gather_applies
 from recipes.metrics import count_parameters
 
 ENGINE_MODULE = {"torch": "recipes.engine.torch_engine", "megatron": "recipes.engine.megatron_engine"}

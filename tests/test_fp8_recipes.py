@@ -35,14 +35,12 @@ from recipes.fp8.linear import (
     DelayedScaling,
     Fp8Linear,
     MXFP8Scaling,
-    attach_weight_caches,
     fp8_linear,
     recipe_from_config,
-    set_weight_cache_mode,
-    update_fp8_scaling,
 )
 from recipes.fp8.mxfp8 import mx_scale_exponent, quantize_mx, swizzle_32_4_4, to_e8m0
 from recipes.fp8.tensor import Float8Tensor
+from recipes.fp8.training import attach_weight_caches, set_weight_cache_mode, update_fp8_scaling
 from recipes.models.transformer import Transformer
 
 U = 2.0**-24  # FP32 unit roundoff

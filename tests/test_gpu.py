@@ -62,7 +62,8 @@ def test_every_recipe_gemms_on_cuda_against_float64(precision, compiled):
     import dataclasses
 
     from recipes.config import load_option
-    from recipes.fp8.linear import recipe_from_config, update_fp8_scaling
+    from recipes.fp8.linear import recipe_from_config
+    from recipes.fp8.training import update_fp8_scaling
 
     config = load_option("precision", precision)
     recipe = recipe_from_config(dataclasses.replace(config, emulate=config.recipe.value == "mxfp8"))
@@ -123,7 +124,8 @@ def test_native_blockwise_gemms_equal_their_emulation(fp8_wgrad):
 
 
 def test_delayed_scaling_compiles_and_matches_eager():
-    from recipes.fp8.linear import DelayedScaling, update_fp8_scaling
+    from recipes.fp8.linear import DelayedScaling
+    from recipes.fp8.training import update_fp8_scaling
 
     torch.manual_seed(0)
     linears = [torch.nn.Linear(256, 256, bias=False, device="cuda") for _ in range(2)]

@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from recipes.fp8.all_gather import enable_fp8_all_gather, rebind_all_gather_scales
+from recipes.fp8.training import enable_fp8_all_gather, rebind_all_gather_scales
 from recipes.models.transformer import Transformer, initial_std
 
 

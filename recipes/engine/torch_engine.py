@@ -36,7 +36,7 @@ from recipes.engine.training import (
     prepare_fp8_weight_caching,
 )
 from recipes.fp8 import convert_to_fp8
-from recipes.fp8.all_gather import fp8_all_gather_applies, update_all_gather_scales
+from recipes.fp8.training import fp8_all_gather_applies, update_all_gather_scales
 from recipes.metrics import MetricsWriter, StepMetrics, step_metrics
 from recipes.models.transformer import Transformer
 from recipes.profiling import profile_step_if_due

@@ -12,8 +12,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from recipes.config import TrainerConfig
 from recipes.engine.fsdp import replicated, set_gradient_sync
 from recipes.fp8 import update_fp8_scaling
-from recipes.fp8.all_gather import update_all_gather_scales
-from recipes.fp8.linear import CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, attach_weight_caches, set_weight_cache_mode
+from recipes.fp8.linear import CACHE_OFF, CACHE_REFRESH, CACHE_REUSE
+from recipes.fp8.training import attach_weight_caches, set_weight_cache_mode, update_all_gather_scales
 
 
 class NonFiniteError(RuntimeError):

@@ -11,7 +11,7 @@ high-precision tensor, as Transformer Engine does. The forward saves x (already 
 
 Weights do not change between the micro-batches of one optimizer step, so with gradient accumulation each layer
 can quantize its weight (and the transpose dgrad needs) once per step, in the first micro-batch, and reuse it in
-the others: `attach_weight_caches` + `set_weight_cache_mode`, driven by the training loop. Transformer Engine
+the others: `Fp8WeightCache`, attached and switched by recipes.fp8.training for the training loop. Transformer Engine
 caches FP8 weights across micro-batches the same way (`is_first_microbatch`).
 """
 
@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from recipes.config import AmaxComputeAlgo, ConfigError, PrecisionConfig, Recipe
-from recipes.fp8.all_gather import Fp8GatheredWeight, shard_amax
+from recipes.fp8.all_gather import Fp8GatheredWeight
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise
 from recipes.fp8.current_scaling import quantize_tensorwise
-from recipes.fp8.delayed_scaling import NUM_ROLES, DelayedScalingState, quantize_delayed, update_delayed_scaling
+from recipes.fp8.delayed_scaling import DelayedScalingState, quantize_delayed
 from recipes.fp8.formats import forward_and_backward_dtypes
 from recipes.fp8.gemm import fp8_gemm
 from recipes.fp8.mxfp8 import quantize_mx
@@ -230,7 +230,7 @@ class Fp8Linear(nn.Linear):
         self.fp8_state = (
             DelayedScalingState(recipe.amax_history_len).to(linear.weight.device) if recipe.stateful else None
         )
-        self.weight_cache: Optional[Fp8WeightCache] = None  # attach_weight_caches
+        self.weight_cache: Optional[Fp8WeightCache] = None  # recipes.fp8.training.attach_weight_caches
 
     def state_tensors(self) -> tuple:
         return (self.fp8_state.amax_history, self.fp8_state.scale) if self.fp8_state is not None else ()
@@ -242,35 +242,3 @@ class Fp8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
-
-
-def attach_weight_caches(model: nn.Module) -> int:
-    """Give every FP8 linear of `model` a weight cache (before compiling it); returns how many got one. Costs two
-    bytes per weight element (the FP8 weight and its transpose)."""
-    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    for layer in layers:
-        layer.weight_cache = Fp8WeightCache(layer.weight, layer.recipe, layer.state_tensors() or None)
-    return len(layers)
-
-
-def set_weight_cache_mode(model: nn.Module, mode: str) -> None:
-    """CACHE_REFRESH for the first micro-batch of an optimizer step, CACHE_REUSE for the rest, CACHE_OFF outside."""
-    for layer in model.modules():
-        if isinstance(layer, Fp8Linear) and layer.weight_cache is not None:
-            layer.weight_cache.mode = mode
-
-
-def update_fp8_scaling(model: nn.Module) -> None:
-    """Once after each micro-batch's backward: the delayed-scaling layers of `model` fold this micro-batch's amaxes
-    into their histories and scales, reduced over the data-parallel ranks (recipes.fp8.delayed_scaling). Nothing
-    to do for the other recipes, whose scales come from the tensor at hand."""
-    layers = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.fp8_state is not None]
-    for layer in layers:  # weights FSDP2 all-gathers in FP8: their shards' amaxes (recipes.fp8.all_gather)
-        amax = shard_amax(layer.weight)
-        if amax is not None:
-            slot = layer.fp8_state.amax_history[WEIGHT, 0]
-            slot.copy_(torch.maximum(slot, amax))
-    if layers:
-        recipe = layers[0].recipe  # convert_to_fp8 gives every layer of a model the same recipe
-        dtypes = tuple(recipe.dtype(role) for role in range(NUM_ROLES))
-        update_delayed_scaling([m.fp8_state for m in layers], dtypes, recipe.amax_compute_algo, recipe.margin)

@@ -13,10 +13,11 @@ import torch.distributed as dist
 from torch import nn
 
 from recipes.engine.fsdp import data_parallel_mesh, shard_model
-from recipes.fp8.all_gather import Fp8GatheredWeight, update_all_gather_scales
+from recipes.fp8.all_gather import Fp8GatheredWeight
 from recipes.fp8.current_scaling import quantize_tensorwise, tensorwise_scale
 from recipes.fp8.formats import E4M3, E5M2
-from recipes.fp8.linear import WEIGHT, CurrentScaling, DelayedScaling, Fp8Linear, update_fp8_scaling
+from recipes.fp8.linear import WEIGHT, CurrentScaling, DelayedScaling, Fp8Linear
+from recipes.fp8.training import update_all_gather_scales, update_fp8_scaling
 
 
 class Stack(nn.Module):
