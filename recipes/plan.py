@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from recipes.config import Config, ConfigError, Fp8Format, GradReduce, ModelConfig, Recipe, Recompute, load_option
-from recipes.fp8.training import FP8_ALL_GATHER_RECIPES, fp8_all_gather_applies
+from recipes.fp8.training import FP8_ALL_GATHER_RECIPES, Fp8Training
 from recipes.metrics import count_parameters
 
 ENGINE_MODULE = {"torch": "recipes.engine.torch_engine", "megatron": "recipes.engine.megatron_engine"}
@@ -386,7 +386,7 @@ def estimate_memory(cfg: Config, parameters: int) -> MemoryEstimate:
 
 
 def _torch_engine_weight_gather(cfg: Config, processes: int) -> str:
-    if fp8_all_gather_applies(cfg, processes):
+    if Fp8Training.for_run(cfg, processes).gathers_weights_in_fp8:
         return "; weights all-gathered in FP8 by FSDP2 (trainer.fsdp_fp8_all_gather)"
     if cfg.precision.fp8_param_gather:
         return ("; weights all-gathered in BF16 (precision.fp8_param_gather is engine=megatron's; "
@@ -415,17 +415,17 @@ def _torch_engine_memory(cfg: Config, parameters: int) -> MemoryEstimate:
     weights, gradients, optimizer = (b * parameters for b in TORCH_BYTES)
     dp = world_size(cfg)
     accumulates = t.global_batch_size > t.micro_batch_size * dp
-    fp8_gather = fp8_all_gather_applies(cfg, dp)
+    fp8 = Fp8Training.for_run(cfg, dp)
     if dp > 1:
         root = 2 * m.vocab_size * m.hidden_size
-        layer_bytes = 1.0 if fp8_gather else 2.0  # FP8 all-gather: the layers' weights arrive in one byte
+        layer_bytes = 1.0 if fp8.gathers_weights_in_fp8 else 2.0  # FP8 all-gather: one byte a weight
         gathered = 2.0 * root + layer_bytes * 2 * (parameters - root) / m.num_layers
         unsharded = accumulates and t.grad_reduce == GradReduce.per_step
         # The sharded gradients exist only from the last micro-batch's reduce-scatter to the optimizer step, while
         # the unsharded ones are freed layer by layer: the peak is the larger of the two.
         weights, optimizer = weights / dp + gathered, optimizer / dp
         gradients = gradients if unsharded else gradients / dp
-    if accumulates and cfg.precision.recipe != Recipe.bf16 and not fp8_gather:
+    if fp8.caches_weights:
         weights += 2.0 * (parameters - 2 * m.vocab_size * m.hidden_size)  # the FP8 weight caches
     return MemoryEstimate(weights, gradients, optimizer, float(activations), float(checkpointed))
 

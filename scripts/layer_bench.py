@@ -38,8 +38,8 @@ from torch._dynamo.utils import counters
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from recipes.config import ConfigError, ModelConfig, TrainerConfig, load_option  # noqa: E402
-from recipes.engine.training import build_optimizer, compile_blocks, optimizer_step, prepare_fp8_weight_caching  # noqa: E402
-from recipes.fp8 import convert_to_fp8  # noqa: E402
+from recipes.engine.training import build_optimizer, compile_blocks, optimizer_step  # noqa: E402
+from recipes.fp8 import Fp8Training  # noqa: E402
 from recipes.metrics import flops_per_token  # noqa: E402
 from recipes.models.transformer import RotaryEmbedding, TransformerBlock, init_weights  # noqa: E402
 from recipes.profiling import describe_time_split, profile_kernels  # noqa: E402
@@ -50,22 +50,30 @@ TORCHAO_PEER = "torchao_tensorwise"
 
 
 class Variant(NamedTuple):
-    """One column of the study: a name and how it turns the BF16 blocks into its precision."""
+    """One column of the study: a name and how it turns the BF16 blocks (a module with `layers`) into its
+    precision for steps of so many micro-batches, returning the FP8 object the engine's optimizer step calls."""
 
     name: str
-    convert: Callable[[nn.ModuleList], None]
+    convert: Callable[[nn.Module, int], Fp8Training]
 
 
 def precision_variant(name: str) -> Variant:
     precision = load_option("precision", name)
-    return Variant(precision.name, lambda layers: convert_to_fp8(layers, precision))
+
+    def convert(stack: nn.Module, micro_batches: int) -> Fp8Training:
+        fp8 = Fp8Training(precision, micro_batches)
+        fp8.convert(stack)
+        return fp8
+
+    return Variant(precision.name, convert)
 
 
 def torchao_variant() -> Variant:
-    def convert(layers: nn.ModuleList) -> None:
+    def convert(stack: nn.Module, micro_batches: int) -> Fp8Training:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        convert_to_float8_training(layers, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+        convert_to_float8_training(stack.layers, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+        return Fp8Training(load_option("precision", "bf16"))  # torchao's FP8 needs no call from the step
 
     return Variant(TORCHAO_PEER, convert)
 
@@ -89,8 +97,7 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
     with torch.device(device):
         stack = DecoderStack(model_cfg)
     init_weights(stack, model_cfg)
-    variant.convert(stack.layers)
-    prepare_fp8_weight_caching(stack, args.micro_batches)
+    fp8 = variant.convert(stack, args.micro_batches)
     if args.compile:
         compile_blocks(stack.layers)
     trainer = TrainerConfig(lr=1e-5, warmup_steps=0, max_steps=args.steps)
@@ -105,7 +112,7 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
         return out.float().square().mean()
 
     def training_step():
-        return optimizer_step(micro_batch_loss, args.micro_batches, stack, optimizer, trainer.lr, trainer.grad_clip)
+        return optimizer_step(micro_batch_loss, args.micro_batches, stack, fp8, optimizer, trainer.lr, trainer.grad_clip)
 
     times, losses = [], []
     if device.type == "cuda":

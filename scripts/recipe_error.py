@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from recipes.config import ConfigError, PrecisionConfig, load_option  # noqa: E402
 from recipes.data import make_dataset  # noqa: E402
-from recipes.fp8 import convert_to_fp8  # noqa: E402
+from recipes.fp8.convert import convert_to_fp8  # noqa: E402
 from recipes.fp8.linear import Fp8Linear  # noqa: E402
 from recipes.models.transformer import Transformer  # noqa: E402
 from recipes.plan import detect_gpu, native_archs  # noqa: E402

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recipes.config import ConfigError, Fp8Format, ModelConfig, PrecisionConfig, Recipe
-from recipes.fp8 import convert_to_fp8
+from recipes.fp8.convert import convert_to_fp8
 from recipes.fp8.current_scaling import Float8Tensor, quantize_tensorwise, tensorwise_scale
 from recipes.fp8.formats import E4M3, E5M2, forward_and_backward_dtypes
 from recipes.fp8.linear import BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling, Fp8Linear, fp8_linear, recipe_from_config

@@ -177,7 +177,7 @@ def test_compiled_emulated_mxfp8_model_matches_eager():
     import dataclasses
 
     from recipes.config import load_option
-    from recipes.fp8 import convert_to_fp8
+    from recipes.fp8.convert import convert_to_fp8
     from recipes.models.transformer import Transformer
 
     cfg = dataclasses.replace(load_option("model", "tiny_llama"), num_layers=2)

@@ -32,7 +32,7 @@ draws them, keeping its slice. So no GPU ever holds the whole FP32 model (280 GB
 whole parameter at a time, and N processes start from exactly the weights one process would.
 
 Buffers are not sharded: RoPE tables, and delayed scaling's amax histories, which
-`recipes.fp8.update_fp8_scaling` keeps identical on every rank by all-reducing (max) the amaxes.
+the FP8 object (recipes.fp8.training) keeps identical on every rank by all-reducing (max) the amaxes.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from recipes.fp8.training import enable_fp8_all_gather, rebind_all_gather_scales
 from recipes.models.transformer import Transformer, initial_std
 
 
@@ -51,12 +50,10 @@ def data_parallel_mesh(device: torch.device, world_size: int) -> DeviceMesh:
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
 
 
-def shard_model(model: Transformer, mesh: DeviceMesh, fp8_all_gather: bool = False) -> None:
+def shard_model(model: Transformer, mesh: DeviceMesh) -> None:
     """Apply FSDP2 in place, bottom-up: each decoder layer, then the root. Call after compiling the layers (the
-    order torchtitan uses; Dynamo leaves FSDP's hooks out of the compiled graphs). `fp8_all_gather`: the per-tensor
-    FP8 layers' weights travel in FP8 (recipes.fp8.all_gather)."""
-    if fp8_all_gather:
-        enable_fp8_all_gather(model)
+    order torchtitan uses; Dynamo leaves FSDP's hooks out of the compiled graphs), and after
+    Fp8Training.prepare_for_sharding."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     last = len(model.layers) - 1
     for index, layer in enumerate(model.layers):
@@ -71,7 +68,6 @@ def materialize(model: Transformer, device: torch.device, generator: torch.Gener
     values (norms, RoPE tables, FP8 state) from each module's reset_constants, random weights drawn whole in the
     same order and sliced as FSDP2 shards them."""
     model.to_empty(device=device)
-    rebind_all_gather_scales(model)
     for module in model.modules():
         if hasattr(module, "reset_constants"):
             module.reset_constants()

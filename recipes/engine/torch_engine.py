@@ -33,10 +33,8 @@ from recipes.engine.entry import engine_main
 from recipes.engine.fsdp import data_parallel_mesh, materialize, shard_model
 from recipes.engine.training import (
     NonFiniteError, build_optimizer, checkpoint_blocks, compile_blocks, learning_rate, optimizer_step,
-    prepare_fp8_weight_caching,
 )
-from recipes.fp8 import convert_to_fp8
-from recipes.fp8.training import fp8_all_gather_applies, update_all_gather_scales
+from recipes.fp8 import Fp8Training
 from recipes.metrics import MetricsWriter, StepMetrics, step_metrics
 from recipes.models.transformer import Transformer
 from recipes.profiling import profile_step_if_due
@@ -60,27 +58,26 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-def build_model(
-    cfg: Config, device: torch.device, num_micro_batches: int, mesh: DeviceMesh | None = None, fp8_all_gather: bool = False
-) -> nn.Module:
+def build_model(cfg: Config, device: torch.device, fp8: Fp8Training, mesh: DeviceMesh | None = None) -> nn.Module:
     """The model of one process, or with `mesh` this process's FSDP2 shards of it (built on the meta device,
-    sharded, then materialised: recipes.engine.fsdp.materialize); the same initial weights either way."""
+    sharded, then materialised: recipes.engine.fsdp.materialize); the same initial weights either way. `fp8`
+    converts its blocks' linears."""
     generator = torch.Generator(device).manual_seed(cfg.trainer.seed)
     with torch.device("meta" if mesh is not None else device):
         model = Transformer(cfg.model)
     if mesh is None:
         model.init_weights(generator)
-    convert_to_fp8(model.layers, cfg.precision)
-    if not fp8_all_gather:  # FP8-gathered weights arrive quantized: nothing to cache
-        prepare_fp8_weight_caching(model, num_micro_batches)
+    fp8.convert(model)
     if cfg.trainer.activation_checkpointing:
         checkpoint_blocks(model.layers)
     should_compile = cfg.trainer.compile if cfg.trainer.compile is not None else device.type == "cuda"
     if should_compile:
         compile_blocks(model.layers)
     if mesh is not None:
-        shard_model(model, mesh, fp8_all_gather)
+        fp8.prepare_for_sharding(model)
+        shard_model(model, mesh)
         materialize(model, device, generator)
+        fp8.materialized(model)
     return model
 
 
@@ -104,7 +101,8 @@ def train(cfg: Config, run_dir: Path) -> dict:
     is_logger = rank == 0
     accumulation = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * world_size)
     mesh = data_parallel_mesh(device, world_size) if world_size > 1 else None
-    model = build_model(cfg, device, accumulation, mesh, fp8_all_gather_applies(cfg, world_size))
+    fp8 = Fp8Training.for_run(cfg, world_size)
+    model = build_model(cfg, device, fp8, mesh)
     optimizer = build_optimizer(model, cfg.trainer, device)
     checkpoints = checkpoint.checkpoint_dir(cfg, run_dir)
     resumed = checkpoint.load_latest(checkpoints, cfg, device)
@@ -117,7 +115,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
             changed = checkpoint.changed_settings(resumed.state["config"], cfg)
             note = f" (changed: {', '.join(changed)})" if changed else ""
             print(f"resuming from step {resumed.step} of {resumed.path}{note}", flush=True)
-    update_all_gather_scales(model)  # the FP8 all-gather's scales of the initial or restored weights
+    fp8.weights_changed(model)  # the initial or restored weights
     batches = MicroBatches(cfg, rank, world_size, device)
     # The whole run's steps, those of earlier attempts included; metrics.jsonl is cut back to the checkpoint.
     history: list[StepMetrics] = checkpoint.resume_metrics(run_dir, first_step - 1) if is_logger else []
@@ -139,7 +137,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
             with profile_step_if_due(step, cfg.trainer.profile_step, run_dir, rank, device):
                 try:
                     loss, grad_norm = optimizer_step(
-                        step_loss(step), accumulation, model, optimizer, lr, cfg.trainer.grad_clip,
+                        step_loss(step), accumulation, model, fp8, optimizer, lr, cfg.trainer.grad_clip,
                         reduce_every_micro_batch=cfg.trainer.grad_reduce == GradReduce.per_micro_batch,
                     )
                 except NonFiniteError as error:

@@ -11,9 +11,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from recipes.config import TrainerConfig
 from recipes.engine.fsdp import replicated, set_gradient_sync
-from recipes.fp8 import update_fp8_scaling
-from recipes.fp8.linear import CACHE_OFF, CACHE_REFRESH, CACHE_REUSE
-from recipes.fp8.training import attach_weight_caches, set_weight_cache_mode, update_all_gather_scales
+from recipes.fp8 import Fp8Training
 
 
 class NonFiniteError(RuntimeError):
@@ -37,12 +35,6 @@ def compile_blocks(layers: nn.ModuleList) -> None:
     (hence checkpoints) stay those of the eager model."""
     for layer in layers:
         layer.compile()
-
-
-def prepare_fp8_weight_caching(model: nn.Module, num_micro_batches: int) -> int:
-    """With gradient accumulation, quantize each FP8 weight once per optimizer step (see recipes.fp8.linear);
-    call before compiling. Returns the number of layers that cache."""
-    return attach_weight_caches(model) if num_micro_batches > 1 else 0
 
 
 def build_optimizer(model: nn.Module, trainer: TrainerConfig, device: torch.device) -> torch.optim.AdamW:
@@ -71,6 +63,7 @@ def optimizer_step(
     micro_batch_loss: Callable[[int], torch.Tensor],
     num_micro_batches: int,
     model: nn.Module,
+    fp8: Fp8Training,
     optimizer: torch.optim.Optimizer,
     lr: float,
     grad_clip: float,
@@ -81,18 +74,17 @@ def optimizer_step(
     Returns the mean loss and the gradient norm before clipping. Raises NonFiniteError, before the weights are
     touched, when either is inf or NaN (one host sync per step). Under FSDP gradients are reduce-scattered in
     the last micro-batch's backward only, or in every one with `reduce_every_micro_batch` (FSDP then adds them
-    into the sharded gradients). After each backward, delayed scaling folds the micro-batch's amaxes into
-    its scales (recipes.fp8.update_fp8_scaling).
+    into the sharded gradients). `fp8` is called before each micro-batch, after each backward and once the
+    weights have changed (recipes.fp8.training).
     """
     total = torch.zeros((), device=next(model.parameters()).device)
     for micro in range(num_micro_batches):
         set_gradient_sync(model, reduce_every_micro_batch or micro == num_micro_batches - 1)
-        set_weight_cache_mode(model, CACHE_REFRESH if micro == 0 else CACHE_REUSE)
+        fp8.micro_batch(model, micro)
         loss = micro_batch_loss(micro) / num_micro_batches
         loss.backward()
-        update_fp8_scaling(model)
+        fp8.after_backward(model)
         total += loss.detach()
-    set_weight_cache_mode(model, CACHE_OFF)  # the weights change now: a forward outside this step quantizes afresh
     grad_norm = replicated(nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True))
     if not bool(torch.isfinite(total) & torch.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)
@@ -101,5 +93,5 @@ def optimizer_step(
         group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    update_all_gather_scales(model)  # the new weights' scales for FSDP's FP8 all-gather (no-op without it)
+    fp8.weights_changed(model)
     return total, grad_norm

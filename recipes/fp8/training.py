@@ -1,9 +1,22 @@
-"""FP8 training in the torch engine: what walks the model and is called at the points of the training loop.
+"""FP8 training in the torch engine: one object, `Fp8Training`, which the engine builds from the run's config and
+calls at a handful of points of its training loop, as torchtitan's Float8 converter. The engine knows nothing else
+of FP8; the plan asks the same object what it will do.
 
-Weight caches (recipes.fp8.linear's Fp8WeightCache): attached to every FP8 linear under gradient accumulation and
-switched between refresh, reuse and off as the step's micro-batches go. Delayed scaling: each micro-batch's amaxes
-of every layer folded into the scales at once (recipes.fp8.delayed_scaling). FSDP2's FP8 all-gather: the FP8
-linears' weights made master shards (recipes.fp8.all_gather) and their scales set from the whole weights.
+    fp8 = Fp8Training.for_run(cfg, processes)
+    fp8.convert(model)                before compiling: the blocks' linears become FP8 ones (recipes.fp8.convert),
+                                      with weight caches when micro-batches accumulate
+    fp8.prepare_for_sharding(model)   before fully_shard: FSDP2 will all-gather the FP8 linears' weights in FP8
+    fp8.materialized(model)           after to_empty of a model sharded on the meta device
+    fp8.micro_batch(model, index)     before each micro-batch: the first quantizes each weight into its cache, the
+                                      others reuse it (weights do not change within an optimizer step)
+    fp8.after_backward(model)         after each micro-batch's backward: delayed scaling folds its amaxes in
+    fp8.weights_changed(model)        after initialisation, a restore and every optimizer step: the caches are
+                                      stale; the FP8 all-gather's scales are the new weights'
+
+What it owns, below it: the weight caches (recipes.fp8.linear's Fp8WeightCache), delayed scaling's update of
+every layer at once (recipes.fp8.delayed_scaling), and FSDP2's FP8 all-gather (the master-shard tensors of
+recipes.fp8.all_gather, and the scales of the whole weights). Each FP8 linear's three GEMMs: recipes.fp8.linear,
+recipes.fp8.gemm.
 """
 
 from __future__ import annotations
@@ -12,20 +25,64 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recipes.config import Config, Recipe
+from recipes.config import Config, PrecisionConfig, Recipe
 from recipes.fp8.all_gather import Fp8ShardedWeight, local_shard, shard_amax
+from recipes.fp8.convert import convert_to_fp8
 from recipes.fp8.current_scaling import tensorwise_scale
 from recipes.fp8.delayed_scaling import NUM_ROLES, update_delayed_scaling
 from recipes.fp8.formats import E4M3
-from recipes.fp8.linear import WEIGHT, CurrentScaling, DelayedScaling, Fp8Linear, Fp8WeightCache
+from recipes.fp8.linear import (
+    CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, WEIGHT, CurrentScaling, DelayedScaling, Fp8Linear, Fp8WeightCache,
+)
 
 FP8_ALL_GATHER_RECIPES = (Recipe.tensorwise, Recipe.delayed)
 
 
-def fp8_all_gather_applies(cfg: Config, processes: int) -> bool:
-    """Whether the torch engine all-gathers the weights in FP8: asked for, and FSDP2 at work (several processes).
-    recipes.plan.validate refuses the option for recipes outside FP8_ALL_GATHER_RECIPES."""
-    return processes > 1 and cfg.trainer.fsdp_fp8_all_gather and cfg.precision.recipe in FP8_ALL_GATHER_RECIPES
+class Fp8Training:
+    """The FP8 of one run of the torch engine (see the module's doc): `precision`'s recipe on the blocks' linears,
+    weights quantized once per optimizer step over `micro_batches`, and with `fsdp_fp8_all_gather` (FSDP2 at work,
+    a per-tensor recipe: recipes.plan.validate refuses the others) all-gathered in FP8."""
+
+    def __init__(self, precision: PrecisionConfig, micro_batches: int = 1, fsdp_fp8_all_gather: bool = False):
+        self.precision = precision
+        self.enabled = precision.recipe != Recipe.bf16
+        self.gathers_weights_in_fp8 = fsdp_fp8_all_gather and precision.recipe in FP8_ALL_GATHER_RECIPES
+        # FP8-gathered weights arrive quantized: nothing to cache.
+        self.caches_weights = self.enabled and micro_batches > 1 and not self.gathers_weights_in_fp8
+
+    @classmethod
+    def for_run(cls, cfg: Config, processes: int) -> "Fp8Training":
+        """The run's FP8 on `processes` data-parallel processes (FSDP2 when more than one), each accumulating its
+        share of the global batch in micro-batches."""
+        micro_batches = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * processes)
+        return cls(cfg.precision, micro_batches, processes > 1 and cfg.trainer.fsdp_fp8_all_gather)
+
+    def convert(self, model: nn.Module) -> None:
+        convert_to_fp8(model.layers, self.precision)
+        if self.caches_weights:
+            attach_weight_caches(model)
+
+    def prepare_for_sharding(self, model: nn.Module) -> None:
+        if self.gathers_weights_in_fp8:
+            enable_fp8_all_gather(model)
+
+    def materialized(self, model: nn.Module) -> None:
+        if self.gathers_weights_in_fp8:
+            rebind_all_gather_scales(model)
+
+    def micro_batch(self, model: nn.Module, index: int) -> None:
+        if self.caches_weights:
+            set_weight_cache_mode(model, CACHE_REFRESH if index == 0 else CACHE_REUSE)
+
+    def after_backward(self, model: nn.Module) -> None:
+        if self.enabled:
+            update_fp8_scaling(model)
+
+    def weights_changed(self, model: nn.Module) -> None:
+        if self.caches_weights:
+            set_weight_cache_mode(model, CACHE_OFF)  # a forward outside a step quantizes afresh
+        if self.gathers_weights_in_fp8:
+            update_all_gather_scales(model)
 
 
 def _fp8_linears(model: nn.Module) -> list:

@@ -17,7 +17,7 @@ from recipes.fp8.all_gather import Fp8GatheredWeight
 from recipes.fp8.current_scaling import quantize_tensorwise, tensorwise_scale
 from recipes.fp8.formats import E4M3, E5M2
 from recipes.fp8.linear import WEIGHT, CurrentScaling, DelayedScaling, Fp8Linear
-from recipes.fp8.training import update_all_gather_scales, update_fp8_scaling
+from recipes.fp8.training import enable_fp8_all_gather, update_all_gather_scales, update_fp8_scaling
 
 
 class Stack(nn.Module):
@@ -51,7 +51,8 @@ def train(recipe, compiled: bool) -> list[float]:
     if compiled:
         for layer in model.layers:
             layer.compile()
-    shard_model(model, data_parallel_mesh(torch.device("cpu"), dist.get_world_size()), fp8_all_gather=True)
+    enable_fp8_all_gather(model)
+    shard_model(model, data_parallel_mesh(torch.device("cpu"), dist.get_world_size()))
     update_all_gather_scales(model)
     linear = model.layers[0][1]
     received = []
