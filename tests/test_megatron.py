@@ -335,7 +335,7 @@ def test_megatron_datasets_give_each_data_parallel_rank_its_slice(hydra_compose,
 
 
 def test_iteration_line_is_megatrons_and_the_report_reads_it(tmp_path):
-    from recipes.engine.console import megatron_iteration_line
+    from recipes.trainer.console import megatron_iteration_line
     from recipes.metrics import StepMetrics
     from recipes.report.parse import read_log
 

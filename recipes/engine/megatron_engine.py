@@ -32,9 +32,6 @@ import torch.distributed as dist
 
 from recipes.config import Config, ConfigError
 from recipes.engine import checkpoint
-from recipes.engine.console import finish_run, megatron_iteration_line
-from recipes.engine.entry import engine_main
-from recipes.engine.training import NonFiniteError, learning_rate
 from recipes.megatron import parallel_state
 from recipes.megatron import checkpoint as megatron_checkpoint
 from recipes.megatron.build import build, initialize_parallel_state
@@ -42,6 +39,9 @@ from recipes.megatron.data import MicroBatches, build_train_dataset
 from recipes.megatron.translate import ddp_config, optimizer_config
 from recipes.metrics import MetricsWriter, StepMetrics, step_metrics
 from recipes.profiling import profile_step_if_due
+from recipes.trainer.console import finish_run, megatron_iteration_line
+from recipes.trainer.entry import engine_main
+from recipes.trainer.loop import NonFiniteError, learning_rate
 from megatron.core.distributed import DistributedDataParallel, FullyShardedDataParallel, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func

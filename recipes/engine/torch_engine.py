@@ -28,16 +28,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from recipes.config import Config, GradReduce
 from recipes.data import make_dataset
 from recipes.engine import checkpoint
-from recipes.engine.console import finish_run, print_step
-from recipes.engine.entry import engine_main
 from recipes.engine.fsdp import data_parallel_mesh, materialize, shard_model
-from recipes.engine.training import (
-    NonFiniteError, build_optimizer, checkpoint_blocks, compile_blocks, learning_rate, optimizer_step,
-)
+from recipes.engine.training import build_optimizer, checkpoint_blocks, compile_blocks, optimizer_step
 from recipes.fp8 import Fp8Training
 from recipes.metrics import MetricsWriter, StepMetrics, step_metrics
 from recipes.models.transformer import Transformer
 from recipes.profiling import profile_step_if_due
+from recipes.trainer.console import finish_run, print_step
+from recipes.trainer.entry import engine_main
+from recipes.trainer.loop import NonFiniteError, learning_rate
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -12,14 +11,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from recipes.config import TrainerConfig
 from recipes.engine.fsdp import replicated, set_gradient_sync
 from recipes.fp8 import Fp8Training
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or the gradient norm is inf or NaN: the step is not applied and training stops."""
-
-    def __init__(self, loss: float, grad_norm: float):
-        super().__init__(f"loss {loss} / gradient norm {grad_norm} is not finite")
-        self.loss, self.grad_norm = loss, grad_norm
+from recipes.trainer.loop import NonFiniteError
 
 
 def checkpoint_blocks(layers: nn.ModuleList) -> None:
@@ -48,15 +40,6 @@ def build_optimizer(model: nn.Module, trainer: TrainerConfig, device: torch.devi
     return torch.optim.AdamW(
         groups, lr=trainer.lr, betas=(trainer.adam_beta1, trainer.adam_beta2), eps=trainer.adam_eps, fused=fused
     )
-
-
-def learning_rate(step: int, trainer: TrainerConfig) -> float:
-    """Linear warm-up to `lr` over `warmup_steps`, then cosine decay to `min_lr` at `max_steps` (step is 1-based)."""
-    if step <= trainer.warmup_steps:
-        return trainer.lr * step / max(1, trainer.warmup_steps)
-    progress = (step - trainer.warmup_steps) / max(1, trainer.max_steps - trainer.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return trainer.min_lr + (trainer.lr - trainer.min_lr) * cosine
 
 
 def optimizer_step(
