@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from recipes.config import Config, ConfigError
-from recipes.engine import checkpoint
 from recipes.megatron import parallel_state
 from recipes.megatron import checkpoint as megatron_checkpoint
 from recipes.megatron.build import build, initialize_parallel_state
@@ -39,6 +38,7 @@ from recipes.megatron.data import MicroBatches, build_train_dataset
 from recipes.megatron.translate import ddp_config, optimizer_config
 from recipes.metrics import MetricsWriter, StepMetrics, step_metrics
 from recipes.profiling import profile_step_if_due
+from recipes.trainer.checkpoints import checkpoint_dir, is_due, resume_metrics
 from recipes.trainer.console import finish_run, megatron_iteration_line
 from recipes.trainer.entry import engine_main
 from recipes.trainer.loop import NonFiniteError, learning_rate
@@ -126,7 +126,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
     config, chunks = build(cfg, device)
     model = wrap(cfg, config, chunks)
     optimizer = get_megatron_optimizer(optimizer_config(cfg), model)
-    checkpoints = checkpoint.checkpoint_dir(cfg, run_dir)
+    checkpoints = checkpoint_dir(cfg, run_dir)
     first_step = megatron_checkpoint.load_latest(checkpoints, cfg, model, optimizer) + 1
     if is_logger and first_step > 1:
         print(f"resuming from step {first_step - 1} of {checkpoints}", flush=True)
@@ -135,7 +135,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
     batches = MicroBatches(build_train_dataset(cfg, rank), cfg, dp_rank, dp_size)
     num_micro_batches = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * dp_size)
     forward_backward = get_forward_backward_func()
-    history: list[StepMetrics] = checkpoint.resume_metrics(run_dir, first_step - 1) if is_logger else []
+    history: list[StepMetrics] = resume_metrics(run_dir, first_step - 1) if is_logger else []
     writer = MetricsWriter(run_dir) if is_logger else None
     last_logged = first_step - 1
 
@@ -180,7 +180,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
                     print(megatron_iteration_line(interval, cfg.trainer.max_steps, cfg.trainer.global_batch_size),
                           flush=True)
                     last_logged = step
-            if checkpoint.is_due(cfg, step):
+            if is_due(cfg, step):
                 saved = megatron_checkpoint.save(checkpoints, step, model, optimizer, cfg)
                 if saved and is_logger:
                     print(f"saved checkpoint of step {step} to {saved}", flush=True)

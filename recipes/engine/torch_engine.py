@@ -8,7 +8,7 @@ conf/model, swaps its block linears for FP8 ones as the precision asks, trains w
 and writes `metrics.jsonl` and `summary.json` into the run directory. Several processes train fully sharded
 data-parallel (FSDP2, `recipes.engine.fsdp`; NCCL on GPUs, Gloo on CPUs), each reading its own slice of every
 global batch. With `trainer.checkpoint.interval` set it checkpoints as it goes, and a start in a run directory
-that holds a checkpoint continues from the newest one (`recipes.engine.checkpoint`).
+that holds a checkpoint continues from the newest one (`recipes.engine.checkpoint`, `recipes.trainer.checkpoints`).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from recipes.fp8 import Fp8Training
 from recipes.metrics import MetricsWriter, StepMetrics, step_metrics
 from recipes.models.transformer import Transformer
 from recipes.profiling import profile_step_if_due
+from recipes.trainer.checkpoints import changed_settings, checkpoint_dir, is_due, resume_metrics
 from recipes.trainer.console import finish_run, print_step
 from recipes.trainer.entry import engine_main
 from recipes.trainer.loop import NonFiniteError, learning_rate
@@ -103,7 +104,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
     fp8 = Fp8Training.for_run(cfg, world_size)
     model = build_model(cfg, device, fp8, mesh)
     optimizer = build_optimizer(model, cfg.trainer, device)
-    checkpoints = checkpoint.checkpoint_dir(cfg, run_dir)
+    checkpoints = checkpoint_dir(cfg, run_dir)
     resumed = checkpoint.load_latest(checkpoints, cfg, device)
     first_step = 1
     if resumed:
@@ -111,13 +112,13 @@ def train(cfg: Config, run_dir: Path) -> dict:
         checkpoint.set_rng_state(checkpoint.rank_rng(resumed, rank), device)
         first_step = resumed.step + 1
         if is_logger:
-            changed = checkpoint.changed_settings(resumed.state["config"], cfg)
+            changed = changed_settings(resumed.state["config"], cfg)
             note = f" (changed: {', '.join(changed)})" if changed else ""
             print(f"resuming from step {resumed.step} of {resumed.path}{note}", flush=True)
     fp8.weights_changed(model)  # the initial or restored weights
     batches = MicroBatches(cfg, rank, world_size, device)
     # The whole run's steps, those of earlier attempts included; metrics.jsonl is cut back to the checkpoint.
-    history: list[StepMetrics] = checkpoint.resume_metrics(run_dir, first_step - 1) if is_logger else []
+    history: list[StepMetrics] = resume_metrics(run_dir, first_step - 1) if is_logger else []
     writer = MetricsWriter(run_dir) if is_logger else None
 
     def step_loss(step: int):
@@ -155,7 +156,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
                 writer.write(metrics)
                 if step == 1 or step % cfg.trainer.log_interval == 0 or step == cfg.trainer.max_steps:
                     print_step(metrics, cfg.trainer.max_steps)
-            if checkpoint.is_due(cfg, step):
+            if is_due(cfg, step):
                 saved = checkpoint.save(checkpoints, step, model, optimizer, cfg, rank, world_size, device)
                 if saved:
                     print(f"saved checkpoint of step {step} to {saved}", flush=True)
