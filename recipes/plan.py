@@ -19,7 +19,7 @@ from recipes.config import Config, ConfigError, Fp8Format, GradReduce, ModelConf
 from recipes.fp8.training import FP8_ALL_GATHER_RECIPES, Fp8Training
 from recipes.metrics import count_parameters
 
-ENGINE_MODULE = {"torch": "recipes.engine.torch_engine", "megatron": "recipes.engine.megatron_engine"}
+ENGINE_MODULE = {"torch": "recipes.engine.torch_engine", "megatron": "recipes.megatron.engine"}
 
 # Substrings of torch.cuda.get_device_name() -> conf/gpu option; "gb200" before "b200" (it contains it).
 KNOWN_GPUS = (("gb200", "gb200"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"))

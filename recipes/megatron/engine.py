@@ -1,6 +1,6 @@
 """The megatron-core engine: train from a resolved config file with tensor, pipeline, context and data parallelism.
 
-    torchrun --nproc-per-node=N -m recipes.engine.megatron_engine RUN_DIR/config.yaml
+    torchrun --nproc-per-node=N -m recipes.megatron.engine RUN_DIR/config.yaml
 
 Reads only the resolved YAML written by `launch/run.py`. The pieces are megatron-core's, put together as
 Megatron-LM's pretrain_gpt.py does:
@@ -197,7 +197,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return engine_main("recipes.engine.megatron_engine", train, argv)
+    return engine_main("recipes.megatron.engine", train, argv)
 
 
 if __name__ == "__main__":
