@@ -65,6 +65,23 @@ class GradReduce(str, enum.Enum):
     per_micro_batch = "per_micro_batch"  # after every micro-batch (torchtitan's way): sharded gradients only
 
 
+class Engine(str, enum.Enum):
+    torch = "torch"  # recipes.engine.torch_engine: PyTorch-native models, the FP8 recipes of recipes/fp8, FSDP2
+    megatron = "megatron"  # recipes.megatron.engine: megatron-core's models and parallelism, Transformer Engine's FP8
+
+
+class ExecutorName(str, enum.Enum):
+    local = "local"  # nemo-run's LocalExecutor: this machine (torchrun for several processes)
+    slurm = "slurm"  # nemo-run's SlurmExecutor: one sbatch job per run (recipes.slurm)
+
+
+class Tunnel(str, enum.Enum):
+    """How executor=slurm reaches sbatch."""
+
+    local = "local"  # this machine runs sbatch (a login node)
+    ssh = "ssh"  # through a login node over SSH (executor.slurm.ssh, nemo-run's SSHTunnel)
+
+
 class DataKind(str, enum.Enum):
     indexed = "indexed"  # a Megatron indexed dataset (.bin/.idx); the bundled text corpus when no path is given
     mock = "mock"  # uniformly random tokens: for throughput, not for loss curves
@@ -182,7 +199,7 @@ class SlurmConfig:
     exclusive: bool = False  # whole nodes
     mem: Optional[str] = None  # sbatch --mem, e.g. 0 (all of it) or 200G
     sbatch_args: dict[str, str] = field(default_factory=dict)  # any other sbatch option: {qos: high}
-    tunnel: str = "local"  # local: this machine can run sbatch; ssh: submit through executor.slurm.ssh
+    tunnel: Tunnel = Tunnel.local
     ssh: SshTunnelConfig = field(default_factory=SshTunnelConfig)
     retries: int = 0  # resubmissions of a failed job (nemo-run max_retries)
     dependency: Optional[str] = None  # afterany, afterok, ...: each point of a -m sweep waits for the previous one
@@ -190,7 +207,7 @@ class SlurmConfig:
 
 @dataclass
 class ExecutorConfig:
-    name: str = "local"
+    name: ExecutorName = ExecutorName.local
     gpus: int = 1  # processes per node: one per GPU (or CPU processes on a CPU-only machine)
     nodes: int = 1
     nemo_run_home: str = "${run.root}/nemo_run"  # where nemo-run keeps its experiment records (and, on Slurm
@@ -253,7 +270,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
-    engine: str = "torch"  # torch (recipes.engine.torch_engine) or megatron (recipes.megatron.engine)
+    engine: Engine = Engine.torch
     dryrun: bool = False
 
 

@@ -11,9 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-from recipes.config import ConfigError
+from recipes.config import REPO_ROOT, ExecutorName
 from recipes.plan import ENGINE_MODULE, Plan
-from recipes.config import REPO_ROOT
 
 
 def launch(plan: Plan, config_path: Path, experiment: str) -> int:
@@ -23,12 +22,10 @@ def launch(plan: Plan, config_path: Path, experiment: str) -> int:
     # torchrun must come from this interpreter's environment, whatever PATH the user's shell had; on Slurm,
     # sbatch hands the submitting PATH to the job.
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    if cfg.executor.name == "slurm":
+    if cfg.executor.name == ExecutorName.slurm:
         from recipes.slurm import submit
 
         return submit(plan, config_path, experiment, dryrun=cfg.dryrun)
-    if cfg.executor.name != "local":
-        raise ConfigError(f"executor={cfg.executor.name} is not available; use executor=local or executor=slurm")
     if cfg.dryrun:
         print(f"dry run: nothing launched; the resolved config is {config_path}, and the command above runs it")
         return 0

@@ -124,7 +124,7 @@ def summarize(cfg: Config, history: list[StepMetrics], world_size: int, extra: d
         "precision": cfg.precision.name,
         "recipe": cfg.precision.recipe.value,
         "gpu": cfg.gpu.name,
-        "engine": cfg.engine,
+        "engine": cfg.engine.value,
         "world_size": world_size,
         "nodes": cfg.executor.nodes,
         "num_layers": cfg.model.num_layers,

@@ -15,11 +15,13 @@ from pathlib import Path
 
 import torch
 
-from recipes.config import Config, ConfigError, Fp8Format, GradReduce, ModelConfig, Recipe, Recompute, load_option
+from recipes.config import (
+    Config, ConfigError, Engine, ExecutorName, Fp8Format, GradReduce, ModelConfig, Recipe, Recompute, load_option,
+)
 from recipes.fp8.training import FP8_ALL_GATHER_RECIPES, Fp8Training
 from recipes.metrics import count_parameters
 
-ENGINE_MODULE = {"torch": "recipes.engine.torch_engine", "megatron": "recipes.megatron.engine"}
+ENGINE_MODULE = {Engine.torch: "recipes.engine.torch_engine", Engine.megatron: "recipes.megatron.engine"}
 
 # Substrings of torch.cuda.get_device_name() -> conf/gpu option; "gb200" before "b200" (it contains it).
 KNOWN_GPUS = (("gb200", "gb200"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"))
@@ -72,8 +74,6 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_launch(cfg: Config) -> None:
-    if cfg.engine not in ENGINE_MODULE:
-        raise ConfigError(f"engine={cfg.engine} is not available; valid engines: {', '.join(ENGINE_MODULE)}")
     if cfg.executor.name == "local" and cfg.executor.nodes != 1:
         raise ConfigError(f"executor=local runs on this machine only: set executor.nodes=1 (got {cfg.executor.nodes})")
     if cfg.executor.name == "slurm" and cfg.executor.slurm is None:
@@ -457,8 +457,8 @@ def make_plan(cfg: Config, config_path: Path) -> Plan:
 
 def describe_executor(cfg: Config) -> str:
     slurm = cfg.executor.slurm
-    if cfg.executor.name != "slurm" or slurm is None:
-        return cfg.executor.name
+    if cfg.executor.name != ExecutorName.slurm or slurm is None:
+        return cfg.executor.name.value
     where = [f"partition {slurm.partition}" if slurm.partition else "default partition",
              f"account {slurm.account}" if slurm.account else None, f"time {slurm.time}",
              f"container {slurm.container_image}" if slurm.container_image else "no container"]
@@ -501,7 +501,7 @@ def describe(plan: Plan) -> str:
         + (_torch_engine_weight_gather(cfg, plan.processes) if cfg.engine == "torch" and plan.processes > 1 else ""),
         f"gpu         {cfg.gpu.name} ({cfg.gpu.arch}), {plan.processes} process(es) on {cfg.executor.nodes} node(s)"
         + (" sharding the model (FSDP2)" if plan.processes > 1 and cfg.engine == "torch" else "") + ", "
-        f"executor {describe_executor(cfg)}, engine {cfg.engine}",
+        f"executor {describe_executor(cfg)}, engine {cfg.engine.value}",
         *([f"layout      {describe_layout(cfg)}"] if cfg.engine == "megatron" else []),
         f"batch       micro {t.micro_batch_size} x {dp} data-parallel x {accumulation} accumulation = "
         f"global {t.global_batch_size} sequences; {t.max_steps} steps, lr {t.lr} (warm-up {t.warmup_steps}, cosine to {t.min_lr})"

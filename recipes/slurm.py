@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from recipes.config import REPO_ROOT, Config, ConfigError, SlurmConfig, SshTunnelConfig, dump_config
+from recipes.config import REPO_ROOT, Config, ConfigError, SlurmConfig, SshTunnelConfig, Tunnel, dump_config
 from recipes.run_files import CONFIG, JOB_RECORD, METRICS, SBATCH_SCRIPT, SLURM_LOG, SUMMARY, TRAIN_LOG, slurm_log_name
 
 
@@ -103,9 +103,7 @@ def job_site(cfg: Config, run_dir: Path, nemo_run_home: Path) -> Site:
 
 def ssh_settings(slurm: SlurmConfig) -> Optional[SshTunnelConfig]:
     """executor.slurm.ssh when the tunnel is ssh, None for the local tunnel."""
-    if slurm.tunnel not in ("local", "ssh"):
-        raise ConfigError(f"executor.slurm.tunnel={slurm.tunnel!r}; valid values: local, ssh")
-    if slurm.tunnel == "local":
+    if slurm.tunnel == Tunnel.local:
         return None
     missing = [f"executor.slurm.ssh.{name}" for name in ("host", "job_dir", "repo") if not getattr(slurm.ssh, name)]
     if missing:
