@@ -24,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from recipes.config import CONF_DIR, Config, ConfigError, save_config  # noqa: E402
 from recipes.hydra_schema import check_override_keys, register_schema, to_config  # noqa: E402
 from recipes.launcher import launch  # noqa: E402
-from recipes.plan import describe, make_plan, resolve  # noqa: E402
+from recipes.plan import make_plan  # noqa: E402
+from recipes.plan.describe import describe  # noqa: E402
+from recipes.plan.gpu import resolve  # noqa: E402
 from recipes.run_files import CONFIG  # noqa: E402
 
 

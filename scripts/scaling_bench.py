@@ -43,7 +43,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from recipes.config import Config, GradReduce, TrainerConfig, load_config, load_option, save_config  # noqa: E402
-from recipes.plan import engine_command, validate  # noqa: E402
+from recipes.plan import engine_command  # noqa: E402
+from recipes.plan.checks import validate  # noqa: E402
 from recipes.provenance import provenance  # noqa: E402
 from recipes.run_files import CONFIG, METRICS, SUMMARY, TRAIN_LOG  # noqa: E402
 

@@ -20,7 +20,9 @@ import pytest
 
 from recipes.config import CheckpointConfig, Config, ConfigError, GradReduce, TrainerConfig, load_config, load_option, save_config
 from recipes.engine import torch_engine
-from recipes.plan import describe, estimate_memory, make_plan
+from recipes.plan import make_plan
+from recipes.plan.describe import describe
+from recipes.plan.memory import estimate_memory
 
 from test_train import read_metrics
 

@@ -21,7 +21,10 @@ import torch.nn.functional as F
 from recipes.config import REPO_ROOT, ConfigError, load_option
 from recipes.layouts import lookup, table
 from recipes.metrics import count_parameters
-from recipes.plan import data_parallel_size, estimate_memory, make_plan, validate
+from recipes.plan import make_plan
+from recipes.plan.checks import validate
+from recipes.plan.memory import estimate_memory
+from recipes.plan.parallel import data_parallel_size
 
 translate = pytest.importorskip("recipes.megatron.translate")
 from megatron.core.activations import squared_relu  # noqa: E402
@@ -445,7 +448,7 @@ def test_one_process_without_torchrun_gets_a_local_rendezvous(monkeypatch):
 
 
 def test_fsdp2_gradient_reduction_option_is_refused_on_megatron(hydra_compose):
-    from recipes.plan import validate
+    from recipes.plan.checks import validate
 
     cfg = hydra_compose("engine=megatron", "gpu=h200", "precision=bf16", "trainer.grad_reduce=per_micro_batch", "dryrun=true")
     with pytest.raises(ConfigError, match="trainer.grad_reduce is the torch engine's"):
@@ -453,7 +456,7 @@ def test_fsdp2_gradient_reduction_option_is_refused_on_megatron(hydra_compose):
 
 
 def test_fsdp2_fp8_all_gather_option_is_refused_on_megatron(hydra_compose):
-    from recipes.plan import validate
+    from recipes.plan.checks import validate
 
     cfg = hydra_compose("engine=megatron", "gpu=h200", "precision=fp8_current", "trainer.fsdp_fp8_all_gather=true",
                         "dryrun=true")

@@ -41,7 +41,7 @@ FP8_ALL_GATHER_RECIPES = (Recipe.tensorwise, Recipe.delayed)
 class Fp8Training:
     """The FP8 of one run of the torch engine (see the module's doc): `precision`'s recipe on the blocks' linears,
     weights quantized once per optimizer step over `micro_batches`, and with `fsdp_fp8_all_gather` (FSDP2 at work,
-    a per-tensor recipe: recipes.plan.validate refuses the others) all-gathered in FP8."""
+    a per-tensor recipe: recipes.plan.checks refuses the others) all-gathered in FP8."""
 
     def __init__(self, precision: PrecisionConfig, micro_batches: int = 1, fsdp_fp8_all_gather: bool = False):
         self.precision = precision

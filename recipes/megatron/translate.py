@@ -7,7 +7,7 @@
     optimizer_config(cfg)     OptimizerConfig: Adam with decoupled weight decay, clipping, distributed optimizer
 
 megatron-core validates each object when it is built (TransformerConfig.__post_init__), so a config that passed
-recipes.plan.validate and still fails here is a gap in that preflight.
+recipes.plan.checks.validate and still fails here is a gap in that preflight.
 """
 
 from __future__ import annotations
