@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from recipes.config import REPO_ROOT, ExecutorName
-from recipes.plan import ENGINE_MODULE, Plan
+from recipes.plan import Plan, engine_command
 
 
 def launch(plan: Plan, config_path: Path, experiment: str) -> int:
@@ -43,7 +43,8 @@ def run_local(plan: Plan, config_path: Path) -> int:
         env_vars={"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                   "LOGLEVEL": "WARNING", "PYTHONUNBUFFERED": "1"},
     )
-    task = run.Script(path=ENGINE_MODULE[cfg.engine], m=True, entrypoint=sys.executable, args=[str(config_path)])
+    python, _, module, config = engine_command(cfg, config_path)
+    task = run.Script(path=module, m=True, entrypoint=python, args=[config])
     base_dir = Path(cfg.executor.nemo_run_home).expanduser().resolve()
     with run.Experiment(cfg.run.name, executor=executor, base_dir=str(base_dir), log_level="WARN") as experiment:
         experiment.add(task, name="train")

@@ -21,7 +21,6 @@ Each submitted run gets a record, `slurm_job.json`, in its run directory and in 
 
 from __future__ import annotations
 
-import getpass
 import json
 import os
 import posixpath
@@ -29,23 +28,19 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from recipes.config import REPO_ROOT, Config, ConfigError, SlurmConfig, SshTunnelConfig, Tunnel, dump_config
+from recipes.config import Config, SshTunnelConfig, dump_config
 from recipes.run_files import CONFIG, JOB_RECORD, METRICS, SBATCH_SCRIPT, SLURM_LOG, SUMMARY, TRAIN_LOG, slurm_log_name
 
 
 if TYPE_CHECKING:  # launch/status.py reads jobs back without importing the planner (and torch)
     from recipes.plan import Plan
+    from recipes.plan.cluster import Site
 
 TASK = "train"
-SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+-]+$")
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-SBATCH_OPTION = re.compile(r"^[a-z][a-z0-9_-]*$")
-DEPENDENCY_TYPES = ("after", "afterany", "afterok", "afternotok")
 # The latest job of each experiment submitted by this process: Hydra's basic launcher runs the points of a -m
 # sweep one after another in one process, so this is the previous point's job when `dependency` chains them.
 _latest_job: dict[str, str] = {}
@@ -76,70 +71,6 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "run"
 
 
-@dataclass
-class Site:
-    """Where the job finds what it needs on the cluster: this machine (tunnel=local) or the login node's storage."""
-
-    repo: str  # this repository's checkout, imported by the job
-    storage: str  # the folder holding the job folders and the run directory (mounted into a container)
-    job_root: str  # nemo-run's job folders: <experiment>/<experiment id>/<task>
-    run_dir: str
-    python: str
-    ssh: Optional[SshTunnelConfig] = None  # the login node, when submitting over SSH
-
-
-def job_site(cfg: Config, run_dir: Path, nemo_run_home: Path) -> Site:
-    slurm = cfg.executor.slurm
-    ssh = ssh_settings(slurm)
-    if ssh is None:
-        return Site(str(REPO_ROOT), str(Path(cfg.run.root).resolve()), str(nemo_run_home / "experiments"),
-                    str(run_dir), "python" if slurm.container_image else sys.executable)
-    from recipes.ssh import check_ssh_settings, remote_run_dir
-
-    check_ssh_settings(ssh)
-    return Site(ssh.repo, ssh.job_dir, posixpath.join(ssh.job_dir, "experiments"),
-                remote_run_dir(ssh, run_dir, Path(cfg.run.root).resolve()), ssh.python or "python", ssh)
-
-
-def ssh_settings(slurm: SlurmConfig) -> Optional[SshTunnelConfig]:
-    """executor.slurm.ssh when the tunnel is ssh, None for the local tunnel."""
-    if slurm.tunnel == Tunnel.local:
-        return None
-    missing = [f"executor.slurm.ssh.{name}" for name in ("host", "job_dir", "repo") if not getattr(slurm.ssh, name)]
-    if missing:
-        raise ConfigError(f"executor.slurm.tunnel=ssh needs {', '.join(missing)}: the login node, the job folder "
-                          "on the cluster's shared storage and this repository's checkout there (absolute paths)")
-    return replace(slurm.ssh, user=slurm.ssh.user or getpass.getuser())
-
-
-def check_slurm_settings(slurm: SlurmConfig, job_root: Path | str, run_dir: str) -> None:
-    """`job_root` and `run_dir` as the sbatch script names them: on the login node when the tunnel is ssh."""
-    root_setting = "executor.slurm.ssh.job_dir" if ssh_settings(slurm) else "executor.nemo_run_home"
-    bad = [key for key in slurm.env_vars if not ENV_NAME.match(key)]
-    if bad:
-        raise ConfigError(f"executor.slurm.env_vars: {bad} are not environment variable names ([A-Za-z_][A-Za-z0-9_]*)")
-    bad = [name for name in slurm.secret_env if not ENV_NAME.match(name) or name in slurm.env_vars]
-    if bad:
-        raise ConfigError(f"executor.slurm.secret_env: {bad} must be environment variable names that are not also in "
-                          "executor.slurm.env_vars (a secret passes by name; its value stays in your environment)")
-    if slurm.dependency is not None and slurm.dependency not in DEPENDENCY_TYPES:
-        raise ConfigError(f"executor.slurm.dependency={slurm.dependency!r}; valid values: null, "
-                          f"{', '.join(DEPENDENCY_TYPES)}")
-    bad = [key for key in slurm.sbatch_args if not SBATCH_OPTION.match(key)]
-    if bad:
-        raise ConfigError(f"executor.slurm.sbatch_args: {bad} are not sbatch option names (e.g. qos, mail-type)")
-    if slurm.container_image is None:  # nemo-run then rewrites every "/nemo_run" in the script to the job folder
-        clash = [path for path in (str(job_root), run_dir) if "/nemo_run" in path]
-        if clash:
-            raise ConfigError(f"{clash[0]!r} contains '/nemo_run', which nemo-run rewrites in the sbatch script of "
-                              f"a job without a container; rename that folder ({root_setting}, run.root or run.dir)")
-    if not SAFE_PATH.match(str(job_root)):
-        raise ConfigError(
-            f"{root_setting}: {str(job_root)!r}: nemo-run writes the job folder unquoted into the sbatch script, so "
-            f"it may hold only letters, digits and _ . / + -; choose another {root_setting}"
-        )
-
-
 def _setup_lines(site: Site, secrets: list[str]) -> Optional[str]:
     """Script lines before srun: a Python given by path brings its folder (torchrun is there) onto PATH, and the
     job stops, naming the secret, when one did not reach it (printenv prints no value)."""
@@ -157,7 +88,6 @@ def make_executor(plan: Plan, site: Site, job_name_prefix: str, after: Optional[
 
     cfg = plan.cfg
     slurm = cfg.executor.slurm
-    check_slurm_settings(slurm, site.job_root, site.run_dir)
     if site.ssh is None:
         tunnel = run.LocalTunnel(job_dir=site.job_root)
     else:
@@ -201,11 +131,10 @@ def make_executor(plan: Plan, site: Site, job_name_prefix: str, after: Optional[
 def _task(plan: Plan, site: Site):
     import nemo_run as run
 
-    from recipes.plan import ENGINE_MODULE
+    from recipes.plan import engine_command
 
-    config = posixpath.join(site.run_dir, CONFIG)
-    return run.Script(path=ENGINE_MODULE[plan.cfg.engine], m=True, entrypoint=shlex.quote(site.python),
-                      args=[shlex.quote(config)])
+    python, _, module, config = engine_command(plan.cfg, posixpath.join(site.run_dir, CONFIG), site.python)
+    return run.Script(path=module, m=True, entrypoint=shlex.quote(python), args=[shlex.quote(config)])
 
 
 def _prepare_login_node(cfg: Config, site: Site) -> None:
@@ -231,14 +160,11 @@ def submit(plan: Plan, config_path: Path, experiment: str, dryrun: bool) -> int:
     nemo_run_home = Path(cfg.executor.nemo_run_home).expanduser().resolve()
     os.environ["NEMORUN_HOME"] = str(nemo_run_home)  # nemo-run's own job list (.slurm_jobs) lives there
     run_dir = config_path.parent
-    site = job_site(cfg, run_dir, nemo_run_home)
+    site = plan.site  # checked by the plan (recipes.plan.cluster)
     ssh = site.ssh
     after = _latest_job.get(slug(experiment)) if cfg.executor.slurm.dependency else None
     executor = make_executor(plan, site, job_name_prefix=f"{slug(cfg.run.name)}.", after=after)
-    if not dryrun and ssh is None:
-        _require_sbatch()
-        require_secrets(cfg.executor.slurm.secret_env)
-    elif not dryrun:  # secrets come from the login node's environment: sbatch runs there
+    if not dryrun and ssh is not None:  # sbatch runs on the login node, with its environment's secrets
         _prepare_login_node(cfg, site)
     with run.Experiment(slug(experiment), executor=executor, base_dir=str(nemo_run_home), log_level="WARN") as exp:
         exp.add(_task(plan, site), name=TASK)
@@ -272,19 +198,6 @@ def submit(plan: Plan, config_path: Path, experiment: str, dryrun: bool) -> int:
 
 def _job_id(handle: str) -> str:
     return str(handle).rstrip("/").rpartition("/")[2]
-
-
-def require_secrets(names: list[str]) -> None:
-    missing = [name for name in names if name not in os.environ]
-    if missing:
-        raise ConfigError(f"executor.slurm.secret_env: {missing} not set here; export them before submitting (the "
-                          "job receives them from this environment, by name)")
-
-
-def _require_sbatch() -> None:
-    if shutil.which("sbatch") is None:
-        raise ConfigError("executor=slurm: sbatch is not on PATH here; submit from a Slurm login node, or use "
-                          "dryrun=true to only render the sbatch script (scripts/slurm/start.sh starts a test cluster)")
 
 
 # ---- reading jobs back ----

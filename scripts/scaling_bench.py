@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from recipes.config import Config, GradReduce, TrainerConfig, load_config, load_option, save_config  # noqa: E402
-from recipes.plan import engine_command  # noqa: E402
+from recipes.plan import launch_command  # noqa: E402
 from recipes.plan.checks import validate  # noqa: E402
 from recipes.provenance import provenance  # noqa: E402
 from recipes.run_files import CONFIG, METRICS, SUMMARY, TRAIN_LOG  # noqa: E402
@@ -114,7 +114,7 @@ def start(cfg_path: Path, devices: str) -> subprocess.Popen:
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
                                                        os.environ.get("PYTHONPATH")]))}
-    command = engine_command(load_config(cfg_path), cfg_path)
+    command = launch_command(load_config(cfg_path), cfg_path)
     log = open(cfg_path.parent / TRAIN_LOG, "w")
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
 
