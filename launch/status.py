@@ -20,11 +20,9 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from recipes.config import ConfigError  # noqa: E402
-from recipes.run_files import METRICS  # noqa: E402
-from recipes.slurm import JobRecord, cluster_of, find_records, gather, job_state  # noqa: E402
+from recipes.config import ConfigError
+from recipes.run_files import METRICS
+from recipes.slurm import JobRecord, cluster_of, find_records, gather, job_state
 
 
 def last_step(run_dir: Path) -> str:

@@ -35,16 +35,14 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from recipes.config import ConfigError, ModelConfig, TrainerConfig, load_option  # noqa: E402
-from recipes.engine.training import build_optimizer, compile_blocks, optimizer_step  # noqa: E402
-from recipes.fp8 import Fp8Training  # noqa: E402
-from recipes.metrics import flops_per_token  # noqa: E402
-from recipes.models.transformer import RotaryEmbedding, TransformerBlock, init_weights  # noqa: E402
-from recipes.profiling import describe_time_split, profile_kernels  # noqa: E402
-from recipes.provenance import provenance  # noqa: E402
-from gemm_bench import bench_shape, model_gemm_shapes  # noqa: E402  (scripts/, this file's directory)
+from recipes.config import ConfigError, ModelConfig, TrainerConfig, load_option
+from recipes.engine.training import build_optimizer, compile_blocks, optimizer_step
+from recipes.fp8 import Fp8Training
+from recipes.metrics import flops_per_token
+from recipes.models.transformer import RotaryEmbedding, TransformerBlock, init_weights
+from recipes.profiling import describe_time_split, profile_kernels
+from recipes.provenance import provenance
+from gemm_bench import bench_shape, model_gemm_shapes  # scripts/, this script's folder, is on sys.path
 
 TORCHAO_PEER = "torchao_tensorwise"
 

@@ -27,16 +27,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from recipes.config import ConfigError, PrecisionConfig, load_option  # noqa: E402
-from recipes.data import make_dataset  # noqa: E402
-from recipes.fp8.convert import convert_to_fp8  # noqa: E402
-from recipes.fp8.linear import Fp8Linear  # noqa: E402
-from recipes.models.transformer import Transformer  # noqa: E402
-from recipes.plan.checks import native_archs  # noqa: E402
-from recipes.plan.gpu import detect_gpu  # noqa: E402
-from recipes.provenance import provenance  # noqa: E402
+from recipes.config import ConfigError, PrecisionConfig, load_option
+from recipes.data import make_dataset
+from recipes.fp8.convert import convert_to_fp8
+from recipes.fp8.linear import Fp8Linear
+from recipes.models.transformer import Transformer
+from recipes.plan.checks import native_archs
+from recipes.plan.gpu import detect_gpu
+from recipes.provenance import provenance
 
 PRECISIONS = "bf16,fp8_current,fp8_delayed,fp8_blockwise,mxfp8"
 

@@ -40,13 +40,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from recipes.config import Config, GradReduce, TrainerConfig, load_config, load_option, save_config  # noqa: E402
-from recipes.plan import launch_command  # noqa: E402
-from recipes.plan.checks import validate  # noqa: E402
-from recipes.provenance import provenance  # noqa: E402
-from recipes.run_files import CONFIG, METRICS, SUMMARY, TRAIN_LOG  # noqa: E402
+from recipes.config import Config, GradReduce, TrainerConfig, load_config, load_option, save_config
+from recipes.plan import launch_command
+from recipes.plan.checks import validate
+from recipes.provenance import provenance
+from recipes.run_files import CONFIG, METRICS, SUMMARY, TRAIN_LOG
 
 WARMUP = 3
 RUN_TIMEOUT_S = 300
