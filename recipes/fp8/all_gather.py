@@ -136,8 +136,8 @@ class Fp8GatheredWeight(torch.Tensor):
 
     def __repr__(self) -> str:
         # Metadata only: torch.compile's AOTAutograd prints its inputs' metadata while compiling, with fake tensors
-        # that have no values; reading the scale there (.item()) made Inductor fail and the compiled blocks fall
-        # back to eager around every FP8 linear on GPUs (torch 2.11), the FP8 all-gather's whole slowdown.
+        # that have no values; reading the scale there (.item()) makes Inductor fail, and the compiled blocks fall
+        # back to eager around every FP8 linear (docs/results: FSDP2 with FP8 all-gather).
         return f"Fp8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, data={self._data.dtype})"
 
 
