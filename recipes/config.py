@@ -31,13 +31,14 @@ class Activation(str, enum.Enum):
 
 
 class Recipe(str, enum.Enum):
-    """Scaling recipes, named as megatron-core's `fp8_recipe` names them (bf16 = no FP8)."""
+    """Scaling recipes, named as megatron-core's `fp8_recipe` names them (bf16 = no FP8). Each FP8 recipe is the
+    class of recipes.fp8.linear with its name, and the conf/precision option in the comment."""
 
     bf16 = "bf16"
-    delayed = "delayed"
-    tensorwise = "tensorwise"
-    blockwise = "blockwise"
-    mxfp8 = "mxfp8"
+    delayed = "delayed"  # DelayedScaling: fp8_delayed
+    tensorwise = "tensorwise"  # TensorwiseScaling, per-tensor current scaling (TE's Float8CurrentScaling): fp8_current
+    blockwise = "blockwise"  # BlockwiseScaling: fp8_blockwise
+    mxfp8 = "mxfp8"  # MXFP8Scaling: mxfp8
 
 
 class Fp8Format(str, enum.Enum):

@@ -10,7 +10,7 @@ import torch
 
 from recipes.fp8.current_scaling import quantize_tensorwise
 from recipes.fp8.formats import E4M3, E5M2
-from recipes.fp8.linear import CurrentScaling, Fp8Linear
+from recipes.fp8.linear import TensorwiseScaling, Fp8Linear
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,7 +34,7 @@ def test_quantization_on_cuda_equals_cpu_bit_for_bit(dtype):
 def test_fp8_linear_gemms_on_cuda_against_float64(compiled):
     torch.manual_seed(0)
     linear = torch.nn.Linear(512, 384, bias=False, device="cuda")
-    layer = Fp8Linear(linear, CurrentScaling(E4M3, E5M2))
+    layer = Fp8Linear(linear, TensorwiseScaling(E4M3, E5M2))
     forward = torch.compile(layer) if compiled else layer
     x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     y = forward(x)

@@ -62,8 +62,9 @@ class Fp8Recipe:
         return True
 
 
-class CurrentScaling(Fp8Recipe):
-    """Per-tensor current scaling (TE Float8CurrentScaling): the scale from each tensor's amax now."""
+class TensorwiseScaling(Fp8Recipe):
+    """Per-tensor current scaling (TE Float8CurrentScaling; precision=fp8_current): the scale from each tensor's amax
+    now."""
 
     def quantize(self, t, role, state):
         return quantize_tensorwise(t, self.dtype(role), self.margin)
@@ -114,7 +115,7 @@ def recipe_from_config(precision: PrecisionConfig) -> Fp8Recipe:
     shared = dict(zip(("forward_dtype", "backward_dtype"), forward_and_backward_dtypes(precision.fp8_format)))
     shared.update(margin=precision.margin, fp8_wgrad=precision.fp8_wgrad, emulate=precision.emulate)
     if precision.recipe == Recipe.tensorwise:
-        return CurrentScaling(**shared)
+        return TensorwiseScaling(**shared)
     if precision.recipe == Recipe.delayed:
         return DelayedScaling(
             **shared, amax_history_len=precision.amax_history_len, amax_compute_algo=precision.amax_compute_algo

@@ -32,7 +32,7 @@ from recipes.fp8.current_scaling import tensorwise_scale
 from recipes.fp8.delayed_scaling import NUM_ROLES, update_delayed_scaling
 from recipes.fp8.formats import E4M3
 from recipes.fp8.linear import (
-    CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, WEIGHT, CurrentScaling, DelayedScaling, Fp8Linear, Fp8WeightCache,
+    CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, WEIGHT, TensorwiseScaling, DelayedScaling, Fp8Linear, Fp8WeightCache,
 )
 
 FP8_ALL_GATHER_RECIPES = (Recipe.tensorwise, Recipe.delayed)
@@ -98,7 +98,7 @@ def _weight_scale(layer: nn.Module) -> torch.Tensor:
 def enable_fp8_all_gather(model: nn.Module) -> int:
     """Before fully_shard: make every per-tensor FP8 linear's weight a master shard that FSDP2 all-gathers in FP8.
     Returns how many; the caller keeps BF16 all-gather for block-scaled recipes (0 here)."""
-    layers = [m for m in _fp8_linears(model) if isinstance(m.recipe, (CurrentScaling, DelayedScaling))]
+    layers = [m for m in _fp8_linears(model) if isinstance(m.recipe, (TensorwiseScaling, DelayedScaling))]
     for layer in layers:
         if layer.recipe.forward_dtype != E4M3:
             raise ValueError("FP8 all-gather casts weights to E4M3; this recipe's forward format is not E4M3")
