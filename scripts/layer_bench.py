@@ -110,7 +110,8 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
         return out.float().square().mean()
 
     def training_step():
-        return optimizer_step(micro_batch_loss, args.micro_batches, stack, fp8, optimizer, trainer.lr, trainer.grad_clip)
+        return optimizer_step(micro_batch_loss, args.micro_batches, stack, fp8, optimizer, trainer.lr,
+                              trainer.grad_clip)
 
     times, losses = [], []
     if device.type == "cuda":

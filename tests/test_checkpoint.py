@@ -194,7 +194,8 @@ def test_delayed_scaling_state_travels_in_the_checkpoint(tmp_path):
     """Delayed scaling's amax histories and scales are buffers of the FP8 linears, so the model's checkpoint carries
     them: a run resumed at step 2 continues exactly as the uninterrupted one (a fresh history, scale 1, would
     quantize differently). A small model, for the CPU's slow FP8 GEMMs."""
-    small = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, kv_channels=16)
+    small = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                 kv_channels=16)
     run(make_config(tmp_path / "whole", max_steps=4, interval=0, precision="fp8_delayed", **small))
     run(make_config(tmp_path / "run", max_steps=2, interval=2, precision="fp8_delayed", **small))
     run(make_config(tmp_path / "run", max_steps=4, interval=2, precision="fp8_delayed", **small))

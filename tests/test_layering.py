@@ -34,8 +34,9 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {module_name(path): path for path in sorted((REPO / "recipes").rglob("*.py")) if path.parent != REPO / "recipes"
-           or path.name != "__init__.py"}  # recipes/__init__.py is empty
+# recipes/__init__.py is empty, and importing recipes.x imports it: not a module of any layer.
+MODULES = {module_name(path): path for path in sorted((REPO / "recipes").rglob("*.py"))
+           if path != REPO / "recipes" / "__init__.py"}
 
 
 def within(module: str, prefix: str) -> bool:

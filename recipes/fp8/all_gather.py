@@ -14,12 +14,13 @@ does the same for its own Float8Linear). Two tensor subclasses plug into FSDP2's
 
 The scale of the whole weight, per recipe:
     current scaling   fp8_max / amax(whole FP32 weight): the shards' amaxes, all-reduced (max) once per optimizer
-                      step for every layer together (recipes.fp8.training.update_all_gather_scales, after the optimizer step and
-                      before the first forward). The FP8 weight is then exactly what one process would quantize
-                      from its FP32 weight (the BF16 all-gather quantizes the BF16-rounded weight instead).
-    delayed scaling   the layer's weight scale from its amax history; recipes.fp8.training.update_fp8_scaling puts each shard's amax
-                      into the history's open slot before its all-reduce (max) makes it the whole weight's (not
-                      the all-gather itself: a backward's re-gather must not touch tensors the backward uses).
+                      step for every layer together (update_all_gather_scales in recipes.fp8.training, after the
+                      optimizer step and before the first forward). The FP8 weight is then exactly what one process
+                      would quantize from its FP32 weight (the BF16 all-gather quantizes the BF16-rounded weight).
+    delayed scaling   the layer's weight scale from its amax history; update_fp8_scaling (recipes.fp8.training) puts
+                      each shard's amax into the history's open slot before its all-reduce (max) makes it the whole
+                      weight's (not the all-gather itself: a backward's re-gather must not touch tensors the
+                      backward uses).
 Block-scaled recipes (blockwise, MXFP8) keep the BF16 all-gather: their weight scales are per block, computed from
 the gathered weight.
 """

@@ -10,8 +10,8 @@ keys in `KEYS`; they are merged in this order, the first source that knows a key
     5. format     the log format implies the engine (Megatron lines -> megatron, NeMo 2 lines -> nemo)
 
 then values that follow from others are derived (world size = nodes x GPUs per node, DP = world / (TP PP CP),
-parameter count from the model's dimensions (recipes.metrics), the GPU's BF16 peak from conf/gpu). Nothing else is guessed: a key
-no source knows stays unknown.
+parameter count from the model's dimensions (recipes.metrics) where summary.json has none, the GPU's BF16 peak from
+conf/gpu). Nothing else is guessed: a key no source knows stays unknown.
 """
 
 from __future__ import annotations
