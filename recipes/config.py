@@ -131,6 +131,10 @@ class PrecisionConfig:
     num_layers_at_end_in_bf16: int = 0
     fp8_param_gather: bool = False  # all-gather FP8 weights (sharded engines only)
     emulate: bool = False  # allow a recipe without native kernels on this GPU to run emulated (labelled as such)
+    # On CUDA: Triton kernels for FP8 transposes and blockwise quantization, and for one process BF16 weights cast
+    # once per optimizer step and weight gradients accumulated in FP32 inside the GEMM. false: PyTorch ops and
+    # autograd's own accumulation, as before (same recipe; for comparisons).
+    fused_kernels: bool = True
 
 
 @dataclass
@@ -154,6 +158,34 @@ class ParallelConfig:
     @property
     def sequence_parallel(self) -> bool:
         return self.tp > 1 if self.sp is None else self.sp
+
+
+@dataclass
+class MegatronConfig:
+    """engine=megatron's kernel fusions and communication overlaps: the switches NVIDIA's performance recipes set
+    (NeMo scripts/performance, Megatron-Bridge perf_recipes), named as megatron-core names them, defaulting to
+    those recipes' values.
+
+    A fusion left at None (auto) is on where its kernel can be loaded on the machine that builds the model
+    (Transformer Engine; Apex for megatron-core's own linear layers and softmax) and off elsewhere; set true where
+    that kernel is missing it fails before launch, or when the engine builds the model (recipes.megatron.translate
+    resolves them; the plan shows the result).
+    """
+
+    # wgrad GEMMs accumulate into the FP32 main_grad buffer in place; auto: every linear with Apex, only Transformer
+    # Engine's layers without it (megatron-core's output layer needs Apex's kernel), off under Megatron-FSDP (NeMo)
+    gradient_accumulation_fusion: Optional[bool] = None
+    cross_entropy_loss_fusion: Optional[bool] = None  # Transformer Engine's fused cross-entropy over the vocabulary
+    apply_rope_fusion: Optional[bool] = None  # Transformer Engine's fused rotary embedding
+    bias_activation_fusion: Optional[bool] = None  # SwiGLU in one compiled kernel (none for squared ReLU)
+    bias_dropout_fusion: Optional[bool] = None  # the residual add (with bias and dropout) in one compiled kernel
+    masked_softmax_fusion: Optional[bool] = None  # Apex's softmax kernels in megatron-core's local attention
+    overlap_grad_reduce: bool = True  # gradient reduction overlapped with the backward
+    overlap_param_gather: bool = True  # sharded weights' all-gather overlapped with the forward (distributed optimizer)
+    align_param_gather: Optional[bool] = None  # all pipeline stages start their all-gathers together; auto: with vp > 1
+    grad_reduce_in_fp32: bool = True  # FP32 gradient buffer and reduction (NeMo's performance scripts: false, BF16)
+    tp_comm_overlap: bool = False  # Transformer Engine's userbuffers overlap TP communication with GEMMs (tp > 1, sp)
+    cuda_graphs: bool = False  # megatron-core's per-layer CUDA graphs (cuda_graph_impl=local; NeMo: off on H100)
 
 
 @dataclass
@@ -270,6 +302,7 @@ class Config:
     data: DataConfig
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # engine=megatron only
     run: RunConfig = field(default_factory=RunConfig)
     engine: Engine = Engine.torch
     dryrun: bool = False

@@ -1,5 +1,5 @@
 """Where a step spends its time: torch.profiler's kernel time (GPU) or operator time (CPU), split into
-communication, attention, GEMMs and the rest.
+communication, attention, GEMMs, FP8 quantization and the rest.
 
 `profile_kernels` runs one callable under the profiler (scripts/layer_bench.py); `profile_step_if_due` profiles
 the engines' optimizer step `trainer.profile_step` and writes a Chrome trace and the split into RUN_DIR/profile.
@@ -20,12 +20,17 @@ from recipes.run_files import PROFILE
 
 # Name patterns, in this order: collectives (NCCL kernels, Gloo/c10d ops); attention (cuDNN's fused attention
 # kernels also carry GEMM-like names, "..._sdpa_sm90_flash_bprop_wgmma..."); GEMMs: cuBLAS/cuBLASLt (nvjet, xmma),
-# CUTLASS on GPUs, the matmul operators on CPUs (`fp8_recipes::block_scaled_mm` is the emulated block-scaled GEMM).
+# CUTLASS, Inductor's GEMM templates (triton_tem_) on GPUs, the matmul operators on CPUs (`fp8_recipes::` ops ending
+# in mm are this project's GEMMs); FP8 quantization: amax reductions, casts and cast-transposes, scale updates -
+# Inductor names a kernel after the ops it fuses, so one that feeds an FP8 GEMM carries `_scaled_mm` in its name
+# and counts here even where it also computes a norm or an activation (so do TE's kernels that write FP8).
 CATEGORIES = (
     ("communication", re.compile(r"nccl|gloo|c10d::|all_?gather|reduce_?scatter|all_?reduce", re.I)),
     ("attention", re.compile(r"sdpa|flash|fmha|attention|attn", re.I)),
-    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|sm100_|cublas|aten::(_scaled_)?(mm|addmm|bmm)\b|scaled_mm",
-                        re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|sm100_|cublas|^triton_tem_|^aten::(_scaled_)?(mm|addmm|bmm)\b"
+                        r"|^fp8_recipes::\w*mm\b", re.I)),
+    ("quantization", re.compile(r"amax|quantiz|cast_transpose|fp8|float8|e4m3|e5m2|scaled_mm|compute_scale|kernel_bulk",
+                                re.I)),
 )
 CATEGORY_NAMES = tuple(name for name, _ in CATEGORIES) + ("other",)
 

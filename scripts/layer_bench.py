@@ -10,9 +10,14 @@ are medians over the steps after warm-up. Model TFLOP/s use `recipes.metrics.flo
 output layer, with causal attention counted half (Megatron-LM); a second column counts it whole (PaLM, torchtitan). Writes results.csv, results.md and provenance.json into --out.
 
 `--peer torchao` adds torchao's float8 tensorwise training (`convert_to_float8_training`, recipe "tensorwise") on
-the same blocks in the same process, as the outside reference for the per-tensor recipes.
+the same blocks in the same process, as the outside reference for the per-tensor recipes. `--peer te` adds
+Transformer Engine's layers (scripts/te_peer.py) in each of TE's recipes, with the same shapes, micro-batches,
+inputs, loss, AdamW (fused, weight decay on matrices) and timing. How a TE column differs from ours: BF16
+parameters and BF16 gradient accumulation (ours: FP32 master weights and FP32 gradients), eager (ours: each block
+compiled), TE's fused kernels and its attention backend choice (cuDNN fused attention on Hopper; ours: PyTorch
+SDPA, which also picks cuDNN there).
 
-With `--profile`, the BF16 step's kernel time is split into GEMMs / attention / other, and the "limit" column is
+With `--profile`, each step's kernel time is split into GEMMs / attention / FP8 quantization / other (recipes.profiling), and the "limit" column is
 the step speedup if every linear-layer GEMM ran at the FP8/BF16 rate ratio that `scripts/gemm_bench.py` measures
 for this model's four fprop GEMM shapes (per-tensor, timed here in the same process) and quantization cost
 nothing: bf16_kernels / (bf16_kernels - gemm + gemm / ratio). dgrad and wgrad have the same FLOPs as fprop with
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
+import yaml
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -42,38 +48,106 @@ from recipes.metrics import flops_per_token
 from recipes.models.transformer import RotaryEmbedding, TransformerBlock, init_weights
 from recipes.profiling import describe_time_split, profile_kernels
 from recipes.provenance import provenance
-from gemm_bench import bench_shape, model_gemm_shapes  # scripts/, this script's folder, is on sys.path
+
+# Sibling scripts: scripts/, this script's folder, is on sys.path.
+from gemm_bench import bench_shape, model_gemm_shapes
+from te_peer import TE_COLUMNS, TeDecoderStack, import_transformer_engine, te_recipe
 
 TORCHAO_PEER = "torchao_tensorwise"
 
 
+class Trainee(NamedTuple):
+    """What a column trains: the blocks, the loss of one micro-batch (input, micro-batch index), and the FP8 object
+    the engine's optimizer step calls (BF16's, which does nothing, for a peer's own layers)."""
+
+    model: nn.Module
+    loss: Callable[[torch.Tensor, int], torch.Tensor]
+    fp8: Fp8Training
+
+
 class Variant(NamedTuple):
-    """One column of the study: a name and how it turns the BF16 blocks (a module with `layers`) into its
-    precision for steps of so many micro-batches, returning the FP8 object the engine's optimizer step calls."""
+    """One column of the study: a name and how it builds its blocks for a model on a device."""
 
     name: str
-    convert: Callable[[nn.Module, int], Fp8Training]
+    build: Callable[[ModelConfig, argparse.Namespace, torch.device], Trainee]
 
 
-def precision_variant(name: str) -> Variant:
+def squared_output(out: torch.Tensor) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+def ours(name: str, convert: Callable[[nn.Module, int, torch.device], Fp8Training]) -> Variant:
+    """Our blocks (recipes.models) converted by `convert` (for steps of so many micro-batches on the device; it
+    returns the FP8 object of the step), then compiled as the torch engine does it in one process; BF16 autocast."""
+
+    def build(model_cfg: ModelConfig, args, device: torch.device) -> Trainee:
+        with torch.device(device):
+            stack = DecoderStack(model_cfg)
+        init_weights(stack, model_cfg)
+        fp8 = convert(stack, args.micro_batches, device)
+        if args.compile:
+            compile_blocks(stack.layers)
+
+        def loss(x: torch.Tensor, micro: int) -> torch.Tensor:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                return squared_output(stack(x))
+
+        return Trainee(stack, loss, fp8)
+
+    return Variant(name, build)
+
+
+def precision_variant(spec: str) -> Variant:
+    """A conf/precision option, optionally with field overrides: `fp8_current`, `bf16:fused_kernels=false`."""
+    name, *overrides = spec.split(":")
     precision = load_option("precision", name)
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key not in {f.name for f in dataclasses.fields(precision)}:
+            raise ConfigError(f"--precisions {spec}: precision has no field '{key}'")
+        precision = dataclasses.replace(precision, **{key: yaml.safe_load(value)})
 
-    def convert(stack: nn.Module, micro_batches: int) -> Fp8Training:
-        fp8 = Fp8Training(precision, micro_batches)
+    def convert(stack: nn.Module, micro_batches: int, device: torch.device) -> Fp8Training:
+        fp8 = Fp8Training.for_one_process(precision, micro_batches, device)
         fp8.convert(stack)
         return fp8
 
-    return Variant(precision.name, convert)
+    return ours(spec, convert)
 
 
 def torchao_variant() -> Variant:
-    def convert(stack: nn.Module, micro_batches: int) -> Fp8Training:
+    def convert(stack: nn.Module, micro_batches: int, device: torch.device) -> Fp8Training:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         convert_to_float8_training(stack.layers, config=Float8LinearConfig.from_recipe_name("tensorwise"))
         return Fp8Training(load_option("precision", "bf16"))  # torchao's FP8 needs no call from the step
 
-    return Variant(TORCHAO_PEER, convert)
+    return ours(TORCHAO_PEER, convert)
+
+
+def te_variant(column: str) -> Variant:
+    """Transformer Engine's layers (scripts/te_peer.py): BF16 parameters, eager, TE's FP8 recipe for the column."""
+
+    def build(model_cfg: ModelConfig, args, device: torch.device) -> Trainee:
+        te = import_transformer_engine()
+        recipe = te_recipe(column)
+        stack = TeDecoderStack(model_cfg)
+
+        def loss(x: torch.Tensor, micro: int) -> torch.Tensor:
+            with te.autocast(enabled=recipe is not None, recipe=recipe):
+                out = stack(x, is_first_microbatch=micro == 0)
+            return squared_output(out)
+
+        return Trainee(stack, loss, Fp8Training(load_option("precision", "bf16")))  # TE's FP8: in its layers
+
+    return Variant(column, build)
+
+
+def te_columns(device: torch.device) -> list[Variant]:
+    """te_bf16, te_current, te_delayed, te_blockwise, and te_mxfp8 where TE says MXFP8 runs (Blackwell)."""
+    te = import_transformer_engine()
+    columns = [c for c in TE_COLUMNS if c != "te_mxfp8" or te.is_mxfp8_available()]
+    return [te_variant(column) for column in columns]
 
 
 class DecoderStack(nn.Module):
@@ -92,12 +166,8 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
     torch.manual_seed(args.seed)
     torch._dynamo.reset()
     counters.clear()
-    with torch.device(device):
-        stack = DecoderStack(model_cfg)
-    init_weights(stack, model_cfg)
-    fp8 = variant.convert(stack, args.micro_batches)
-    if args.compile:
-        compile_blocks(stack.layers)
+    trainee = variant.build(model_cfg, args, device)
+    stack = trainee.model
     trainer = TrainerConfig(lr=1e-5, warmup_steps=0, max_steps=args.steps)
     optimizer = build_optimizer(stack, trainer, device)
     shape = (1, model_cfg.seq_length, model_cfg.hidden_size)
@@ -105,12 +175,10 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
     inputs = [torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in range(4)]
 
     def micro_batch_loss(micro: int) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            out = stack(inputs[micro % len(inputs)])
-        return out.float().square().mean()
+        return trainee.loss(inputs[micro % len(inputs)], micro)
 
     def training_step():
-        return optimizer_step(micro_batch_loss, args.micro_batches, stack, fp8, optimizer, trainer.lr,
+        return optimizer_step(micro_batch_loss, args.micro_batches, stack, trainee.fp8, optimizer, trainer.lr,
                               trainer.grad_clip)
 
     times, losses = [], []
@@ -136,7 +204,7 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
     tflops = tokens * flops_per_token(model_cfg, include_output_layer=False) / step_time / 1e12
     tflops_full = tokens * flops_per_token(model_cfg, include_output_layer=False, causal=False) / step_time / 1e12
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    del stack, optimizer, inputs
+    del trainee, stack, optimizer, inputs
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {
@@ -163,6 +231,32 @@ def bench_or_report(model_cfg: ModelConfig, variant: Variant, args, device: torc
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return {**row_identity(model_cfg, variant, args), "error": str(error)[:500]}
+
+
+def compare_to_bf16(model_cfg: ModelConfig, results: list[dict]) -> None:
+    """Each row's speedup over the fastest BF16 column, and the GEMM limit from our BF16 column's profile."""
+    baseline = strongest_bf16(results)
+    ours_bf16 = next((r for r in results if r["precision"] == "bf16" and "error" not in r), None)
+    limit = gemm_limit(model_cfg.name, ours_bf16["profile"]) if ours_bf16 and ours_bf16["profile"] else {}
+    if baseline:
+        print(f"  BF16 baseline: {baseline['precision']} ({baseline['median_step_s'] * 1e3:.1f} ms), the fastest "
+              "BF16 column of this run", flush=True)
+    if limit:
+        print(f"  GEMM share of the bf16 step {limit['gemm_share']:.0%}, per-tensor FP8/BF16 GEMM ratio "
+              f"{limit['gemm_fp8_ratio']:.2f}: limit {limit['limit']:.3f}x", flush=True)
+    for result in results:
+        timed = baseline and "error" not in result
+        result["speedup_vs_bf16"] = baseline["median_step_s"] / result["median_step_s"] if timed else None
+        result["bf16_baseline"] = baseline["precision"] if baseline else None
+        result.update(limit)
+        if limit and result["speedup_vs_bf16"] is not None:
+            result["gain_captured"] = (result["speedup_vs_bf16"] - 1) / (limit["limit"] - 1)
+
+
+def strongest_bf16(results: list[dict]) -> dict | None:
+    """The fastest BF16 column (ours in any variant, or a peer's): every speedup of the run is against it."""
+    bf16 = [r for r in results if "error" not in r and r["precision"].split(":")[0] in ("bf16", "te_bf16")]
+    return min(bf16, key=lambda r: r["median_step_s"], default=None)
 
 
 def gemm_limit(model_name: str, bf16_profile: dict) -> dict:
@@ -194,8 +288,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", action="append", help="conf/model option(s); repeat for several (default llama3_8b)")
     parser.add_argument("--layers", type=int, action="append", help="decoder layers per --model, same order (default 4)")
-    parser.add_argument("--precisions", default="bf16,fp8_current", help="comma-separated conf/precision options")
-    parser.add_argument("--peer", choices=["torchao"], help="add torchao's float8 tensorwise training as a column")
+    parser.add_argument("--precisions", default="bf16,fp8_current",
+                        help="comma-separated conf/precision options, each optionally with field overrides, e.g. "
+                             "bf16:fused_kernels=false")
+    parser.add_argument("--peer", choices=["torchao", "te"], action="append",
+                        help="add peer columns: torchao's float8 tensorwise training; Transformer Engine's layers "
+                             "(te_bf16, te_current, te_delayed, te_blockwise, te_mxfp8 on Blackwell); repeatable")
     parser.add_argument("--micro-batches", type=int, default=8, help="gradient-accumulation micro-batches per step")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per precision")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, autotuning)")
@@ -215,8 +313,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def markdown_table(rows: list[dict]) -> str:
     lines = [
         "| model | layers | seq | precision | median step (ms) | model TFLOP/s (Megatron, causal) | "
-        "TFLOP/s (full attention) | speedup vs bf16 | limit | gain captured | peak mem (GiB) | "
-        "kernels: GEMM / attention / other (ms) | graph breaks |",
+        "TFLOP/s (full attention) | speedup vs fastest bf16 | limit | gain captured | peak mem (GiB) | "
+        "kernels: GEMM / attention / quantization / other (ms) | graph breaks |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
@@ -224,10 +322,10 @@ def markdown_table(rows: list[dict]) -> str:
             lines.append(f"| {row['model']} | {row['layers']} | {row['seq_length']} | {row['precision']} | "
                          f"failed: {row['error'].splitlines()[0][:80]} | | | | | | | | |")
             continue
-        speedup = f"{row['speedup_vs_bf16']:.3f}x" if row["speedup_vs_bf16"] is not None else "n/a"
+        speedup = f"{row['speedup_vs_bf16']:.3f}x" if row.get("speedup_vs_bf16") is not None else "n/a"
         limit = f"{row['limit']:.3f}x" if row.get("limit") else "n/a"
         captured = f"{row['gain_captured']:.0%}" if row.get("gain_captured") is not None else "n/a"
-        split = " / ".join(f"{row['profile']['ms'][k]:.1f}" for k in ("gemm", "attention", "other")) if row.get("profile") else "n/a"
+        split = " / ".join(f"{row['profile']['ms'][k]:.1f}" for k in ("gemm", "attention", "quantization", "other")) if row.get("profile") else "n/a"
         lines.append(
             f"| {row['model']} | {row['layers']} | {row['seq_length']} | {row['precision']} | "
             f"{row['median_step_s'] * 1e3:.1f} | {row['model_tflops']:.1f} | {row['model_tflops_full_attention']:.1f} | "
@@ -245,28 +343,29 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if args.peer == "torchao":
+    peers = args.peer or []
+    if "torchao" in peers:
         variants.append(torchao_variant())
+    if "te" in peers:
+        try:
+            variants += te_columns(device)
+        except RuntimeError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     rows = []
     for model_cfg, layers in zip(models, args.layers):
         model_cfg = dataclasses.replace(model_cfg, num_layers=layers)
         if args.seq_length:
             model_cfg = dataclasses.replace(model_cfg, seq_length=args.seq_length)
         print(f"{model_cfg.name}: {layers} layers, seq {model_cfg.seq_length}, {args.micro_batches} micro-batches/step", flush=True)
-        results = [bench_or_report(model_cfg, variant, args, device) for variant in variants]
-        baseline = next((r for r in results if r["precision"] == "bf16" and "error" not in r), None)
-        limit = gemm_limit(model_cfg.name, baseline["profile"]) if baseline and baseline["profile"] else {}
-        if limit:
-            print(f"  GEMM share of the bf16 step {limit['gemm_share']:.0%}, per-tensor FP8/BF16 GEMM ratio "
-                  f"{limit['gemm_fp8_ratio']:.2f}: limit {limit['limit']:.3f}x", flush=True)
-        for result in results:
-            timed = baseline and "error" not in result
-            result["speedup_vs_bf16"] = baseline["median_step_s"] / result["median_step_s"] if timed else None
-            result.update(limit)
-            if limit and result["speedup_vs_bf16"] is not None:
-                result["gain_captured"] = (result["speedup_vs_bf16"] - 1) / (limit["limit"] - 1)
+        results = []
+        for variant in variants:
+            results.append(bench_or_report(model_cfg, variant, args, device))
+            if args.out:  # after every column, so a run cut short keeps what it measured
+                write_results(rows + results, args, argv)
+        compare_to_bf16(model_cfg, results)
         rows += results
-        if args.out:  # after every model, so a run cut short keeps what it measured
+        if args.out:
             write_results(rows, args, argv)
     print(markdown_table(rows))
     return 0

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 
 import pytest
+import torch
 
 from recipes.config import CONF_DIR, Config
+
+# Without a GPU, recipes.fp8.kernels' Triton kernels run under Triton's CPU interpreter (tests/test_fused_linears.py),
+# which must be chosen before anything (torch.compile among others) imports Triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def missing(message: str) -> None:
@@ -43,3 +50,20 @@ def hydra_compose():
             return resolve(to_config(compose("config", overrides=list(overrides))))
 
     return composed
+
+
+@pytest.fixture(scope="module")
+def megatron_state():
+    """A one-process Gloo group and megatron-core's parallel state over it (no GPU)."""
+    import torch
+
+    from recipes.megatron import parallel_state
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()

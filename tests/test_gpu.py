@@ -218,3 +218,123 @@ def test_sharded_initialisation_on_two_gpus_equals_one_gpu():
                str(repo / "tests" / "workers" / "sharded_init_ranks.py"), "cuda"]
     result = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+# ---- fused kernels and FP32 main-gradient GEMMs (recipes.fp8.kernels, recipes.fp8.cublaslt) ----
+
+
+def same_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bytes, NaN positions equal whatever their sign and payload."""
+    nan_a, nan_b = torch.isnan(a.float()), torch.isnan(b.float())
+    return bool(torch.equal(nan_a, nan_b) and (a.view(torch.uint8) == b.view(torch.uint8))[~nan_a].all())
+
+
+def awkward_input(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Values over 60 binades, an all-zero tile, NaN, infinities, a block whose amax is FP32-subnormal."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=generator) * torch.logspace(-30, 30, cols)
+    x[:128, :128] = 0
+    x[5, 200], x[130, 7], x[200, 300] = float("nan"), float("inf"), -float("inf")
+    x[140:142, 130:260] = 1e-39
+    return x.to(torch.bfloat16).cuda()
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_blockwise_kernel_writes_the_reference_bytes_on_cuda(dtype, compiled):
+    """One read of x gives the 1x128 quantization of x and of x^T that the reference path (CUDA) computes."""
+    from recipes.fp8 import kernels
+    from recipes.fp8.blockwise import quantize_blockwise
+
+    for x in (awkward_input(256, 384, seed=1), torch.randn(1024, 640, device="cuda", dtype=torch.bfloat16) * 3):
+        fused = torch.compile(kernels.quantize_1x128_with_transpose) if compiled else kernels.quantize_1x128_with_transpose
+        data, scale_inv, data_t, scale_inv_t = fused(x, dtype)
+        for (d, s), ref in (((data, scale_inv), quantize_blockwise(x, dtype, (1, 128))),
+                            ((data_t, scale_inv_t), quantize_blockwise(x.t().contiguous(), dtype, (1, 128)))):
+            assert same_fp8(d, ref.data)
+            assert torch.equal(s.isnan(), ref.scale_inv.isnan())
+            assert torch.equal(s.nan_to_num(), ref.scale_inv.nan_to_num())
+
+
+@pytest.mark.parametrize("shape", [(8192, 4096), (200, 300), (1, 129)])
+def test_fp8_transpose_kernel_moves_every_byte_on_cuda(shape):
+    from recipes.fp8 import kernels
+
+    q = (torch.randn(shape, device="cuda") * 100).to(E4M3)
+    assert torch.equal(kernels.transpose_fp8(q).view(torch.uint8), q.t().contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("dtypes", [(E5M2, E4M3), (E4M3, E4M3)])
+def test_cublaslt_fp8_gemm_into_fp32_equals_scaled_mm(accumulate, dtypes):
+    """cuBLASLt with beta = 1 writes what torch._scaled_mm followed by an FP32 add writes (up to the FP32
+    accumulation order of two cuBLAS algorithms)."""
+    from recipes.fp8 import cublaslt
+    from recipes.fp8.current_scaling import quantize_tensorwise
+
+    assert cublaslt.available()
+    a = quantize_tensorwise(torch.randn(1024, 2048, device="cuda") * 1e-3, dtypes[0])
+    b = quantize_tensorwise(torch.randn(768, 2048, device="cuda"), dtypes[1])
+    start = torch.randn(1024, 768, device="cuda") * 1e-2
+    out = start.clone()
+    assert cublaslt.supports(a.data, b.data, out)
+    cublaslt.scaled_mm(a.data, b.data, a.scale_inv, b.scale_inv, out, accumulate)
+    expected = torch._scaled_mm(a.data, b.data.t(), a.scale_inv, b.scale_inv, out_dtype=torch.float32)
+    expected = expected + start if accumulate else expected
+    assert relative_error(out, expected.double()) < 1e-6
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_bf16_gemm_into_fp32_main_grad(accumulate):
+    from recipes.fp8.gemm import mm_into
+
+    a = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(384, 4096, device="cuda", dtype=torch.bfloat16)
+    start = torch.randn(512, 384, device="cuda")
+    out = start.clone()
+    mm_into(a.t().contiguous().t(), b, out, accumulate)  # a strided operand, as dy^T arrives
+    expected = a.double() @ b.double().t() + (start.double() if accumulate else 0)
+    assert relative_error(out, expected) < 1e-6  # FP32 accumulation; a BF16 output would err ~1e-3
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8_current", "fp8_delayed", "fp8_blockwise"])
+def test_fused_linears_train_like_plain_ones_on_cuda(precision):
+    """A tiny compiled model, three micro-batches, one optimizer step: with the fused kernels and main gradients
+    (precision.fused_kernels) the loss and the updated weights match the plain path's (BF16 weight gradients
+    summed in FP32 instead of rounded per micro-batch, and cuBLAS's accumulation order, are the only
+    differences)."""
+    import dataclasses
+
+    from recipes.config import TrainerConfig, load_option
+    from recipes.engine.training import build_optimizer, compile_blocks, optimizer_step
+    from recipes.fp8 import Fp8Training
+    from recipes.models.transformer import Transformer
+
+    cfg = dataclasses.replace(load_option("model", "tiny_llama"), num_layers=2)
+    trainer = TrainerConfig(lr=1e-3, warmup_steps=0, max_steps=1)
+    tokens = torch.randint(0, cfg.vocab_size, (3, 2, cfg.seq_length + 1), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(0))
+    results = []
+    for fused_kernels in (False, True):
+        settings = dataclasses.replace(load_option("precision", precision), fused_kernels=fused_kernels)
+        fp8 = Fp8Training.for_one_process(settings, 3, torch.device("cuda"))
+        assert fp8.fused_linears == fused_kernels
+        with torch.device("cuda"):
+            model = Transformer(cfg)
+        model.init_weights(torch.Generator("cuda").manual_seed(1))
+        fp8.convert(model)
+        compile_blocks(model.layers)
+        optimizer = build_optimizer(model, trainer, torch.device("cuda"))
+
+        def loss(micro: int) -> torch.Tensor:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(tokens[micro, :, :-1])
+            return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[micro, :, 1:].flatten())
+
+        step_loss, grad_norm = optimizer_step(loss, 3, model, fp8, optimizer, trainer.lr, trainer.grad_clip)
+        results.append((step_loss.item(), grad_norm.item(), [p.detach().double() for p in model.parameters()]))
+    (loss_plain, norm_plain, plain), (loss_fused, norm_fused, fused_params) = results
+    assert abs(loss_fused - loss_plain) < 1e-3 * loss_plain
+    assert abs(norm_fused - norm_plain) < 2e-2 * norm_plain
+    for before, after in zip(plain, fused_params):  # Adam's first step moves each weight by about +-lr
+        assert relative_error(after, before) < 1e-2

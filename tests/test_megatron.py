@@ -271,21 +271,6 @@ def test_dryrun_shows_the_layout_and_the_estimate(tmp_path):
 # ---- megatron-core's model: parameter counts ----
 
 
-@pytest.fixture(scope="module")
-def megatron_state():
-    """A one-process Gloo group and megatron-core's parallel state over it (no GPU)."""
-    from recipes.megatron import parallel_state
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel()
-    yield
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
-
-
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_nemotron", "llama3_8b", "nemotron4_15b"])
 def test_megatron_gpt_model_has_the_torch_engines_parameter_count(hydra_compose, megatron_state, model):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

@@ -94,7 +94,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
     rank, world_size, device = setup_distributed()
     accumulation = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * world_size)
     mesh = data_parallel_mesh(device, world_size) if world_size > 1 else None
-    fp8 = Fp8Training.for_run(cfg, world_size)
+    fp8 = Fp8Training.for_run(cfg, world_size, device)
     model = build_model(cfg, device, fp8, mesh)
     optimizer = build_optimizer(model, cfg.trainer, device)
     checkpoints = checkpoint_dir(cfg, run_dir)

@@ -57,8 +57,8 @@ def optimizer_step(
     Returns the mean loss and the gradient norm before clipping. Raises NonFiniteError, before the weights are
     touched, when either is inf or NaN (one host sync per step). Under FSDP gradients are reduce-scattered in
     the last micro-batch's backward only, or in every one with `reduce_every_micro_batch` (FSDP then adds them
-    into the sharded gradients). `fp8` is called before each micro-batch, after each backward and once the
-    weights have changed (recipes.fp8.training).
+    into the sharded gradients). `fp8` is called before each micro-batch, after each backward, after the last
+    one and once the weights have changed (recipes.fp8.training).
     """
     total = torch.zeros((), device=next(model.parameters()).device)
     for micro in range(num_micro_batches):
@@ -68,6 +68,7 @@ def optimizer_step(
         loss.backward()
         fp8.after_backward(model)
         total += loss.detach()
+    fp8.after_micro_batches(model)
     grad_norm = replicated(nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True))
     if not bool(torch.isfinite(total) & torch.isfinite(grad_norm)):
         optimizer.zero_grad(set_to_none=True)

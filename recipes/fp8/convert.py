@@ -3,6 +3,8 @@
 Embedding, norms, attention (softmax(QK^T)V) and the output layer stay in BF16, as in Transformer Engine's
 recipes; `num_layers_at_start_in_bf16` / `num_layers_at_end_in_bf16` keep whole blocks in BF16 as well.
 The recipe is the one the config names, never another one and never BF16 (see recipes.fp8.linear).
+With `bf16_linears`, the blocks' BF16 linears (all of them for precision=bf16) become `Bf16Linear`s, which can
+cast their weights once per optimizer step and accumulate weight gradients in FP32 inside the GEMM.
 """
 
 from __future__ import annotations
@@ -10,23 +12,27 @@ from __future__ import annotations
 from torch import nn
 
 from recipes.config import PrecisionConfig, Recipe
-from recipes.fp8.linear import Fp8Linear, recipe_from_config
+from recipes.fp8.linear import Bf16Linear, Fp8Linear, recipe_from_config
 
 
 def fp8_layer_indices(num_layers: int, precision: PrecisionConfig) -> range:
+    if precision.recipe == Recipe.bf16:
+        return range(0)
     return range(precision.num_layers_at_start_in_bf16, num_layers - precision.num_layers_at_end_in_bf16)
 
 
-def convert_to_fp8(layers: nn.ModuleList, precision: PrecisionConfig) -> int:
-    """Replace nn.Linear modules inside the FP8 blocks of `layers`; returns how many were replaced."""
-    if precision.recipe == Recipe.bf16:
-        return 0
-    recipe = recipe_from_config(precision)
+def convert_to_fp8(layers: nn.ModuleList, precision: PrecisionConfig, bf16_linears: bool = False) -> int:
+    """Replace nn.Linear modules inside the FP8 blocks of `layers` (and, with `bf16_linears`, inside the BF16 ones);
+    returns how many were replaced by FP8 linears."""
+    fp8_blocks = fp8_layer_indices(len(layers), precision)
+    recipe = recipe_from_config(precision) if fp8_blocks else None
     replaced = 0
-    for index in fp8_layer_indices(len(layers), precision):
-        for parent in layers[index].modules():
+    for index, layer in enumerate(layers):
+        if index not in fp8_blocks and not bf16_linears:
+            continue
+        for parent in layer.modules():
             for name, child in parent.named_children():
                 if type(child) is nn.Linear:
-                    setattr(parent, name, Fp8Linear(child, recipe))
-                    replaced += 1
+                    setattr(parent, name, Fp8Linear(child, recipe) if index in fp8_blocks else Bf16Linear(child))
+                    replaced += index in fp8_blocks
     return replaced

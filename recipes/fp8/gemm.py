@@ -1,7 +1,9 @@
 """One FP8 GEMM, `a @ b^T` with a (M, K) and b (N, K) both row-major (K-major, the "TN" layout FP8 tensor cores
 take), dispatched on the operands' scaling granularity:
 
-- per-tensor scales: torch._scaled_mm (cuBLAS on GPUs; PyTorch's CPU kernel elsewhere);
+- per-tensor scales: torch._scaled_mm (cuBLAS) on GPUs; on a CPU the FP8 values, exact in FP32, multiplied and
+  summed in FP32 and then scaled, as cuBLAS applies the scales (PyTorch's own CPU _scaled_mm computes the same
+  through a generic loop, 50-100x slower, which made every FP8 run on a CPU crawl);
 - 1x128 / 128x128 blocks: torch.nn.functional.scaled_mm on Hopper (cuBLAS block scaling, CUDA >= 12.9);
 - 1x32 MX blocks: torch.nn.functional.scaled_mm with E8M0 scales in the 32_4_4 layout on Blackwell;
 - emulated (only when the precision asks for it): the operands dequantized to FP32 and multiplied in FP32, the
@@ -17,6 +19,11 @@ generates: a compiled emulated-MXFP8 model on an H200 computed other gradients t
 (tests/test_gpu.py).
 
 There is no silent fallback: a block-scaled GEMM without a native kernel and without emulation raises.
+
+The weight-gradient GEMM can also write into, or add to, an FP32 main gradient (`fp8_gemm_into`, `mm_into`):
+inside the GEMM on CUDA (cuBLASLt with beta = 1 for per-tensor FP8, recipes.fp8.cublaslt; cuBLAS's FP32-output
+BF16 GEMM), so that summing a weight's gradient over micro-batches costs no pass of its own; elsewhere the GEMM's
+result is written or added in a second step, with the same numbers.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from recipes.fp8 import cublaslt
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK
 from recipes.fp8.mxfp8 import MX_BLOCK, swizzle_32_4_4, to_e8m0
 from recipes.fp8.tensor import Float8Tensor
@@ -31,15 +39,60 @@ from recipes.fp8.tensor import Float8Tensor
 
 def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, fast_accum: bool, emulate: bool) -> torch.Tensor:
     if a.block is None and b.block is None:
-        return torch._scaled_mm(
-            a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=out_dtype, use_fast_accum=fast_accum
-        )
+        return tensorwise_mm(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype, fast_accum)
     if not emulate and not a.data.is_cuda:
         raise RuntimeError(
             f"no native {a.block} x {b.block} block-scaled FP8 GEMM on {a.data.device}; "
             "set precision.emulate=true to emulate it"
         )
     return block_scaled_mm(a.data, a.scale_inv, list(a.block), b.data, b.scale_inv, list(b.block), out_dtype, emulate)
+
+
+def tensorwise_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                  out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    """scale_a * scale_b * (a @ b^T) for per-tensor FP8 operands, a (M, K) and b (N, K) row-major."""
+    if a.is_cuda:
+        return torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                                use_fast_accum=fast_accum)
+    return ((a.float() @ b.float().t()) * (scale_a * scale_b)).to(out_dtype)
+
+
+def fp8_gemm_into(a: Float8Tensor, b: Float8Tensor, out: torch.Tensor, accumulate: bool, emulate: bool) -> None:
+    """out (FP32) = a @ b^T, or out += a @ b^T when `accumulate`: a weight gradient into its main gradient."""
+    if a.block is None and b.block is None:
+        scaled_mm_into(a.data, b.data, a.scale_inv, b.scale_inv, out, accumulate)
+    else:
+        _write_or_add(out, fp8_gemm(a, b, torch.float32, False, emulate), accumulate)
+
+
+def _write_or_add(out: torch.Tensor, result: torch.Tensor, accumulate: bool) -> None:
+    if accumulate:
+        out.add_(result)
+    else:
+        out.copy_(result)
+
+
+@torch.library.custom_op("fp8_recipes::scaled_mm_into", mutates_args=("out",))
+def scaled_mm_into(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                   out: torch.Tensor, accumulate: bool) -> None:
+    """Per-tensor FP8 `a @ b^T` (K-major both, no fast accumulation, as every wgrad) into FP32 `out`."""
+    if cublaslt.supports(a, b, out):
+        cublaslt.scaled_mm(a, b, scale_a, scale_b, out, accumulate)
+    else:
+        _write_or_add(out, tensorwise_mm(a, b, scale_a, scale_b, torch.float32), accumulate)
+
+
+@torch.library.custom_op("fp8_recipes::mm_into", mutates_args=("out",))
+def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    """BF16 `a @ b^T` into FP32 `out`: on CUDA one cuBLAS GEMM with FP32 output (beta = 1 to accumulate); on a CPU
+    the BF16 values multiplied in FP32 (exact products, FP32 sums, as the GPU's GEMM)."""
+    if a.is_cuda:
+        if accumulate:
+            torch.ops.aten.addmm.dtype_out(out, a, b.t(), torch.float32, out=out)
+        else:
+            torch.ops.aten.mm.dtype_out(a, b.t(), torch.float32, out=out)
+    else:
+        _write_or_add(out, a.float() @ b.float().t(), accumulate)
 
 
 @torch.library.custom_op("fp8_recipes::block_scaled_mm", mutates_args=())

@@ -11,7 +11,7 @@ high-precision tensor, as Transformer Engine does. The forward saves x (already 
 
 Weights do not change between the micro-batches of one optimizer step, so with gradient accumulation each layer
 can quantize its weight (and the transpose dgrad needs) once per step, in the first micro-batch, and reuse it in
-the others: `Fp8WeightCache`, attached and switched by recipes.fp8.training for the training loop. Transformer Engine
+the others: `WeightCache`, attached and switched by recipes.fp8.training for the training loop. Transformer Engine
 caches FP8 weights across micro-batches the same way (`is_first_microbatch`).
 """
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from recipes.config import AmaxComputeAlgo, ConfigError, PrecisionConfig, Recipe
@@ -29,7 +30,7 @@ from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_block
 from recipes.fp8.current_scaling import quantize_tensorwise
 from recipes.fp8.delayed_scaling import DelayedScalingState, quantize_delayed
 from recipes.fp8.formats import forward_and_backward_dtypes
-from recipes.fp8.gemm import fp8_gemm
+from recipes.fp8.gemm import fp8_gemm, fp8_gemm_into, mm_into
 from recipes.fp8.mxfp8 import quantize_mx
 from recipes.fp8.tensor import Float8Tensor
 
@@ -46,6 +47,7 @@ class Fp8Recipe:
     margin: int = 0
     fp8_wgrad: bool = True
     emulate: bool = False
+    fused_kernels: bool = False  # Triton kernels for transposed operands where they run (recipes.fp8.kernels)
 
     fast_accum_fprop = True  # per-tensor GEMMs: TE uses fast accumulation in fprop only
     stateful = False
@@ -60,6 +62,31 @@ class Fp8Recipe:
 
     def transpose_reuses_quantization(self, role: int) -> bool:
         return True
+
+    def transposed(self, quantized: Float8Tensor, source: torch.Tensor, role: int, state) -> Float8Tensor:
+        """The operand for a GEMM contracting `source`'s first dimension: `quantized`'s bytes transposed where the
+        scale grid allows it, else `source^T` quantized along its new K (as Transformer Engine does)."""
+        if not self.transpose_reuses_quantization(role):
+            return self.quantize(source.t().contiguous(), role, state)
+        kernels = _kernels_for(quantized.data) if self.fused_kernels else None
+        if kernels is None:
+            return quantized.transpose()
+        scale_inv = quantized.scale_inv if quantized.block is None else quantized.scale_inv.t().contiguous()
+        return Float8Tensor(kernels.transpose_fp8(quantized.data), scale_inv, quantized.block)
+
+    def quantize_with_transpose(self, t: torch.Tensor, role: int, state) -> tuple[Float8Tensor, Float8Tensor]:
+        """t quantized for a GEMM contracting its last dimension, and for one contracting its first."""
+        quantized = self.quantize(t, role, state)
+        return quantized, self.transposed(quantized, t, role, state)
+
+
+def _kernels_for(t: torch.Tensor):
+    """recipes.fp8.kernels where its kernels run on t's device (CUDA GPUs), else None."""
+    if not t.is_cuda:
+        return None
+    from recipes.fp8 import kernels
+
+    return kernels
 
 
 class TensorwiseScaling(Fp8Recipe):
@@ -96,6 +123,13 @@ class BlockwiseScaling(Fp8Recipe):
     def transpose_reuses_quantization(self, role):
         return role == WEIGHT
 
+    def quantize_with_transpose(self, t, role, state):
+        kernels = _kernels_for(t) if self.fused_kernels and self.power_of_2_scales and role != WEIGHT else None
+        if kernels is None:
+            return super().quantize_with_transpose(t, role, state)
+        data, scale_inv, data_t, scale_inv_t = kernels.quantize_1x128_with_transpose(t, self.dtype(role))
+        return Float8Tensor(data, scale_inv, ACTIVATION_BLOCK), Float8Tensor(data_t, scale_inv_t, ACTIVATION_BLOCK)
+
 
 class MXFP8Scaling(Fp8Recipe):
     """MXFP8 (TE MXFP8BlockScaling): 1x32 blocks along K, E8M0 scales."""
@@ -113,7 +147,8 @@ def recipe_from_config(precision: PrecisionConfig) -> Fp8Recipe:
     if precision.fp8_format is None:
         raise ConfigError(f"precision={precision.name}: set precision.fp8_format (hybrid or e4m3)")
     shared = dict(zip(("forward_dtype", "backward_dtype"), forward_and_backward_dtypes(precision.fp8_format)))
-    shared.update(margin=precision.margin, fp8_wgrad=precision.fp8_wgrad, emulate=precision.emulate)
+    shared.update(margin=precision.margin, fp8_wgrad=precision.fp8_wgrad, emulate=precision.emulate,
+                  fused_kernels=precision.fused_kernels)
     if precision.recipe == Recipe.tensorwise:
         return TensorwiseScaling(**shared)
     if precision.recipe == Recipe.delayed:
@@ -127,56 +162,59 @@ def recipe_from_config(precision: PrecisionConfig) -> Fp8Recipe:
     raise ConfigError(f"precision={precision.name}: recipe '{precision.recipe.value}' is not an FP8 recipe")
 
 
-def _transposed(recipe: Fp8Recipe, quantized: Float8Tensor, source: torch.Tensor, role: int, state) -> Float8Tensor:
-    if recipe.transpose_reuses_quantization(role):
-        return quantized.transpose()
-    return recipe.quantize(source.t().contiguous(), role, state)
-
-
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, recipe: Fp8Recipe, cache_mode: str, cache_block, *cache_and_state):
+    def forward(ctx, x, weight, recipe: Fp8Recipe, cache_mode: str, cache_block, main_grad, *cache_and_state):
         # Tensors are passed one by one (not as a module or tuple) so that Dynamo traces this function whole.
         (data, scale_inv, t_data, t_scale_inv), state = cache_and_state[:4], cache_and_state[4:] or None
         cached = Float8Tensor(data, scale_inv, cache_block), Float8Tensor(t_data, t_scale_inv, cache_block)
-        x_fp8 = recipe.quantize(x, INPUT, state)
-        w_fp8, w_t = _weight_operands(recipe, weight, state, cache_mode, cached)
-        y = fp8_gemm(x_fp8, w_fp8, x.dtype, recipe.fast_accum_fprop, recipe.emulate)
         if recipe.fp8_wgrad:
-            x_t = _transposed(recipe, x_fp8, x, INPUT, state)
+            x_fp8, x_t = recipe.quantize_with_transpose(x, INPUT, state)
             saved_x, ctx.x_block = (x_t.data, x_t.scale_inv), x_t.block
         else:
-            saved_x = (x, x.new_empty(()))
+            x_fp8, saved_x = recipe.quantize(x, INPUT, state), (x, x.new_empty(()))
+        w_fp8, w_t = _weight_operands(recipe, weight, state, cache_mode, cached)
+        y = fp8_gemm(x_fp8, w_fp8, x.dtype, recipe.fast_accum_fprop, recipe.emulate)
         saved_w = w_fp8 if w_t is None else w_t
         ctx.recipe, ctx.state, ctx.weight_dtype, ctx.w_block = recipe, state, weight.dtype, saved_w.block
         ctx.w_is_transposed = w_t is not None
-        ctx.save_for_backward(*saved_x, saved_w.data, saved_w.scale_inv, weight)
+        ctx.accumulate = cache_mode == CACHE_REUSE  # not the step's first micro-batch: add to main_grad
+        ctx.save_for_backward(*saved_x, saved_w.data, saved_w.scale_inv, weight, main_grad)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x_data, x_scale_inv, w_data, w_scale_inv, weight = ctx.saved_tensors
+        x_data, x_scale_inv, w_data, w_scale_inv, weight, main_grad = ctx.saved_tensors
         recipe: Fp8Recipe = ctx.recipe
         dy = dy.contiguous()
-        dy_fp8 = recipe.quantize(dy, GRAD, ctx.state)
-        w_saved = Float8Tensor(w_data, w_scale_inv, ctx.w_block)
-        w_t = w_saved if ctx.w_is_transposed else _transposed(recipe, w_saved, weight, WEIGHT, ctx.state)
-        dx = fp8_gemm(dy_fp8, w_t, dy.dtype, False, recipe.emulate)
         if recipe.fp8_wgrad:
-            dy_t = _transposed(recipe, dy_fp8, dy, GRAD, ctx.state)
-            x_t = Float8Tensor(x_data, x_scale_inv, ctx.x_block)
-            dw = fp8_gemm(dy_t, x_t, ctx.weight_dtype, False, recipe.emulate)
+            dy_fp8, dy_t = recipe.quantize_with_transpose(dy, GRAD, ctx.state)
+        else:
+            dy_fp8 = recipe.quantize(dy, GRAD, ctx.state)
+        w_saved = Float8Tensor(w_data, w_scale_inv, ctx.w_block)
+        w_t = w_saved if ctx.w_is_transposed else recipe.transposed(w_saved, weight, WEIGHT, ctx.state)
+        dx = fp8_gemm(dy_fp8, w_t, dy.dtype, False, recipe.emulate)
+        dw = None
+        if recipe.fp8_wgrad and main_grad is not None:
+            fp8_gemm_into(dy_t, Float8Tensor(x_data, x_scale_inv, ctx.x_block), main_grad, ctx.accumulate,
+                          recipe.emulate)
+        elif recipe.fp8_wgrad:
+            dw = fp8_gemm(dy_t, Float8Tensor(x_data, x_scale_inv, ctx.x_block), ctx.weight_dtype, False, recipe.emulate)
+        elif main_grad is not None:
+            mm_into(dy.t(), x_data.to(dy.dtype).t(), main_grad, ctx.accumulate)
         else:
             dw = (dy.t() @ x_data.to(dy.dtype)).to(ctx.weight_dtype)
         return (dx, dw) + (None,) * (len(ctx.needs_input_grad) - 2)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, state: tuple = (),
-               cache: Optional["Fp8WeightCache"] = None) -> torch.Tensor:
-    """y = x @ weight^T with the three GEMMs in FP8. `state`: a stateful recipe's (amax_history, scale) buffers."""
+               cache: Optional["WeightCache"] = None, main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y = x @ weight^T with the three GEMMs in FP8. `state`: a stateful recipe's (amax_history, scale) buffers.
+    With `main_grad` the weight gradient goes into it (written in the step's first micro-batch, added in the
+    others, inside the GEMM where it can) instead of to autograd."""
     if cache is None:
-        return _Fp8LinearFunction.apply(x, weight, recipe, CACHE_OFF, None, *(None,) * 4, *state)
-    return _Fp8LinearFunction.apply(x, weight, recipe, cache.mode, cache.block, *cache.tensors(), *state)
+        return _Fp8LinearFunction.apply(x, weight, recipe, CACHE_OFF, None, main_grad, *(None,) * 4, *state)
+    return _Fp8LinearFunction.apply(x, weight, recipe, cache.mode, cache.block, main_grad, *cache.tensors(), *state)
 
 
 def _weight_operands(recipe, weight, state, cache_mode, cached) -> tuple[Float8Tensor, Optional[Float8Tensor]]:
@@ -189,57 +227,117 @@ def _weight_operands(recipe, weight, state, cache_mode, cached) -> tuple[Float8T
     w_fp8 = recipe.quantize(weight, WEIGHT, state)
     if cache_mode != CACHE_REFRESH:
         return w_fp8, None
-    w_t = _transposed(recipe, w_fp8, weight, WEIGHT, state)
+    w_t = recipe.transposed(w_fp8, weight, WEIGHT, state)
     for buffer, value in zip(cached, (w_fp8, w_t)):
         buffer.data.copy_(value.data)
         buffer.scale_inv.copy_(value.scale_inv)
     return w_fp8, w_t
 
 
-class Fp8WeightCache(nn.Module):
-    """One layer's FP8 weight and its transpose, quantized in the first micro-batch of an optimizer step and read by
-    the others. Fixed buffers (filled in place), so a compiled block keeps its graph; not saved in checkpoints."""
+class WeightCache(nn.Module):
+    """One layer's low-precision copies of its weight (FP8 and its transpose, or BF16), made in the first micro-batch
+    of an optimizer step and read by the others. Fixed buffers (filled in place), so a compiled block keeps its
+    graph; not saved in checkpoints."""
 
-    def __init__(self, weight: torch.Tensor, recipe: Fp8Recipe, state: Optional[tuple]):
+    def __init__(self, like: dict[str, torch.Tensor], device: torch.device, block: Optional[tuple] = None):
         super().__init__()
-        # The shapes of the quantized operands, from a quantization on the meta device (no memory, no state change).
-        meta_state = None if state is None else tuple(torch.empty_like(t, device="meta") for t in state)
-        meta_weight = torch.empty_like(weight, device="meta")
-        w_fp8 = recipe.quantize(meta_weight, WEIGHT, meta_state)
-        w_t = _transposed(recipe, w_fp8, meta_weight, WEIGHT, meta_state)
-        for name, like in (("data", w_fp8.data), ("scale_inv", w_fp8.scale_inv),
-                           ("t_data", w_t.data), ("t_scale_inv", w_t.scale_inv)):
-            self.register_buffer(name, torch.empty_like(like, device=weight.device), persistent=False)
-        assert w_fp8.block == w_t.block  # per tensor, 128x128 and 1x32 blocks alike: fprop's and dgrad's agree
-        self.block = w_fp8.block
+        for name, tensor in like.items():
+            self.register_buffer(name, torch.empty_like(tensor, device=device), persistent=False)
+        self.block = block
         self.mode = CACHE_OFF
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.data, self.scale_inv, self.t_data, self.t_scale_inv
+        return tuple(self._buffers.values())
 
 
-class Fp8Linear(nn.Linear):
-    """nn.Linear (no bias) computing its three GEMMs in FP8. Shares its weight Parameter with the layer it replaces;
-    a stateful recipe (delayed scaling) keeps its amax histories in the `fp8_state` buffers."""
+def fp8_weight_cache(weight: torch.Tensor, recipe: Fp8Recipe, state: Optional[tuple]) -> WeightCache:
+    """The FP8 weight and its transpose, shaped by a quantization on the meta device (no memory, no state change)."""
+    meta_state = None if state is None else tuple(torch.empty_like(t, device="meta") for t in state)
+    meta_weight = torch.empty_like(weight, device="meta")
+    w_fp8 = recipe.quantize(meta_weight, WEIGHT, meta_state)
+    w_t = recipe.transposed(w_fp8, meta_weight, WEIGHT, meta_state)
+    assert w_fp8.block == w_t.block  # per tensor, 128x128 and 1x32 blocks alike: fprop's and dgrad's agree
+    like = {"data": w_fp8.data, "scale_inv": w_fp8.scale_inv, "t_data": w_t.data, "t_scale_inv": w_t.scale_inv}
+    return WeightCache(like, weight.device, w_fp8.block)
 
-    def __init__(self, linear: nn.Linear, recipe: Fp8Recipe):
+
+class CachedWeightLinear(nn.Linear):
+    """nn.Linear (no bias) that shares its weight Parameter with the layer it replaces and can cache a
+    low-precision copy of it per optimizer step (`weight_cache`) and write its gradient into an FP32 `main_grad`
+    (one process: `attach_main_grads`) instead of returning it to autograd."""
+
+    def __init__(self, linear: nn.Linear):
         if linear.bias is not None:
-            raise ValueError("Fp8Linear supports linear layers without bias only (Llama 3 and Nemotron-4 have none)")
+            raise ValueError(f"{type(self).__name__} supports linear layers without bias only (Llama 3 and "
+                             "Nemotron-4 have none)")
         super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
         self.weight = linear.weight
+        self.weight_cache: Optional[WeightCache] = None  # attach_weight_caches
+        self.register_buffer("main_grad", None, persistent=False)  # attach_main_grads
+
+    def make_weight_cache(self) -> WeightCache:
+        raise NotImplementedError
+
+
+class Fp8Linear(CachedWeightLinear):
+    """A linear layer computing its three GEMMs in FP8; a stateful recipe (delayed scaling) keeps its amax
+    histories in the `fp8_state` buffers."""
+
+    def __init__(self, linear: nn.Linear, recipe: Fp8Recipe):
+        super().__init__(linear)
         self.recipe = recipe
         self.fp8_state = (
             DelayedScalingState(recipe.amax_history_len).to(linear.weight.device) if recipe.stateful else None
         )
-        self.weight_cache: Optional[Fp8WeightCache] = None  # recipes.fp8.training.attach_weight_caches
 
     def state_tensors(self) -> tuple:
         return (self.fp8_state.amax_history, self.fp8_state.scale) if self.fp8_state is not None else ()
 
+    def make_weight_cache(self) -> WeightCache:
+        return fp8_weight_cache(self.weight, self.recipe, self.state_tensors() or None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
-        y = fp8_linear(x2d, self.weight, self.recipe, self.state_tensors(), self.weight_cache)
+        y = fp8_linear(x2d, self.weight, self.recipe, self.state_tensors(), self.weight_cache, self.main_grad)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
+
+
+class _Bf16LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, cache_mode: str, cached, main_grad):
+        w = cached if cache_mode == CACHE_REUSE else weight.to(torch.bfloat16)
+        if cache_mode == CACHE_REFRESH:
+            cached.data.copy_(w)
+        x = x.to(torch.bfloat16)
+        ctx.weight_dtype, ctx.accumulate = weight.dtype, cache_mode == CACHE_REUSE
+        ctx.save_for_backward(x, w, main_grad)
+        return F.linear(x, w)  # the call autocast makes
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, w, main_grad = ctx.saved_tensors
+        dx = dy @ w
+        if main_grad is None:
+            return dx, (dy.t() @ x).to(ctx.weight_dtype), None, None, None
+        mm_into(dy.t(), x.t(), main_grad, ctx.accumulate)
+        return dx, None, None, None, None
+
+
+class Bf16Linear(CachedWeightLinear):
+    """A linear layer in BF16 as autocast computes it (x and W cast to BF16, one BF16 GEMM each way), whose BF16
+    weight can be cast once per optimizer step and whose weight gradient can accumulate in FP32 inside the GEMM:
+    the BF16 baseline without the two passes per micro-batch that plain autocast adds (cast W, cast-and-add dW)."""
+
+    def make_weight_cache(self) -> WeightCache:
+        return WeightCache({"weight": torch.empty_like(self.weight, dtype=torch.bfloat16, device="meta")},
+                           self.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1])
+        cache = self.weight_cache
+        mode, cached = (CACHE_OFF, None) if cache is None else (cache.mode, cache.weight)
+        y = _Bf16LinearFunction.apply(x2d, self.weight, mode, cached, self.main_grad)
+        return y.view(*x.shape[:-1], self.out_features)

@@ -2,24 +2,29 @@
 calls at a handful of points of its training loop, as torchtitan's Float8 converter. The engine knows nothing else
 of FP8; the plan asks the same object what it will do.
 
-    fp8 = Fp8Training.for_run(cfg, processes)
+    fp8 = Fp8Training.for_run(cfg, processes, device)
     fp8.convert(model)                before compiling: the blocks' linears become FP8 ones (recipes.fp8.convert),
-                                      with weight caches when micro-batches accumulate
+                                      with weight caches when micro-batches accumulate (and with the fused
+                                      linears, the BF16 blocks' become Bf16Linear, all with FP32 main gradients)
     fp8.prepare_for_sharding(model)   before fully_shard: FSDP2 will all-gather the FP8 linears' weights in FP8
     fp8.materialized(model)           after to_empty of a model sharded on the meta device
     fp8.micro_batch(model, index)     before each micro-batch: the first quantizes each weight into its cache, the
                                       others reuse it (weights do not change within an optimizer step)
     fp8.after_backward(model)         after each micro-batch's backward: delayed scaling folds its amaxes in
+    fp8.after_micro_batches(model)    after the step's last backward: the main gradients become the weights' .grad
     fp8.weights_changed(model)        after initialisation, a restore and every optimizer step: the caches are
                                       stale; the FP8 all-gather's scales are the new weights'
 
-What it owns, below it: the weight caches (recipes.fp8.linear's Fp8WeightCache), delayed scaling's update of
-every layer at once (recipes.fp8.delayed_scaling), and FSDP2's FP8 all-gather (the master-shard tensors of
+What it owns, below it: the weight caches (recipes.fp8.linear's WeightCache), the FP32 main gradients that the
+fused linears' GEMMs sum into (precision.fused_kernels, one process on CUDA), delayed scaling's update of every
+layer at once (recipes.fp8.delayed_scaling), and FSDP2's FP8 all-gather (the master-shard tensors of
 recipes.fp8.all_gather, and the scales of the whole weights). Each FP8 linear's three GEMMs: recipes.fp8.linear,
-recipes.fp8.gemm.
+recipes.fp8.gemm (with recipes.fp8.kernels and recipes.fp8.cublaslt where they run).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -32,7 +37,7 @@ from recipes.fp8.current_scaling import tensorwise_scale
 from recipes.fp8.delayed_scaling import NUM_ROLES, update_delayed_scaling
 from recipes.fp8.formats import E4M3
 from recipes.fp8.linear import (
-    CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, WEIGHT, TensorwiseScaling, DelayedScaling, Fp8Linear, Fp8WeightCache,
+    CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, WEIGHT, CachedWeightLinear, DelayedScaling, Fp8Linear, TensorwiseScaling,
 )
 
 FP8_ALL_GATHER_RECIPES = (Recipe.tensorwise, Recipe.delayed)
@@ -40,27 +45,40 @@ FP8_ALL_GATHER_RECIPES = (Recipe.tensorwise, Recipe.delayed)
 
 class Fp8Training:
     """The FP8 of one run of the torch engine (see the module's doc): `precision`'s recipe on the blocks' linears,
-    weights quantized once per optimizer step over `micro_batches`, and with `fsdp_fp8_all_gather` (FSDP2 at work,
-    a per-tensor recipe: recipes.plan.checks refuses the others) all-gathered in FP8."""
+    weights quantized once per optimizer step over `micro_batches`; with `fsdp_fp8_all_gather` (FSDP2 at work, a
+    per-tensor recipe: recipes.plan.checks refuses the others) all-gathered in FP8; with `fused_linears`
+    (fused_linears_apply) the BF16 blocks' linears converted too and every weight gradient summed into an FP32
+    main gradient inside its GEMM."""
 
-    def __init__(self, precision: PrecisionConfig, micro_batches: int = 1, fsdp_fp8_all_gather: bool = False):
+    def __init__(self, precision: PrecisionConfig, micro_batches: int = 1, fsdp_fp8_all_gather: bool = False,
+                 fused_linears: bool = False):
         self.precision = precision
         self.enabled = precision.recipe != Recipe.bf16
+        self.fused_linears = fused_linears
         self.gathers_weights_in_fp8 = fsdp_fp8_all_gather and precision.recipe in FP8_ALL_GATHER_RECIPES
         # FP8-gathered weights arrive quantized: nothing to cache.
-        self.caches_weights = self.enabled and micro_batches > 1 and not self.gathers_weights_in_fp8
+        converts = self.enabled or fused_linears
+        self.caches_weights = converts and micro_batches > 1 and not self.gathers_weights_in_fp8
 
     @classmethod
-    def for_run(cls, cfg: Config, processes: int) -> "Fp8Training":
+    def for_run(cls, cfg: Config, processes: int, device: Optional[torch.device] = None) -> "Fp8Training":
         """The run's FP8 on `processes` data-parallel processes (FSDP2 when more than one), each accumulating its
-        share of the global batch in micro-batches."""
+        share of the global batch in micro-batches, on `device` (None: not known, as in the plan; no fused
+        linears then)."""
         micro_batches = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * processes)
-        return cls(cfg.precision, micro_batches, processes > 1 and cfg.trainer.fsdp_fp8_all_gather)
+        fused = device is not None and fused_linears_apply(cfg.precision, device, processes)
+        return cls(cfg.precision, micro_batches, processes > 1 and cfg.trainer.fsdp_fp8_all_gather, fused)
+
+    @classmethod
+    def for_one_process(cls, precision: PrecisionConfig, micro_batches: int, device: torch.device) -> "Fp8Training":
+        return cls(precision, micro_batches, fused_linears=fused_linears_apply(precision, device, processes=1))
 
     def convert(self, model: nn.Module) -> None:
-        convert_to_fp8(model.layers, self.precision)
+        convert_to_fp8(model.layers, self.precision, bf16_linears=self.fused_linears)
         if self.caches_weights:
             attach_weight_caches(model)
+        if self.fused_linears:
+            attach_main_grads(model)
 
     def prepare_for_sharding(self, model: nn.Module) -> None:
         if self.gathers_weights_in_fp8:
@@ -71,18 +89,29 @@ class Fp8Training:
             rebind_all_gather_scales(model)
 
     def micro_batch(self, model: nn.Module, index: int) -> None:
-        if self.caches_weights:
+        if self.caches_weights:  # the mode also says whether a weight gradient starts or adds to its main gradient
             set_weight_cache_mode(model, CACHE_REFRESH if index == 0 else CACHE_REUSE)
 
     def after_backward(self, model: nn.Module) -> None:
         if self.enabled:
             update_fp8_scaling(model)
 
+    def after_micro_batches(self, model: nn.Module) -> None:
+        if self.fused_linears:
+            expose_main_grads(model)  # the main gradients the GEMMs summed, as the weights' .grad
+
     def weights_changed(self, model: nn.Module) -> None:
         if self.caches_weights:
             set_weight_cache_mode(model, CACHE_OFF)  # a forward outside a step quantizes afresh
         if self.gathers_weights_in_fp8:
             update_all_gather_scales(model)
+
+
+def fused_linears_apply(precision: PrecisionConfig, device: torch.device, processes: int) -> bool:
+    """Whether the blocks' BF16 linears become recipes.fp8.linear.Bf16Linear and every converted linear writes its
+    weight gradient into an FP32 main gradient: `precision.fused_kernels`, on CUDA, in one process (under FSDP2
+    the gradients must reach FSDP through autograd)."""
+    return precision.fused_kernels and device.type == "cuda" and processes == 1
 
 
 def _fp8_linears(model: nn.Module) -> list:
@@ -136,20 +165,44 @@ def update_all_gather_scales(model: nn.Module) -> None:
     torch._foreach_copy_([m.all_gather_scale for m in layers], list(scales.unbind(0)))
 
 
+def _cached_weight_linears(model: nn.Module) -> list[CachedWeightLinear]:
+    return [m for m in model.modules() if isinstance(m, CachedWeightLinear)]
+
+
 def attach_weight_caches(model: nn.Module) -> int:
-    """Give every FP8 linear of `model` a weight cache (before compiling it); returns how many got one. Costs two
-    bytes per weight element (the FP8 weight and its transpose)."""
-    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    """Give every converted linear of `model` a weight cache (before compiling it); returns how many got one.
+    Costs two bytes per weight element (the FP8 weight and its transpose, or the BF16 weight)."""
+    layers = _cached_weight_linears(model)
     for layer in layers:
-        layer.weight_cache = Fp8WeightCache(layer.weight, layer.recipe, layer.state_tensors() or None)
+        layer.weight_cache = layer.make_weight_cache()
     return len(layers)
 
 
 def set_weight_cache_mode(model: nn.Module, mode: str) -> None:
-    """CACHE_REFRESH for the first micro-batch of an optimizer step, CACHE_REUSE for the rest, CACHE_OFF outside."""
-    for layer in model.modules():
-        if isinstance(layer, Fp8Linear) and layer.weight_cache is not None:
+    """CACHE_REFRESH for the first micro-batch of an optimizer step, CACHE_REUSE for the rest, CACHE_OFF outside.
+    The mode also says whether a weight gradient starts or adds to `main_grad`."""
+    for layer in _cached_weight_linears(model):
+        if layer.weight_cache is not None:
             layer.weight_cache.mode = mode
+
+
+def attach_main_grads(model: nn.Module) -> int:
+    """One process only (FSDP2 needs the gradients from autograd): give every converted linear an FP32 `main_grad`
+    that its backward writes (first micro-batch) or adds to (the others) inside the weight-gradient GEMM, as
+    Megatron's `gradient_accumulation_fusion` does; `expose_main_grads` hands them to the optimizer. Returns how
+    many. Costs nothing extra at the peak: the FP32 gradients exist during accumulation either way."""
+    layers = _cached_weight_linears(model)
+    for layer in layers:
+        layer.main_grad = torch.zeros_like(layer.weight, dtype=torch.float32)
+    return len(layers)
+
+
+def expose_main_grads(model: nn.Module) -> None:
+    """After the last micro-batch's backward: each main_grad becomes its weight's .grad (the same memory), for
+    clipping and the optimizer; zero_grad(set_to_none=True) drops the alias again."""
+    for layer in _cached_weight_linears(model):
+        if layer.main_grad is not None:
+            layer.weight.grad = layer.main_grad
 
 
 def update_fp8_scaling(model: nn.Module) -> None:

@@ -1,9 +1,10 @@
 """Parallel state and the GPT model chunks of this rank, from the translated config.
 
-Transformer Engine's layer spec when TE is importable (the NeMo container; required for FP8), megatron-core's
-local spec otherwise. The local spec's norms are torch's own unless Apex is installed: no sequence parallelism,
-and no zero-centred gamma (Nemotron-4's layernorm1p) without Apex. Those limits are checked here, with the fix,
-before megatron-core would assert deep inside a layer.
+Transformer Engine's layer spec when TE is importable (the NeMo container, or TE installed with pip; required for
+FP8), megatron-core's local spec otherwise. The local spec's norms are torch's own unless Apex is installed: no
+sequence parallelism, and no zero-centred gamma (Nemotron-4's layernorm1p) without Apex. Those limits are checked
+here, with the fix, before megatron-core would assert deep inside a layer. The kernel fusions of cfg.megatron are
+resolved against the kernels found here (available_kernels), where the model is built.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from recipes.config import Config, ConfigError, Normalization, Recipe
 from recipes.megatron import parallel_state
-from recipes.megatron.translate import gpt_model_kwargs, transformer_config
+from recipes.megatron.translate import WgradFusion, available_kernels, fusions, gpt_model_kwargs, transformer_config
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
@@ -22,10 +23,6 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
-
-
-def have_transformer_engine() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def have_apex() -> bool:
@@ -76,10 +73,40 @@ def build_model_chunks(cfg: Config, config: TransformerConfig, spec: ModuleSpec)
     return chunks
 
 
+def fuse_wgrad_accumulation_in_te_layers(chunks: list[GPTModel]) -> None:
+    """Transformer Engine's linear layers accumulate their weight gradients into main_grad with TE's own kernel
+    (fuse_wgrad_accumulation). megatron-core sets that from the one flag that also makes its own output layer
+    demand Apex's kernel, so without Apex the model is built with the flag off and each TE layer is switched on
+    here, before the first forward; the output layer keeps adding its gradient afterwards."""
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, TransformerEngineBaseModule) and hasattr(module, "fuse_wgrad_accumulation"):
+                module.fuse_wgrad_accumulation = True
+
+
+def initialize_tp_comm_overlap(cfg: Config, config: TransformerConfig) -> None:
+    """Transformer Engine's userbuffers for overlapping tensor-parallel communication with the GEMMs, before the
+    model is built, as Megatron-LM's _initialize_tp_communicators does (NCCL bootstrap, TE's default splits)."""
+    from transformer_engine.pytorch.module import base
+
+    modes = [base.UserBufferQuantizationMode.FP8 if config.fp8 else base.UserBufferQuantizationMode.NONE]
+    if config.fp8 and config.first_last_layers_bf16:
+        modes.append(base.UserBufferQuantizationMode.NONE)  # the BF16 layers' buffers
+    tokens = cfg.model.seq_length * cfg.trainer.micro_batch_size // cfg.parallel.cp
+    base.initialize_ub(shape=[tokens, cfg.model.hidden_size], tp_size=cfg.parallel.tp, quantization_modes=modes,
+                       bootstrap_backend="nccl")
+
+
 def build(cfg: Config, device: torch.device) -> tuple[TransformerConfig, list[GPTModel]]:
     """The TransformerConfig and this rank's model chunks on `device` (parallel state must be initialized)."""
-    use_te = have_transformer_engine()
-    spec = layer_spec(cfg, use_te)
-    config = transformer_config(cfg, use_cpu_initialization=device.type == "cpu", fused_kernels=use_te)
+    kernels = available_kernels()
+    spec = layer_spec(cfg, kernels.transformer_engine)
+    config = transformer_config(cfg, kernels, use_cpu_initialization=device.type == "cpu")
+    if config.tp_comm_overlap:
+        initialize_tp_comm_overlap(cfg, config)
     chunks = build_model_chunks(cfg, config, spec)
+    if fusions(cfg, kernels).gradient_accumulation_fusion == WgradFusion.te_layers:
+        fuse_wgrad_accumulation_in_te_layers(chunks)
     return config, [chunk.to(device) for chunk in chunks]

@@ -68,7 +68,8 @@ def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=_rendezvous(), rank=rank, world_size=world_size, device_id=device)
     initialize_parallel_state(cfg)
-    model_parallel_cuda_manual_seed(cfg.trainer.seed)  # same weights on data-parallel ranks, own on TP ranks
+    # Same weights on data-parallel ranks, own on TP ranks; CUDA graphs need Transformer Engine's graph-safe tracker.
+    model_parallel_cuda_manual_seed(cfg.trainer.seed, te_rng_tracker=cfg.megatron.cuda_graphs)
     return rank, world_size, device
 
 
@@ -83,8 +84,11 @@ def wrap(cfg: Config, config, chunks: list) -> list:
     for chunk in model:
         chunk.broadcast_params()  # identical starting weights on every data-parallel rank
     one = len(model) == 1
-    config.no_sync_func = model[0].no_sync if one else [m.no_sync for m in model]
-    config.grad_sync_func = model[0].start_grad_sync if one else [m.start_grad_sync for m in model]
+    if ddp.overlap_grad_reduce:  # without it finalize_model_grads reduces synchronously, once (Megatron-LM)
+        config.no_sync_func = model[0].no_sync if one else [m.no_sync for m in model]
+        config.grad_sync_func = model[0].start_grad_sync if one else [m.start_grad_sync for m in model]
+    if ddp.align_param_gather:  # the schedule then starts every stage's all-gathers (megatron.align_param_gather)
+        config.param_sync_func = model[0].start_param_sync if one else [m.start_param_sync for m in model]
     config.finalize_model_grads_func = finalize_model_grads
     return model
 

@@ -1,16 +1,22 @@
 """The resolved Config as megatron-core objects: what Megatron-LM's argument parser would build from the same run.
 
     transformer_config(cfg)   TransformerConfig: the architecture (conf/model), the FP8 recipe (conf/precision),
-                              the model-parallel layout (cfg.parallel) and recomputation
+                              the model-parallel layout (cfg.parallel), recomputation and the kernel fusions
     gpt_model_kwargs(cfg)     GPTModel's own arguments: vocabulary, context length, rotary embedding
     ddp_config(cfg)           DistributedDataParallelConfig: gradient reduction, FP8 parameter all-gather, FSDP
     optimizer_config(cfg)     OptimizerConfig: Adam with decoupled weight decay, clipping, distributed optimizer
+    fusions(cfg, kernels)     cfg.megatron's fusion switches resolved against the kernels this Python can load
 
 megatron-core validates each object when it is built (TransformerConfig.__post_init__), so a config that passed
 recipes.plan.checks.validate and still fails here is a gap in that preflight.
 """
 
 from __future__ import annotations
+
+import enum
+import importlib.util
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -87,10 +93,192 @@ def recompute_fields(cfg: Config) -> dict:
     return {}
 
 
-def transformer_config(cfg: Config, *, use_cpu_initialization: bool = False, fused_kernels: bool = False) -> TransformerConfig:
-    """BF16 parameters and compute (the optimizer keeps FP32 master weights), as NeMo's bf16 mixed precision.
-    `fused_kernels`: Transformer Engine/Apex gradient-accumulation fusion (wgrad accumulated into the FP32 main_grad
-    inside the GEMM); only where those kernels exist."""
+class WgradFusion(str, enum.Enum):
+    """Which linear layers accumulate their weight gradient into main_grad inside the wgrad GEMM."""
+
+    all = "all"  # every one: Transformer Engine's layers with TE's kernel, megatron-core's own with Apex's
+    te_layers = "te_layers"  # Transformer Engine's layers; megatron-core's output layer adds its gradient afterwards
+    off = "off"
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The fused kernels the Python that builds the model can load (available_kernels)."""
+
+    transformer_engine: bool  # TE's layers, fused RoPE and cross-entropy, and its own wgrad accumulation
+    apex_wgrad: bool  # Apex's fused_weight_gradient_mlp_cuda: wgrad accumulation in megatron-core's own linears
+    apex_softmax: bool  # Apex's fused softmax kernels: megatron-core's local attention
+
+
+NO_KERNELS = Kernels(transformer_engine=False, apex_wgrad=False, apex_softmax=False)
+
+
+def available_kernels() -> Kernels:
+    """This Python's: Transformer Engine, and the Apex extensions megatron-core's own layers import by these names."""
+    def found(name: str) -> bool:
+        return importlib.util.find_spec(name) is not None
+
+    return Kernels(transformer_engine=found("transformer_engine"), apex_wgrad=found("fused_weight_gradient_mlp_cuda"),
+                   apex_softmax=found("scaled_upper_triang_masked_softmax_cuda"))
+
+
+@dataclass(frozen=True)
+class Fusions:
+    """cfg.megatron's kernel switches resolved; None: left to auto, and the kernels are those of another machine
+    (the job runs elsewhere), so it is decided there."""
+
+    gradient_accumulation_fusion: Optional[WgradFusion]
+    cross_entropy_loss_fusion: Optional[bool]
+    apply_rope_fusion: Optional[bool]
+    bias_activation_fusion: Optional[bool]
+    bias_dropout_fusion: Optional[bool]
+    masked_softmax_fusion: Optional[bool]
+
+
+def fusions(cfg: Config, kernels: Optional[Kernels]) -> Fusions:
+    """Each switch as set, or for auto: on with Transformer Engine (the fused softmax: with Apex, which only
+    megatron-core's local attention uses). A switch set true that cannot run raises ConfigError: for this model or
+    layout always, for a missing kernel when `kernels` are known (None: they are another machine's)."""
+    m, model = cfg.megatron, cfg.model
+    te = kernels.transformer_engine if kernels else None
+
+    def needing_te(name: str) -> Optional[bool]:
+        value = getattr(m, name)
+        if value and kernels and not kernels.transformer_engine:
+            raise ConfigError(f"megatron.{name}=true needs Transformer Engine, which this Python lacks: install it, "
+                              f"or leave megatron.{name} unset (on wherever Transformer Engine is)")
+        return te if value is None else value
+
+    swiglu = model.activation == Activation.swiglu
+    if m.bias_activation_fusion and not swiglu:
+        raise ConfigError(f"megatron.bias_activation_fusion=true: megatron-core fuses (Swi)GLU and GeLU, not "
+                          f"model={model.name}'s {model.activation.value}; set it false or leave it unset")
+    softmax = m.masked_softmax_fusion
+    if softmax and kernels and not (kernels.transformer_engine or kernels.apex_softmax):
+        raise ConfigError("megatron.masked_softmax_fusion=true needs Apex's fused softmax kernels for megatron-core's "
+                          "local attention, which this Python lacks: set it false or leave it unset")
+    return Fusions(
+        gradient_accumulation_fusion=wgrad_fusion(cfg, kernels),
+        cross_entropy_loss_fusion=needing_te("cross_entropy_loss_fusion"),
+        apply_rope_fusion=needing_te("apply_rope_fusion"),
+        bias_activation_fusion=(te if swiglu else False) if m.bias_activation_fusion is None
+        else m.bias_activation_fusion,
+        bias_dropout_fusion=te if m.bias_dropout_fusion is None else m.bias_dropout_fusion,
+        masked_softmax_fusion=(kernels.apex_softmax if kernels else None) if softmax is None else softmax,
+    )
+
+
+def wgrad_fusion(cfg: Config, kernels: Optional[Kernels]) -> Optional[WgradFusion]:
+    """megatron-core has one flag for it, and its own linear layers (the output layer; every linear of the local
+    spec) then need Apex's fused_weight_gradient_mlp_cuda, while Transformer Engine's layers fuse it with TE's own
+    kernel. Auto: all with Apex, TE's layers without it; off under Megatron-FSDP (as NeMo's performance scripts),
+    and TE's layers alone not under CUDA graphs (megatron-core's graphs restore the accumulation flags TE sets only
+    when its one flag is on)."""
+    value = cfg.megatron.gradient_accumulation_fusion
+    if value is False:
+        return WgradFusion.off
+    if value:
+        if kernels and not kernels.apex_wgrad:
+            raise ConfigError(
+                "megatron.gradient_accumulation_fusion=true: megatron-core's own linear layers (the output layer) "
+                "need Apex's fused_weight_gradient_mlp_cuda, which this Python lacks; leave it unset (Transformer "
+                "Engine's layers then fuse it with TE's kernel, the output layer does not) or set it false")
+        return WgradFusion.all
+    if cfg.parallel.fsdp:
+        return WgradFusion.off
+    if kernels is None:
+        return None
+    if kernels.apex_wgrad:
+        return WgradFusion.all
+    return WgradFusion.te_layers if kernels.transformer_engine and not cfg.megatron.cuda_graphs else WgradFusion.off
+
+
+def check_overlaps(cfg: Config, kernels: Optional[Kernels]) -> None:
+    """What megatron-core (or Megatron-LM's argument checks) would reject among the communication and graph
+    switches and the FP8 weight all-gather, with the fix."""
+    m, p, precision = cfg.megatron, cfg.parallel, cfg.precision
+    missing_te = kernels is not None and not kernels.transformer_engine
+    if precision.recipe != Recipe.bf16 and precision.fp8_param_gather and not (p.distributed_optimizer or p.fsdp):
+        raise ConfigError(f"precision.fp8_param_gather=true (precision={precision.name}) keeps FP8 weights that only "
+                          "the distributed optimizer or Megatron-FSDP can update: set parallel.distributed_optimizer="
+                          "true, or precision.fp8_param_gather=false")
+    if m.tp_comm_overlap:
+        if p.tp == 1 or not p.sequence_parallel:
+            raise ConfigError("megatron.tp_comm_overlap=true overlaps tensor-parallel communication: it needs "
+                              "parallel.tp > 1 with sequence parallelism (parallel.sp unset or true)")
+        if missing_te:
+            raise ConfigError("megatron.tp_comm_overlap=true needs Transformer Engine's userbuffers, which this "
+                              "Python lacks: set it false")
+    if m.cuda_graphs:
+        if p.fsdp:
+            raise ConfigError("megatron.cuda_graphs=true is not supported with Megatron-FSDP (NeMo's performance "
+                              "scripts turn graphs off there): set one of them false")
+        if p.recompute == Recompute.full:
+            raise ConfigError("megatron.cuda_graphs=true captures each layer, which full recomputation cannot "
+                              "(megatron-core allows it only with whole-iteration graphs): set parallel.recompute="
+                              "selective or none, or megatron.cuda_graphs=false")
+        if missing_te:
+            raise ConfigError("megatron.cuda_graphs=true needs Transformer Engine's graph-safe RNG tracker, which "
+                              "this Python lacks: set it false")
+
+
+FUSION_NAMES = {"cross_entropy_loss_fusion": "cross-entropy", "apply_rope_fusion": "RoPE",
+                "bias_activation_fusion": "SwiGLU", "bias_dropout_fusion": "residual add",
+                "masked_softmax_fusion": "softmax"}
+WGRAD_FUSION_NAMES = {WgradFusion.all: "wgrad accumulation (every linear)",
+                      WgradFusion.te_layers: "wgrad accumulation (TE's layers; the output layer's needs Apex)"}
+
+
+def describe_tuning(cfg: Config, kernels: Optional[Kernels]) -> str:
+    """The plan's line: which fusions are on, off, or decided where the job runs (`kernels` None), and the
+    communication settings. Raises ConfigError as fusions and check_overlaps do."""
+    check_overlaps(cfg, kernels)
+    fused = fusions(cfg, kernels)
+    groups: dict[Optional[bool], list[str]] = {True: [], False: [], None: []}
+    wgrad = fused.gradient_accumulation_fusion
+    groups[None if wgrad is None else wgrad != WgradFusion.off].append(
+        WGRAD_FUSION_NAMES.get(wgrad, "wgrad accumulation"))
+    for name, label in FUSION_NAMES.items():
+        groups[getattr(fused, name)].append(label)
+    m = cfg.megatron
+    titles = {True: "fused", False: "unfused",
+              None: "decided where it runs (on with Transformer Engine; softmax: Apex)"}
+    parts = [f"{titles[key]}: {', '.join(names)}" for key, names in groups.items() if names]
+    parts += [f"grads reduced in {'FP32' if m.grad_reduce_in_fp32 else 'BF16'}"
+              + (", overlapped" if m.overlap_grad_reduce else ", not overlapped"),
+              f"param all-gather {'overlapped' if overlap_param_gather(cfg) else 'not overlapped'}"
+              + (", aligned over stages" if align_param_gather(cfg) else ""),
+              f"CUDA graphs {'on' if m.cuda_graphs else 'off'}",
+              f"TP comm overlap {'on' if m.tp_comm_overlap else 'off'}"]
+    return "; ".join(parts)
+
+
+def overlap_param_gather(cfg: Config) -> bool:
+    """The sharded weights' all-gather overlapped with the next forward: only where weights are sharded, and not
+    where MXFP8 reuses the gradient buffer for it (megatron-core cannot overlap that, NeMo turns it off)."""
+    sharded = cfg.parallel.distributed_optimizer or cfg.parallel.fsdp
+    return cfg.megatron.overlap_param_gather and sharded and not reuse_grad_buf_for_mxfp8(cfg)
+
+
+def align_param_gather(cfg: Config) -> bool:
+    """Auto: with interleaved pipeline stages (vp > 1), as NeMo's communication-overlap callback sets it."""
+    value = cfg.megatron.align_param_gather
+    return overlap_param_gather(cfg) and (cfg.parallel.vp > 1 if value is None else value)
+
+
+def reuse_grad_buf_for_mxfp8(cfg: Config) -> bool:
+    precision = cfg.precision
+    return precision.recipe == Recipe.mxfp8 and precision.fp8_param_gather
+
+
+def transformer_config(cfg: Config, kernels: Kernels = NO_KERNELS, *,
+                       use_cpu_initialization: bool = False) -> TransformerConfig:
+    """BF16 parameters and compute (the optimizer keeps FP32 master weights), as NeMo's bf16 mixed precision, with
+    cfg.megatron's fusions resolved against `kernels` (the default: a Python without Transformer Engine or Apex).
+    Gradient-accumulation fusion in Transformer Engine's layers alone is not megatron-core's flag: build sets it."""
+    check_overlaps(cfg, kernels)
+    fused = fusions(cfg, kernels)
+    cuda_graphs = cfg.megatron.cuda_graphs
     return TransformerConfig(
         **architecture(cfg),
         **fp8_fields(cfg),
@@ -99,7 +287,16 @@ def transformer_config(cfg: Config, *, use_cpu_initialization: bool = False, fus
         bf16=True,
         params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16,
-        gradient_accumulation_fusion=fused_kernels,
+        gradient_accumulation_fusion=fused.gradient_accumulation_fusion == WgradFusion.all,
+        cross_entropy_loss_fusion=fused.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl="te",
+        apply_rope_fusion=fused.apply_rope_fusion,
+        bias_activation_fusion=fused.bias_activation_fusion,
+        bias_dropout_fusion=fused.bias_dropout_fusion,
+        masked_softmax_fusion=fused.masked_softmax_fusion,
+        tp_comm_overlap=cfg.megatron.tp_comm_overlap,
+        cuda_graph_impl="local" if cuda_graphs else "none",
+        use_te_rng_tracker=cuda_graphs,  # graph-safe RNG states (the engine seeds that tracker)
         use_cpu_initialization=use_cpu_initialization,
     )
 
@@ -128,19 +325,21 @@ def gpt_model_kwargs(cfg: Config) -> dict:
 
 
 def ddp_config(cfg: Config) -> DistributedDataParallelConfig:
-    """Gradients reduced in FP32 (NeMo's bf16 preset); gradient reduction and parameter all-gather overlapped
-    with compute; FP8 weights all-gathered as FP8 where the precision asks (MXFP8 reuses the gradient buffer for
-    it, as NeMo's preset does)."""
-    p, precision = cfg.parallel, cfg.precision
+    """Gradients reduced in FP32 (NeMo's bf16 preset; megatron.grad_reduce_in_fp32=false: BF16, as NeMo's
+    performance scripts); gradient reduction and parameter all-gather overlapped with compute (cfg.megatron); FP8
+    weights all-gathered as FP8 where the precision asks (MXFP8 reuses the gradient buffer for it, as NeMo's preset
+    does)."""
+    p, precision, m = cfg.parallel, cfg.precision, cfg.megatron
+    check_overlaps(cfg, None)
     fp8_param_gather = precision.recipe != Recipe.bf16 and precision.fp8_param_gather
-    sharded = p.distributed_optimizer or p.fsdp
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=True,
-        overlap_param_gather=sharded,
-        use_distributed_optimizer=sharded,
+        grad_reduce_in_fp32=m.grad_reduce_in_fp32,
+        overlap_grad_reduce=m.overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather(cfg),
+        align_param_gather=align_param_gather(cfg),
+        use_distributed_optimizer=p.distributed_optimizer or p.fsdp,
         fp8_param_gather=fp8_param_gather,
-        reuse_grad_buf_for_mxfp8_param_ag=fp8_param_gather and precision.recipe == Recipe.mxfp8,
+        reuse_grad_buf_for_mxfp8_param_ag=reuse_grad_buf_for_mxfp8(cfg),
         use_megatron_fsdp=p.fsdp,
         data_parallel_sharding_strategy="optim_grads_params" if p.fsdp else "no_shard",
         # A NaN or inf is the engine's to record in metrics.jsonl and stop on (as the torch engine does), not a
@@ -151,7 +350,6 @@ def ddp_config(cfg: Config) -> DistributedDataParallelConfig:
 
 def optimizer_config(cfg: Config) -> OptimizerConfig:
     t, p, precision = cfg.trainer, cfg.parallel, cfg.precision
-    fp8_param_gather = precision.recipe != Recipe.bf16 and precision.fp8_param_gather
     return OptimizerConfig(
         optimizer="adam",
         lr=t.lr,
@@ -164,7 +362,7 @@ def optimizer_config(cfg: Config) -> OptimizerConfig:
         bf16=True,
         params_dtype=torch.bfloat16,
         use_distributed_optimizer=p.distributed_optimizer or p.fsdp,
-        overlap_param_gather=p.distributed_optimizer or p.fsdp,
+        overlap_param_gather=overlap_param_gather(cfg),
         fp8_recipe=precision.recipe.value if precision.recipe != Recipe.bf16 else None,
-        reuse_grad_buf_for_mxfp8_param_ag=fp8_param_gather and precision.recipe == Recipe.mxfp8,
+        reuse_grad_buf_for_mxfp8_param_ag=reuse_grad_buf_for_mxfp8(cfg),
     )

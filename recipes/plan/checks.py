@@ -5,10 +5,11 @@ batch sizes."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
 
-from recipes.config import Config, ConfigError, Fp8Format, GradReduce, ModelConfig, Recipe
+from recipes.config import Config, ConfigError, Fp8Format, GradReduce, MegatronConfig, ModelConfig, Recipe
 from recipes.fp8.training import FP8_ALL_GATHER_RECIPES
 from recipes.plan.parallel import data_parallel_size, model_parallel_size, world_size
 
@@ -30,12 +31,16 @@ def _validate_launch(cfg: Config) -> None:
                           "executor.name=slurm")
     if cfg.engine == "megatron":
         _validate_megatron_runtime(cfg)
+        megatron_tuning(cfg)
         if cfg.trainer.grad_reduce != GradReduce.per_step:
             raise ConfigError("trainer.grad_reduce is the torch engine's (FSDP2); engine=megatron reduces gradients "
                               "through its DDP/distributed optimizer (parallel.* settings)")
         if cfg.trainer.fsdp_fp8_all_gather:
             raise ConfigError("trainer.fsdp_fp8_all_gather is the torch engine's (FSDP2); on engine=megatron use "
                               "precision.fp8_param_gather")
+    elif cfg.megatron != MegatronConfig():
+        raise ConfigError(f"megatron.* switches are engine=megatron's; engine={cfg.engine.value} does not read them: "
+                          "set engine=megatron or leave them at their defaults")
     if cfg.trainer.fsdp_fp8_all_gather and cfg.precision.recipe not in FP8_ALL_GATHER_RECIPES:
         raise ConfigError(f"trainer.fsdp_fp8_all_gather needs a per-tensor FP8 recipe (fp8_current, fp8_delayed), "
                           f"not precision={cfg.precision.name}: block-scaled weights are quantized after the gather")
@@ -54,6 +59,15 @@ def _validate_megatron_runtime(cfg: Config) -> None:
     if cfg.trainer.checkpoint.interval and _runs_here(cfg) and importlib.util.find_spec("psutil") is None:
         raise ConfigError("trainer.checkpoint.interval on engine=megatron: megatron-core's distributed checkpoints "
                           "need psutil (pip install psutil), or set trainer.checkpoint.interval=0")
+
+
+def megatron_tuning(cfg: Config) -> str:
+    """engine=megatron's fusions and overlaps (cfg.megatron) resolved with this Python's kernels when the job runs
+    here, left to the job's machine otherwise, as one line; ConfigError for a switch that cannot run."""
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # its import logs Megatron-FSDP's backend at INFO
+    from recipes.megatron.translate import available_kernels, describe_tuning
+
+    return describe_tuning(cfg, available_kernels() if _runs_here(cfg) else None)
 
 
 def _validate_model(model: ModelConfig) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from recipes.config import Config, ExecutorName, GradReduce
 from recipes.fp8.training import Fp8Training
 from recipes.plan import Plan
+from recipes.plan.checks import megatron_tuning
 from recipes.plan.parallel import data_parallel_size
 
 
@@ -64,7 +65,8 @@ def describe(plan: Plan) -> str:
         f"gpu         {cfg.gpu.name} ({cfg.gpu.arch}), {plan.processes} process(es) on {cfg.executor.nodes} node(s)"
         + (" sharding the model (FSDP2)" if plan.processes > 1 and cfg.engine == "torch" else "") + ", "
         f"executor {describe_executor(cfg)}, engine {cfg.engine.value}",
-        *([f"layout      {describe_layout(cfg)}"] if cfg.engine == "megatron" else []),
+        *([f"layout      {describe_layout(cfg)}", f"tuning      {megatron_tuning(cfg)}"]
+          if cfg.engine == "megatron" else []),
         f"batch       micro {t.micro_batch_size} x {dp} data-parallel x {accumulation} accumulation = "
         f"global {t.global_batch_size} sequences; {t.max_steps} steps, lr {t.lr} (warm-up {t.warmup_steps}, cosine to {t.min_lr})"
         + ("; activation checkpointing" if t.activation_checkpointing else "")

@@ -1,0 +1,479 @@
+"""engine=megatron with Transformer Engine on one GPU: every Hopper recipe with NVIDIA's tuning, what each tuning
+switch buys, the torch engine beside it; or the loss of each recipe over 500 steps.
+
+    python scripts/megatron_bench.py prepare --dir bench/speed                    # here, with Hydra: the run dirs
+    python scripts/megatron_bench.py run --dir bench/speed --out OUT              # on the GPU machine
+    python scripts/megatron_bench.py run --dir bench/speed --out OUT2 --parts ablations --best fp8_current
+    python scripts/megatron_bench.py prepare --study loss --dir bench/loss
+    python scripts/megatron_bench.py run --dir bench/loss --out OUT3
+
+`prepare` composes each configuration as `launch/run.py ... dryrun=true run.dir=DIR/<name>` does (Hydra, the
+plan's checks, the plan into plan.txt, config.yaml for the engine) and lists them in DIR/study.json. `run` starts
+each as its own process, `python -m <engine module> DIR/<name>/config.yaml` (the plan's command), so a crash
+stops only that configuration; it needs only what the engines need (torch, PyYAML, rich, megatron-core, Transformer
+Engine for FP8), not Hydra or nemo-run.
+
+The speed study (llama3_8b with 8 layers, full vocabulary, mock data, seq 8192, micro-batch 1 x 8 per step), in
+this order:
+  precisions  engine=megatron bf16, fp8_current, fp8_delayed, fp8_blockwise with the tuned defaults (cfg.megatron)
+  torch       engine=torch fp8_current and bf16 on the same model and batch (compiled)
+  functional  side by side (checks, not timings): Megatron-FSDP in bf16 and fp8_current (4 layers), and a resume
+              from a distributed checkpoint (llama3_100m, fp8_delayed, whose amax histories the checkpoint must
+              carry): run to step 6 with checkpoints at 3 and 6, cut back to step 3, run again; steps 4-6 repeat
+  nemotron    nemotron4_15b, 4 layers, fp8_current: Transformer Engine's LayerNorm1p and squared-ReLU path
+  ablations   the fastest FP8 recipe of `precisions` (or --best) with one switch changed at a time, most telling first
+Timed runs go one at a time, while --budget-s lasts (a run's cost is estimated from the finished runs of the same
+engine and model); one that does not fit is listed as not run, for another call with --parts.
+
+The loss study: llama3_100m on the bundled text, 500 steps, bf16 and each Hopper FP8 recipe on both engines, all at
+once (losses, not timings). Its table gives each run's mean loss over the last 100 steps against the BF16 run of
+the same engine and the torch engine's run of the same recipe; `scripts/compare.py OUT/runs` makes the report.
+
+Timings are medians over the steps after each run's warm-up steps (compilation, first FP8 casts, CUDA graph capture).
+OUT receives results.md, results.csv and runs.tar.gz (each run's config.yaml, plan.txt, metrics.jsonl,
+summary.json and logs; no checkpoints).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from recipes.config import REPO_ROOT, load_config, load_option
+from recipes.plan import launch_command
+from recipes.provenance import git_commit, provenance
+from recipes.run_files import CONFIG, METRICS, SUMMARY, TRAIN_LOG
+
+FP8_RECIPES = ("fp8_current", "fp8_delayed", "fp8_blockwise")  # the Hopper ones: MXFP8 needs Blackwell
+SPEED_PARTS = ("functional", "precisions", "torch", "nemotron", "ablations")
+FIRST_GUESS_S = {"megatron": 90.0, "torch": 150.0}  # a run's cost before any run of its kind has finished
+KEPT_FILES = (CONFIG, "plan.txt", METRICS, "metrics_uninterrupted.jsonl", SUMMARY, TRAIN_LOG,
+              "train_resumed.log")
+LOSS_WINDOW = 100  # the loss study compares the mean loss of the last 100 steps
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    part: str
+    engine: str
+    precision: str
+    overrides: tuple[str, ...]  # launch/run.py arguments
+    switch: str = ""  # an ablation: what differs from the tuned run of the same precision
+    side_by_side: bool = False  # shares the GPU with the other side-by-side runs: a check or a loss, not a timing
+    warmup: int = 2  # steps left out of the timing
+    resume: bool = False  # run again from the checkpoint before the last, which is removed first
+    timeout_s: float = 300.0  # a hung process is killed (and never later than the budget allows)
+
+    @property
+    def model(self) -> str:
+        return next(o.split("=", 1)[1] for o in self.overrides if o.startswith("model="))
+
+
+# One switch at a time on the fastest FP8 recipe, most telling first (the budget may stop the list early).
+ABLATIONS = (
+    ("gradient_accumulation_fusion=false", ("megatron.gradient_accumulation_fusion=false",)),
+    ("cross_entropy_loss_fusion=false", ("megatron.cross_entropy_loss_fusion=false",)),
+    ("fp8_param_gather=false", ("precision.fp8_param_gather=false",)),
+    ("apply_rope_fusion=false", ("megatron.apply_rope_fusion=false",)),
+    ("bias_activation_fusion=false", ("megatron.bias_activation_fusion=false",)),
+    ("grad_reduce_in_fp32=false", ("megatron.grad_reduce_in_fp32=false",)),  # NeMo's performance scripts' value
+    ("cuda_graphs=true", ("megatron.cuda_graphs=true",)),
+    ("distributed_optimizer=false", ("parallel.distributed_optimizer=false", "precision.fp8_param_gather=false")),
+    ("bias_dropout_fusion=false", ("megatron.bias_dropout_fusion=false",)),
+    ("overlaps=false", ("megatron.overlap_grad_reduce=false", "megatron.overlap_param_gather=false")),
+)
+
+
+def speed_runs(gpu: str, steps: int) -> list[Run]:
+    def proxy(model: str, layers: int, engine: str = "megatron", max_steps: int = steps) -> tuple[str, ...]:
+        return (f"engine={engine}", f"gpu={gpu}", f"model={model}", f"model.num_layers={layers}", "data=mock",
+                "trainer.micro_batch_size=1", "trainer.global_batch_size=8", f"trainer.max_steps={max_steps}",
+                "trainer.log_interval=1")
+
+    runs = [Run(f"megatron-{p}", "precisions", "megatron", p, (*proxy("llama3_8b", 8), f"precision={p}"))
+            for p in ("bf16", *FP8_RECIPES)]
+    runs += [Run(f"torch-{p}", "torch", "torch", p, (*proxy("llama3_8b", 8, "torch"), f"precision={p}"))
+             for p in ("fp8_current", "bf16")]
+    # Side-by-side runs each keep megatron-core's sample index in their own folder (relative to the run dir, where
+    # the engine runs): two building one file at once would race. A check that hangs must not eat the budget.
+    own_cache = ("data.cache_dir=cache",)
+    runs += [Run(f"fsdp-{p}", "functional", "megatron", p, (*proxy("llama3_8b", 4), "parallel.fsdp=true",
+                                                             f"precision={p}", *own_cache),
+                 side_by_side=True, timeout_s=150.0)
+             for p in ("bf16", "fp8_current")]
+    runs.append(Run("resume-llama3_100m-fp8_delayed", "functional", "megatron", "fp8_delayed",
+                    ("engine=megatron", f"gpu={gpu}", "model=llama3_100m", "data=mock", "precision=fp8_delayed",
+                     "trainer.micro_batch_size=8", "trainer.global_batch_size=8", "trainer.max_steps=6",
+                     "trainer.checkpoint.interval=3", "trainer.log_interval=1", *own_cache),
+                    side_by_side=True, resume=True, timeout_s=150.0))
+    runs.append(Run("megatron-nemotron4_15b-fp8_current", "nemotron", "megatron", "fp8_current",
+                    (*proxy("nemotron4_15b", 4), "precision=fp8_current")))
+    for recipe in FP8_RECIPES:
+        for switch, overrides in ABLATIONS:
+            if switch == "fp8_param_gather=false" and not load_option("precision", recipe).fp8_param_gather:
+                continue  # already off in this recipe's preset
+            graphs = switch == "cuda_graphs=true"  # capture happens in the first steps: time more of them
+            runs.append(Run(f"megatron-{recipe}--{switch.split('=')[0]}", "ablations", "megatron", recipe,
+                            (*proxy("llama3_8b", 8, max_steps=steps + 4 if graphs else steps), f"precision={recipe}",
+                             *overrides), switch=switch, warmup=6 if graphs else 2))
+    return runs
+
+
+def loss_runs(gpu: str, steps: int) -> list[Run]:
+    """The convergence study's settings (docs/results), 500 steps: seq 1024, micro = global batch 8, lr 1e-3."""
+    return [Run(f"{engine}-llama3_100m-{p}", "loss", engine, p,
+                (f"engine={engine}", f"gpu={gpu}", "model=llama3_100m", "data=text", f"precision={p}",
+                 "trainer.micro_batch_size=8", "trainer.global_batch_size=8", f"trainer.max_steps={steps}",
+                 "trainer.warmup_steps=100", "trainer.log_interval=50", "data.cache_dir=cache"),
+                side_by_side=True, timeout_s=3600.0)
+            for engine in ("megatron", "torch") for p in ("bf16", *FP8_RECIPES)]
+
+
+# ---- prepare (here, with Hydra) ----
+
+
+def prepare(study: str, runs: list[Run], directory: Path) -> None:
+    """Each run's config.yaml and plan.txt, composed and checked as launch/run.py does with dryrun=true, and
+    DIR/study.json listing the runs in order."""
+    from hydra import compose, initialize_config_dir
+
+    from recipes.config import CONF_DIR, save_config
+    from recipes.hydra_schema import check_override_keys, register_schema, to_config
+    from recipes.plan import make_plan
+    from recipes.plan.describe import describe
+    from recipes.plan.gpu import resolve
+
+    register_schema()
+    directory.mkdir(parents=True, exist_ok=True)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for run in runs:
+            run_dir = (directory / run.name).resolve()
+            overrides = [*run.overrides, "dryrun=true", f"run.dir={run_dir}"]
+            check_override_keys(overrides)
+            cfg = resolve(to_config(compose("config", overrides=overrides)))
+            plan = make_plan(cfg, run_dir / CONFIG)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "plan.txt").write_text(describe(plan) + "\n")
+            save_config(dataclasses.replace(cfg, dryrun=False), run_dir / CONFIG)
+    record = {"study": study, "commit": git_commit(), "runs": [dataclasses.asdict(run) for run in runs]}
+    (directory / "study.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
+def load_study(directory: Path) -> tuple[str, str, list[Run]]:
+    record = json.loads((directory / "study.json").read_text())
+    runs = [Run(**{**fields, "overrides": tuple(fields["overrides"])}) for fields in record["runs"]]
+    return record["study"], record["commit"], runs
+
+
+# ---- run (on the GPU machine) ----
+
+
+@dataclass
+class Outcome:
+    status: str  # ok, failed (exit status), timeout, not run (why)
+    wall_s: float = 0.0
+    error: str = ""
+
+
+def last_error(log: Path) -> str:
+    """The last line of a log that says what went wrong (the engines print `error: ...`; Python a traceback)."""
+    if not log.is_file():
+        return ""
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    flagged = [line for line in lines if line.startswith("error:") or "Error" in line or "error" in line]
+    return (flagged or lines or [""])[-1][:300]
+
+
+def launch(run_dir: Path, log_name: str, timeout_s: float, commit: str) -> tuple[str, str]:
+    """The engine on run_dir/config.yaml, the command the plan prints, in run_dir (its relative cache folder)."""
+    config = run_dir / CONFIG
+    command = launch_command(load_config(config), config)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FP8_RECIPES_COMMIT": os.environ.get("FP8_RECIPES_COMMIT", commit),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    log = run_dir / log_name
+    with open(log, "w") as out:
+        try:
+            status = subprocess.run(command, cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    timeout=max(timeout_s, 1)).returncode
+        except subprocess.TimeoutExpired:
+            return "timeout", f"killed after {timeout_s:.0f} s"
+    return ("ok", "") if status == 0 else (f"failed ({status})", last_error(log))
+
+
+def execute(run: Run, run_dir: Path, timeout_s: float, commit: str) -> Outcome:
+    """One run; a resume run twice: to the end, then again from its next-to-last checkpoint."""
+    started = time.monotonic()
+    if run.resume:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # an earlier call's would be resumed from
+    status, error = launch(run_dir, TRAIN_LOG, timeout_s, commit)
+    if status == "ok" and run.resume:
+        checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
+        shutil.copy(run_dir / METRICS, run_dir / "metrics_uninterrupted.jsonl")
+        shutil.rmtree(checkpoints[-1])
+        status, error = launch(run_dir, "train_resumed.log", timeout_s - (time.monotonic() - started), commit)
+    return Outcome(status, time.monotonic() - started, error)
+
+
+def estimate_s(run: Run, runs: list[Run], outcomes: dict[str, Outcome]) -> float:
+    """The longest finished run of the same engine and model, or a first guess."""
+    alike = [outcomes[r.name].wall_s for r in runs if r.name in outcomes and outcomes[r.name].status == "ok"
+             and not r.side_by_side and (r.engine, r.model) == (run.engine, run.model)]
+    return max(alike, default=FIRST_GUESS_S[run.engine])
+
+
+def metrics(run_dir: Path, name: str = METRICS) -> list[dict]:
+    path = run_dir / name
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def median_after_warmup(records: list[dict], warmup: int, field: str) -> Optional[float]:
+    timed = [r[field] for r in records[warmup:] if r.get(field) is not None]
+    return statistics.median(timed) if timed else None
+
+
+def fastest_fp8(runs: list[Run], rows: dict[str, dict]) -> Optional[str]:
+    timed = [(rows[r.name]["step_s"], r.precision) for r in runs
+             if r.part == "precisions" and r.precision in FP8_RECIPES and rows.get(r.name, {}).get("step_s")]
+    return min(timed)[1] if timed else None
+
+
+def row(run: Run, run_dir: Path, outcome: Outcome) -> dict:
+    """One line of results.csv: the run's identity, outcome and steady-state numbers (timings only of a timed run
+    that finished)."""
+    records = [] if outcome.status.startswith("not run") else metrics(run_dir)  # not an earlier call's
+    timed = not run.side_by_side and outcome.status == "ok"
+    step_s = median_after_warmup(records, run.warmup, "step_time_s") if timed else None
+    result = {
+        "name": run.name, "part": run.part, "engine": run.engine, "model": run.model, "precision": run.precision,
+        "switch": run.switch, "status": outcome.status, "error": outcome.error, "steps": len(records),
+        "timed_steps": max(0, len(records) - run.warmup) if timed else 0, "step_s": step_s,
+        "tokens_per_s_per_gpu": median_after_warmup(records, run.warmup, "tokens_per_s_per_gpu") if timed else None,
+        "tflops_per_gpu": median_after_warmup(records, run.warmup, "model_tflops_per_gpu") if timed else None,
+        "mfu": median_after_warmup(records, run.warmup, "mfu") if timed else None,
+        "peak_gib": max((r["peak_memory_gib"] for r in records), default=None),
+        "final_loss": records[-1]["loss"] if records else None,
+        "mean_loss_last_100": statistics.fmean(r["loss"] for r in records[-LOSS_WINDOW:]) if records else None,
+        "wall_s": round(outcome.wall_s, 1), "note": "",
+    }
+    if run.resume and outcome.status == "ok":
+        result["note"] = resume_note(run_dir)
+    return result
+
+
+def resume_note(run_dir: Path) -> str:
+    """What the second start of a resume run did: the step it resumed from (the engine's `resuming from step N of
+    DIR` line) and how far the repeated steps' losses are from the uninterrupted run's."""
+    log = (run_dir / "train_resumed.log").read_text(errors="replace")
+    line = next((line for line in log.splitlines() if line.startswith("resuming from step ")), None)
+    if line is None:
+        return "did not resume: no 'resuming from step' line in train_resumed.log"
+    first = int(line.split()[3])
+    resumed = {m["step"]: m["loss"] for m in metrics(run_dir)}
+    repeated = [m for m in metrics(run_dir, "metrics_uninterrupted.jsonl") if m["step"] > first]
+    diff = max(abs(resumed[m["step"]] - m["loss"]) / abs(m["loss"]) for m in repeated)
+    return (f"resumed from step {first}; steps {repeated[0]['step']}-{repeated[-1]['step']} repeated, "
+            f"max rel. loss diff {diff:.2e}")
+
+
+def run_study(directory: Path, out: Path, parts: tuple[str, ...], budget_s: float, best: Optional[str]) -> int:
+    """The study's runs of `parts`, in its order: a timed run alone, consecutive side-by-side runs together; each
+    only if its estimated cost fits in what is left of the budget."""
+    directory = directory.resolve()  # each engine runs in its run dir, given its config by absolute path
+    study, commit, runs = load_study(directory)
+    started = time.monotonic()
+    outcomes: dict[str, Outcome] = {}
+    rows: dict[str, dict] = {}
+
+    def record(run: Run, outcome: Outcome) -> None:
+        outcomes[run.name] = outcome
+        rows[run.name] = row(run, directory / run.name, outcome)
+        print(f"[{time.monotonic() - started:4.0f} s] {run.name}: {outcome.status} in {outcome.wall_s:.0f} s "
+              f"{outcome.error}", flush=True)
+
+    def wanted(run: Run) -> bool:
+        nonlocal best
+        if run.part == "ablations" and run.part in parts:
+            best = best or fastest_fp8(runs, rows)
+            return run.precision == best
+        if run.part == "precisions" and run.part not in parts:
+            return "ablations" in parts and run.precision == best  # the tuned run the ablations are measured against
+        return run.part in parts
+
+    def start(group: list[Run]) -> None:
+        left = budget_s - (time.monotonic() - started)
+        needed = max(estimate_s(run, runs, outcomes) for run in group)
+        if left < needed:
+            for run in group:
+                record(run, Outcome(f"not run (budget: ~{needed:.0f} s needed, {max(left, 0):.0f} s left)"))
+            return
+        with ThreadPoolExecutor(len(group)) as pool:
+            futures = [(run, pool.submit(execute, run, directory / run.name, min(run.timeout_s, left), commit))
+                       for run in group]
+        for run, future in futures:
+            record(run, future.result())
+
+    group: list[Run] = []
+    for run in runs:
+        if group and not (run.side_by_side and group[-1].side_by_side):
+            start(group)
+            group = []
+        if wanted(run):
+            group.append(run)
+    if group:
+        start(group)
+
+    done = [r for r in runs if r.name in rows]
+    write_results(study, done, rows, out, directory, best, commit)
+    print((out / "results.md").read_text())
+    return 0 if all(rows[r.name]["status"] == "ok" for r in done) else 1
+
+
+# ---- tables ----
+
+
+def ratio(a: Optional[float], b: Optional[float]) -> str:
+    return f"{a / b:.3f}x" if a and b else "-"
+
+
+def number(value: Optional[float], spec: str) -> str:
+    return format(value, spec) if value is not None else "-"
+
+
+def speed_tables(runs: list[Run], rows: dict[str, dict], best: Optional[str]) -> list[str]:
+    def step(name: str) -> Optional[float]:
+        return rows.get(name, {}).get("step_s")
+
+    lines = ["## Precisions (llama3_8b, 8 layers, full vocabulary, mock data, seq 8192, micro-batch 1 x 8 per step)",
+             "", "| engine | precision | s/step | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB | vs own bf16 "
+             "| vs torch fp8_current | status |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        if run.part not in ("precisions", "torch", "nemotron"):
+            continue
+        r = rows[run.name]
+        bf16 = step(f"{run.engine}-bf16") if run.part != "nemotron" else None
+        lines.append(
+            f"| {run.engine}{' (' + run.model + ', 4 layers)' if run.part == 'nemotron' else ''} | {run.precision} | "
+            f"{number(r['step_s'], '.3f')} | {number(r['tokens_per_s_per_gpu'], ',.0f')} | "
+            f"{number(r['tflops_per_gpu'], '.0f')} | {number(r['mfu'], '.1%')} | {number(r['peak_gib'], '.1f')} | "
+            f"{ratio(bf16, r['step_s']) if run.precision != 'bf16' else '-'} | "
+            f"{ratio(step('torch-fp8_current'), r['step_s']) if run.part == 'precisions' else '-'} | "
+            f"{r['status']} {r['error']} |")
+    ablations = [r for r in runs if r.part == "ablations" and r.name in rows]
+    if ablations:
+        tuned = step(f"megatron-{best}")
+        lines += ["", f"## Tuning switches, one at a time on megatron {best} (tuned: {number(tuned, '.3f')} s/step)",
+                  "", "| switch | s/step | change vs tuned | status |", "|---|---|---|---|"]
+        for run in ablations:
+            r = rows[run.name]
+            change = f"{r['step_s'] / tuned - 1:+.1%}" if r["step_s"] and tuned else "-"
+            lines.append(f"| {run.switch} | {number(r['step_s'], '.3f')} | {change} | {r['status']} {r['error']} |")
+    functional = [r for r in runs if r.part == "functional" and r.name in rows]
+    if functional:
+        lines += ["", "## Functional checks (side by side on the GPU: no timings)", "",
+                  "| run | steps | final loss | result | status |", "|---|---|---|---|---|"]
+        for run in functional:
+            r = rows[run.name]
+            lines.append(f"| {run.name} | {r['steps']} | {number(r['final_loss'], '.4f')} | {r['note'] or '-'} | "
+                         f"{r['status']} {r['error']} |")
+    return lines
+
+
+def loss_tables(runs: list[Run], rows: dict[str, dict]) -> list[str]:
+    def loss(engine: str, precision: str) -> Optional[float]:
+        return rows.get(f"{engine}-llama3_100m-{precision}", {}).get("mean_loss_last_100")
+
+    def gap(value: Optional[float], reference: Optional[float]) -> str:
+        return f"{value / reference - 1:+.2%}" if value and reference else "-"
+
+    lines = [f"## Loss: llama3_100m on the bundled text, mean loss of the last {LOSS_WINDOW} steps", "",
+             "| engine | precision | steps | mean loss | vs same engine's bf16 | vs torch engine, same recipe "
+             "| status |",
+             "|---|---|---|---|---|---|---|"]
+    for run in runs:
+        r = rows[run.name]
+        own = loss(run.engine, run.precision)
+        lines.append(f"| {run.engine} | {run.precision} | {r['steps']} | {number(own, '.4f')} | "
+                     f"{gap(own, loss(run.engine, 'bf16')) if run.precision != 'bf16' else '-'} | "
+                     f"{gap(own, loss('torch', run.precision)) if run.engine != 'torch' else '-'} | "
+                     f"{r['status']} {r['error']} |")
+    return lines
+
+
+def write_results(study: str, runs: list[Run], rows: dict[str, dict], out: Path, directory: Path,
+                  best: Optional[str], commit: str) -> None:
+    """results.md and results.csv, and runs.tar.gz of the runs' small files (a checkpoint is gigabytes)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tables = speed_tables(runs, rows, best) if study == "speed" else loss_tables(runs, rows)
+    info = provenance()
+    footer = ["", f"commit {os.environ.get('FP8_RECIPES_COMMIT', commit)}; {info['device']}; "
+                  f"versions {info['versions']}", f"command: {' '.join(sys.argv)}"]
+    title = f"# scripts/megatron_bench.py: {study} study"
+    (out / "results.md").write_text("\n".join([title, "", *tables, *footer]) + "\n")
+    with open(out / "results.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[runs[0].name]) if runs else ["name"])
+        writer.writeheader()
+        writer.writerows(rows[r.name] for r in runs)
+    with tarfile.open(out / "runs.tar.gz", "w:gz") as tar:
+        for run in runs:
+            for name in KEPT_FILES:
+                if (directory / run.name / name).is_file():
+                    tar.add(directory / run.name / name, arcname=f"runs/{run.name}/{name}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    prep = commands.add_parser("prepare", help="compose every run's config.yaml (needs Hydra: run it here)")
+    prep.add_argument("--dir", type=Path, required=True)
+    prep.add_argument("--study", choices=("speed", "loss"), default="speed")
+    prep.add_argument("--gpu", default="h200", help="conf/gpu option of the GPU machine (peaks for MFU)")
+    prep.add_argument("--steps", type=int, help="steps per run (default: speed 6, loss 500)")
+    go = commands.add_parser("run", help="run the prepared configurations on this machine's GPU")
+    go.add_argument("--dir", type=Path, required=True, help="the folder `prepare` wrote")
+    go.add_argument("--out", type=Path, required=True, help="results.md, results.csv, runs.tar.gz")
+    go.add_argument("--parts", default=",".join(SPEED_PARTS), help=f"speed study: some of {','.join(SPEED_PARTS)}")
+    go.add_argument("--budget-s", type=float, default=480.0, help="no run starts that would not finish within this")
+    go.add_argument("--best", choices=FP8_RECIPES,
+                    help="the FP8 recipe of the ablations (default: the fastest one measured in this call)")
+    args = parser.parse_args(argv)
+
+    if args.command == "prepare":
+        builder = speed_runs if args.study == "speed" else loss_runs
+        prepare(args.study, builder(args.gpu, args.steps or (6 if args.study == "speed" else 500)), args.dir)
+        print(f"prepared {args.dir}/study.json; on the GPU machine: "
+              f"python scripts/megatron_bench.py run --dir {args.dir} --out OUT")
+        return 0
+    if not (args.dir / "study.json").is_file():
+        parser.error(f"{args.dir}/study.json not found: run `prepare --dir {args.dir}` first (on a machine with Hydra)")
+    study = load_study(args.dir)[0]
+    parts = tuple(args.parts.split(",")) if study == "speed" else ("loss",)
+    unknown = set(parts) - set(SPEED_PARTS) - {"loss"}
+    if unknown:
+        parser.error(f"--parts: unknown {sorted(unknown)}; choose among {','.join(SPEED_PARTS)}")
+    if "ablations" in parts and "precisions" not in parts and not args.best:
+        parser.error("--parts ablations without precisions needs --best RECIPE (the FP8 recipe to vary)")
+    fp8_megatron = any(r.engine == "megatron" and r.precision != "bf16" for r in load_study(args.dir)[2]
+                       if r.part in parts)
+    if fp8_megatron and importlib.util.find_spec("transformer_engine") is None:
+        parser.error("engine=megatron's FP8 runs need Transformer Engine, which this Python cannot import: install "
+                     "it (README, engine=megatron), or leave those parts out (--parts)")
+    return run_study(args.dir, args.out, parts, args.budget_s, args.best)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

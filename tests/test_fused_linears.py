@@ -1,0 +1,228 @@
+"""The fused-linear path's pieces on the CPU (tests/test_gpu.py runs them on cuBLAS and Triton): Bf16Linear computes
+what autocast's nn.Linear computes; weight gradients written into FP32 main gradients sum over micro-batches as
+autograd sums them, eager and compiled; the Triton kernels (under Triton's CPU interpreter, where installed) write
+the reference path's FP8 bytes and scales."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+from recipes.engine.training import build_optimizer, optimizer_step
+from recipes.config import TrainerConfig, load_option
+from recipes.fp8 import Fp8Training
+from recipes.fp8.blockwise import quantize_blockwise
+from recipes.fp8.convert import convert_to_fp8
+from recipes.fp8.formats import E4M3, E5M2
+from recipes.fp8.linear import (
+    CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, Bf16Linear, BlockwiseScaling, DelayedScaling, Fp8Linear, TensorwiseScaling,
+)
+from recipes.fp8.training import attach_main_grads, attach_weight_caches, expose_main_grads, set_weight_cache_mode
+from recipes.models.transformer import Transformer
+
+MICRO_BATCHES = 3
+
+
+def micro_batches(layer: nn.Module, inputs: list, grads: list) -> None:
+    """Forward and backward of each micro-batch as optimizer_step runs them (cache refreshed, then reused)."""
+    for micro, (x, dy) in enumerate(zip(inputs, grads)):
+        set_weight_cache_mode(layer, CACHE_REFRESH if micro == 0 else CACHE_REUSE)
+        layer(x).backward(dy)
+    set_weight_cache_mode(layer, CACHE_OFF)
+    expose_main_grads(layer)
+
+
+def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref).norm() / ref.norm()).item()
+
+
+def operands(k: int = 256, n: int = 384, rows: int = 128, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    inputs = [torch.randn(rows, k, generator=generator).to(torch.bfloat16) for _ in range(MICRO_BATCHES)]
+    grads = [(torch.randn(rows, n, generator=generator) * 1e-3).to(torch.bfloat16) for _ in range(MICRO_BATCHES)]
+    weight = torch.randn(n, k, generator=generator) * 0.02
+    return inputs, grads, weight
+
+
+def linear_with(weight: torch.Tensor) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    return linear
+
+
+def test_bf16_linear_computes_what_autocast_computes():
+    inputs, grads, weight = operands()
+    plain, converted = linear_with(weight), linear_with(weight)
+    layer = Bf16Linear(converted)
+    attach_weight_caches(layer)  # the BF16 weight cast once, in the first micro-batch
+    outputs = {}
+    for name, module in (("plain", plain), ("bf16", layer)):
+        xs = [x.clone().requires_grad_(True) for x in inputs]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ys = []
+            for micro, (x, dy) in enumerate(zip(xs, grads)):
+                set_weight_cache_mode(module, CACHE_REFRESH if micro == 0 else CACHE_REUSE)
+                y = module(x)
+                y.backward(dy)
+                ys.append(y.detach())
+        outputs[name] = ys, [x.grad for x in xs]
+    for a, b in zip(*(outputs[name][0] + outputs[name][1] for name in ("plain", "bf16"))):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b)
+    assert torch.equal(plain.weight.grad, converted.weight.grad)  # BF16 GEMM, cast to FP32, summed by autograd
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bf16_main_grad_sums_micro_batches_in_fp32(compiled):
+    inputs, grads, weight = operands()
+    layer = Bf16Linear(linear_with(weight))
+    attach_weight_caches(layer)
+    attach_main_grads(layer)
+    micro_batches(torch.compile(layer) if compiled else layer, inputs, grads)
+    expected = sum(dy.double().t() @ x.double() for x, dy in zip(inputs, grads))  # BF16 products, exact in FP64
+    assert layer.weight.grad is layer.main_grad and layer.main_grad.dtype == torch.float32
+    # FP32 sums err ~1e-7 of the norm; partial gradients rounded to BF16 (autocast's path) ~1e-3.
+    assert relative_error(layer.main_grad, expected) < 1e-5
+    bf16_partials = sum((dy.t() @ x).double() for x, dy in zip(inputs, grads))
+    assert relative_error(bf16_partials, expected) > 1e-4
+
+
+@pytest.mark.parametrize("recipe, compiled", [
+    (TensorwiseScaling(E4M3, E5M2), False), (TensorwiseScaling(E4M3, E5M2), True),
+    (DelayedScaling(E4M3, E5M2, amax_history_len=4), False), (TensorwiseScaling(E4M3, E5M2, fp8_wgrad=False), False),
+], ids=["current", "current-compiled", "delayed", "bf16-wgrad"])
+def test_fp8_main_grad_equals_autograds_sum(recipe, compiled):
+    """The same FP8 GEMMs either way; main_grad receives the first micro-batch's weight gradient and adds the
+    others, which is what autograd's accumulation does (bit for bit on the CPU, whose path adds after the GEMM)."""
+    inputs, grads, weight = operands()
+    reference, fused = Fp8Linear(linear_with(weight), recipe), Fp8Linear(linear_with(weight), recipe)
+    for layer in (reference, fused):
+        attach_weight_caches(layer)
+    attach_main_grads(fused)
+    micro_batches(reference, [x.clone() for x in inputs], grads)
+    micro_batches(torch.compile(fused) if compiled else fused, [x.clone() for x in inputs], grads)
+    assert fused.weight.grad is fused.main_grad
+    if recipe.fp8_wgrad:
+        assert torch.equal(fused.main_grad, reference.weight.grad)
+    else:  # BF16 wgrad: FP32 sums of BF16 products instead of BF16-rounded partial gradients
+        expected = sum(dy.double().t() @ x.double() for x, dy in zip(inputs, grads))
+        assert relative_error(fused.main_grad, expected) < 1e-5 < relative_error(reference.weight.grad, expected)
+
+
+def test_optimizer_step_with_fused_linears_trains_like_autograd():
+    """A tiny model, fp8_current, three micro-batches: with main gradients (and BF16 blocks as Bf16Linear) one
+    optimizer step lands on the same weights as with autograd's gradients."""
+    cfg = load_option("model", "tiny_llama")
+    precision = load_option("precision", "fp8_current")
+    trainer = TrainerConfig(lr=1e-3, warmup_steps=0, max_steps=1)
+    tokens = torch.randint(0, cfg.vocab_size, (MICRO_BATCHES, 1, 65), generator=torch.Generator().manual_seed(3))
+    weights = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        model.init_weights(torch.Generator().manual_seed(0))
+        fp8 = Fp8Training(precision, MICRO_BATCHES, fused_linears=fused)
+        fp8.convert(model)
+        with_main_grads = [m for m in model.modules() if getattr(m, "main_grad", None) is not None]
+        assert len(with_main_grads) == (4 * cfg.num_layers if fused else 0)
+        optimizer = build_optimizer(model, trainer, torch.device("cpu"))
+
+        def loss(micro: int) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(tokens[micro, :, :-1])
+            return nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[micro, :, 1:].flatten())
+
+        optimizer_step(loss, MICRO_BATCHES, model, fp8, optimizer, trainer.lr, trainer.grad_clip)
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for before, after in zip(*weights):
+        assert torch.equal(before, after)
+
+
+def test_bf16_linears_replace_only_bf16_blocks():
+    cfg = load_option("model", "tiny_llama")
+    precision = load_option("precision", "fp8_current")
+    model = Transformer(cfg)
+    edges = dataclasses.replace(precision, num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1)
+    assert convert_to_fp8(model.layers, edges, bf16_linears=True) == 4 * (cfg.num_layers - 2)
+    kinds = [{type(m) for m in layer.modules() if isinstance(m, nn.Linear)} for layer in model.layers]
+    assert kinds == [{Bf16Linear}] + [{Fp8Linear}] * (cfg.num_layers - 2) + [{Bf16Linear}]
+    plain = Transformer(cfg)
+    assert convert_to_fp8(plain.layers, load_option("precision", "bf16")) == 0
+    assert {type(m) for m in plain.layers.modules() if isinstance(m, nn.Linear)} == {nn.Linear}
+
+
+# ---- Triton kernels under the CPU interpreter ----
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """recipes.fp8.kernels under Triton's CPU interpreter (tests/conftest.py chose it), standing in for a GPU: the
+    FP8 linears use them on CPU tensors too."""
+    from recipes.fp8 import kernels as module
+
+    assert module.INTERPRETED
+    monkeypatch.setattr("recipes.fp8.linear._kernels_for", lambda t: module)
+    return module
+
+
+def same_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bytes, NaN positions equal whatever their sign and payload."""
+    nan_a, nan_b = torch.isnan(a.float()), torch.isnan(b.float())
+    return bool(torch.equal(nan_a, nan_b) and (a.view(torch.uint8) == b.view(torch.uint8))[~nan_a].all())
+
+
+def awkward_input(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Values over 60 binades (FP8 subnormals and saturation), an all-zero tile, NaN, infinities, and a block whose
+    amax is FP32-subnormal (its scale overflows FP32)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=generator) * torch.logspace(-30, 30, cols)
+    x[:128, :128] = 0
+    x[5, 200], x[130, 7], x[200, 300] = float("nan"), float("inf"), -float("inf")
+    x[140:142, 130:260] = 1e-39
+    return x.to(torch.bfloat16)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_quantize_1x128_with_transpose_writes_the_reference_bytes(kernels, dtype):
+    x = awkward_input(256, 384, seed=1)
+    data, scale_inv, data_t, scale_inv_t = kernels.quantize_1x128_with_transpose(x, dtype)
+    for (d, s), ref in (((data, scale_inv), quantize_blockwise(x, dtype, (1, 128))),
+                        ((data_t, scale_inv_t), quantize_blockwise(x.t().contiguous(), dtype, (1, 128)))):
+        assert d.dtype == dtype and same_fp8(d, ref.data)
+        assert torch.equal(s.isnan(), ref.scale_inv.isnan()) and torch.equal(s.nan_to_num(), ref.scale_inv.nan_to_num())
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", [(200, 300), (64, 64), (1, 129)])
+def test_transpose_fp8_moves_every_byte(kernels, shape):
+    q = (torch.randn(shape, generator=torch.Generator().manual_seed(2)) * 100).to(E4M3)
+    assert torch.equal(kernels.transpose_fp8(q).view(torch.uint8), q.t().contiguous().view(torch.uint8))
+
+
+@needs_triton
+@pytest.mark.parametrize("recipe", [TensorwiseScaling(E4M3, E5M2), DelayedScaling(E4M3, E5M2, amax_history_len=4),
+                                    BlockwiseScaling(E4M3, E4M3, emulate=True)], ids=["current", "delayed", "blockwise"])
+def test_fp8_linear_with_fused_kernels_equals_reference(kernels, recipe):
+    """The same layer with and without the kernels: identical outputs and gradients, bit for bit."""
+    inputs, grads, weight = operands(k=128, n=256, rows=128)  # the interpreter runs ~0.5 s per 128 x 128 tile
+    results = []
+    for fused in (False, True):
+        layer = Fp8Linear(linear_with(weight), dataclasses.replace(recipe, fused_kernels=fused))
+        attach_weight_caches(layer)
+        xs = [x.clone().requires_grad_(True) for x in inputs]
+        outputs = []
+        for micro, (x, dy) in enumerate(zip(xs, grads)):
+            set_weight_cache_mode(layer, CACHE_REFRESH if micro == 0 else CACHE_REUSE)
+            y = layer(x)
+            y.backward(dy)
+            outputs.append(y.detach())
+        results.append(outputs + [x.grad for x in xs] + [layer.weight.grad])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -1,0 +1,161 @@
+"""scripts/megatron_bench.py on the CPU: the studies it plans, the configs `prepare` composes, and `run` starting
+each config as its own engine process (the torch engine on tiny_llama; engine=megatron, which needs CUDA, fails
+there and is reported as failed), the resume check, the budget, and the tables. No megatron training on the CPU."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from recipes.config import REPO_ROOT, load_config
+from recipes.hydra_schema import check_override_keys, register_schema
+
+spec = importlib.util.spec_from_file_location("megatron_bench", REPO_ROOT / "scripts" / "megatron_bench.py")
+bench = sys.modules["megatron_bench"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+spec.loader.exec_module(bench)
+
+
+def overrides_of(run) -> dict:
+    return dict(o.split("=", 1) for o in run.overrides)
+
+
+def test_speed_study_is_the_issues_list():
+    runs = bench.speed_runs("h200", steps=6)
+    assert len({r.name for r in runs}) == len(runs)
+    by_part = {part: [r for r in runs if r.part == part] for part in bench.SPEED_PARTS}
+    assert [(r.engine, r.precision) for r in by_part["precisions"]] == \
+        [("megatron", "bf16"), ("megatron", "fp8_current"), ("megatron", "fp8_delayed"), ("megatron", "fp8_blockwise")]
+    assert [(r.engine, r.precision) for r in by_part["torch"]] == [("torch", "fp8_current"), ("torch", "bf16")]
+    for run in by_part["precisions"] + by_part["torch"]:
+        o = overrides_of(run)
+        assert (o["model"], o["model.num_layers"], o["data"], o["trainer.micro_batch_size"],
+                o["trainer.global_batch_size"]) == ("llama3_8b", "8", "mock", "1", "8")
+        assert "model.vocab_size" not in o and "model.seq_length" not in o  # full vocabulary, seq 8192
+    (nemotron,) = by_part["nemotron"]
+    assert overrides_of(nemotron)["model"] == "nemotron4_15b" and not nemotron.side_by_side
+    functional = by_part["functional"]
+    assert all(r.side_by_side for r in functional)
+    assert {(overrides_of(r).get("parallel.fsdp"), r.precision) for r in functional if not r.resume} == \
+        {("true", "bf16"), ("true", "fp8_current")}
+    (resume,) = [r for r in functional if r.resume]
+    resume_steps = overrides_of(resume)
+    assert (resume_steps["trainer.checkpoint.interval"], resume_steps["trainer.max_steps"]) == ("3", "6")
+    for recipe in bench.FP8_RECIPES:  # each ablation is its tuned run with exactly its own switch changed
+        tuned = set(next(r for r in by_part["precisions"] if r.precision == recipe).overrides)
+        ablations = [r for r in by_part["ablations"] if r.precision == recipe]
+        assert [r.switch for r in ablations][:2] == ["gradient_accumulation_fusion=false",
+                                                     "cross_entropy_loss_fusion=false"]
+        for run in ablations:
+            changed, dropped = set(run.overrides) - tuned, tuned - set(run.overrides)
+            assert changed - {"trainer.max_steps=10"} == set(dict(bench.ABLATIONS)[run.switch]), run.name
+            assert dropped == ({"trainer.max_steps=6"} if run.warmup > 2 else set()), run.name  # graphs: 4 more
+        assert ("fp8_param_gather=false" in [r.switch for r in ablations]) == (recipe != "fp8_blockwise")
+    register_schema()
+    for run in runs + bench.loss_runs("h200", steps=500):
+        check_override_keys(list(run.overrides))
+
+
+def test_loss_study_pairs_every_recipe_on_both_engines():
+    runs = bench.loss_runs("h200", steps=500)
+    assert {(r.engine, r.precision) for r in runs} == {(e, p) for e in ("megatron", "torch")
+                                                       for p in ("bf16", *bench.FP8_RECIPES)}
+    for run in runs:
+        o = overrides_of(run)
+        assert (o["model"], o["data"], o["trainer.max_steps"], run.side_by_side) == ("llama3_100m", "text", "500", True)
+
+
+NOT_ON_THE_GPU_MACHINE = """
+import importlib.abc, sys
+
+class NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("hydra", "omegaconf", "nemo_run"):
+            raise ModuleNotFoundError(f"{name}: not installed on the GPU machine")
+
+sys.meta_path.insert(0, NotInstalled())
+"""
+
+
+def cpu_study(tmp_path):
+    """Three configurations the CPU can judge: the torch engine timed and resumed, engine=megatron (no CUDA)."""
+    tiny = ("gpu=cpu", "model=tiny_llama", "model.seq_length=64", "data=mock", "precision=bf16",
+            "trainer.micro_batch_size=2", "trainer.global_batch_size=4", "trainer.log_interval=1")
+    return [
+        bench.Run("resume-torch", "functional", "torch", "bf16", ("engine=torch", *tiny, "trainer.max_steps=2",
+                  "trainer.checkpoint.interval=1", "data.cache_dir=cache"), side_by_side=True, resume=True),
+        bench.Run("megatron-bf16", "precisions", "megatron", "bf16", ("engine=megatron", *tiny, "trainer.max_steps=3")),
+        bench.Run("torch-bf16", "torch", "torch", "bf16", ("engine=torch", *tiny, "trainer.max_steps=4"), warmup=1),
+    ]
+
+
+def test_prepare_then_run_each_config_in_its_own_process(tmp_path):
+    study = tmp_path / "study"
+    bench.prepare("speed", cpu_study(tmp_path), study)
+    assert [r.name for r in bench.load_study(study)[2]] == [r.name for r in cpu_study(tmp_path)]
+    cfg = load_config(study / "torch-bf16" / "config.yaml")
+    assert (cfg.engine, cfg.model.seq_length, cfg.trainer.max_steps, cfg.dryrun) == ("torch", 64, 4, False)
+    assert "tuning      " in (study / "megatron-bf16" / "plan.txt").read_text()  # the megatron plan's line
+
+    # As on the GPU machine: no Hydra, omegaconf or nemo-run, for `run` and the engines it starts (PYTHONPATH).
+    blocker = tmp_path / "gpu_machine"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(NOT_ON_THE_GPU_MACHINE)
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "megatron_bench.py"), "run", "--dir", "study",
+                             "--out", "out", "--parts", "functional,precisions,torch"], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(blocker)}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1, result.stdout + result.stderr  # engine=megatron cannot run on a CPU
+    rows = {r["name"]: r for r in csv.DictReader(open(out / "results.csv"))}
+    assert rows["megatron-bf16"]["status"] == "failed (1)"
+    assert "engine=megatron needs CUDA GPUs" in rows["megatron-bf16"]["error"]
+    timed = rows["torch-bf16"]
+    assert (timed["status"], timed["steps"], timed["timed_steps"]) == ("ok", "4", "3")
+    steps = [json.loads(line) for line in (study / "torch-bf16" / "metrics.jsonl").read_text().splitlines()]
+    assert float(timed["step_s"]) == sorted(m["step_time_s"] for m in steps[1:])[1]  # the median of three
+    resumed = rows["resume-torch"]
+    assert resumed["status"] == "ok" and resumed["step_s"] == ""  # side by side: no timing
+    assert resumed["note"] == "resumed from step 1; steps 2-2 repeated, max rel. loss diff 0.00e+00"  # CPU: exact
+    table = (out / "results.md").read_text()
+    assert "| torch | bf16 | " in table and "| resume-torch | 2 | " in table
+    assert "failed (1) error: engine=megatron needs CUDA GPUs" in table
+    with tarfile.open(out / "runs.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"runs/torch-bf16/metrics.jsonl", "runs/resume-torch/train_resumed.log",
+            "runs/megatron-bf16/plan.txt"} <= names
+    assert not any("checkpoints" in name or "cache" in name for name in names)
+
+
+def test_a_run_that_would_overrun_the_budget_is_not_started(tmp_path):
+    runs = cpu_study(tmp_path)[1:]
+    bench.prepare("speed", runs, tmp_path / "study")
+    assert bench.run_study(tmp_path / "study", tmp_path / "out", ("precisions", "torch"), budget_s=30, best=None) == 1
+    rows = {r["name"]: r for r in csv.DictReader(open(tmp_path / "out" / "results.csv"))}
+    for run in runs:  # first guesses: 90 s for engine=megatron, 150 s for the torch engine
+        assert rows[run.name]["status"].startswith("not run (budget: ~")
+        assert not (tmp_path / "study" / run.name / "train.log").exists()
+    done = {"megatron-bf16": bench.Outcome("ok", wall_s=42.0)}
+    assert bench.estimate_s(runs[0], runs, done) == 42.0 and bench.estimate_s(runs[1], runs, done) == 150.0
+
+
+def test_ablations_follow_the_fastest_fp8_recipe_and_name_their_switch():
+    runs = bench.speed_runs("h200", steps=6)
+    rows = {f"megatron-{p}": {"step_s": s} for p, s in
+            (("bf16", 2.0), ("fp8_current", 1.5), ("fp8_delayed", 1.4), ("fp8_blockwise", 1.6))}
+    assert bench.fastest_fp8(runs, rows) == "fp8_delayed"
+    rows["megatron-fp8_delayed"]["step_s"] = None  # failed: not a candidate
+    assert bench.fastest_fp8(runs, rows) == "fp8_current"
+
+
+def test_run_refuses_ablations_without_a_recipe_to_vary(tmp_path):
+    bench.prepare("speed", cpu_study(tmp_path)[1:2], tmp_path / "study")
+    with pytest.raises(SystemExit):
+        bench.main(["run", "--dir", str(tmp_path / "study"), "--out", str(tmp_path / "out"), "--parts", "ablations"])
+    with pytest.raises(SystemExit):
+        bench.main(["run", "--dir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")])

@@ -1,0 +1,25 @@
+"""Kernel names from real H200 profiles (ours: Inductor's fused kernels, cuBLAS; Transformer Engine's) land in the
+category a reader of the time split expects."""
+
+import pytest
+
+from recipes.profiling import kernel_category
+
+
+@pytest.mark.parametrize("name, category", [
+    ("nvjet_sm90_qqtst_192x192_128x4_2x1_v_bz_coopB_TNN", "gemm"),
+    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "gemm"),
+    ("aten::_scaled_mm", "gemm"),
+    ("fp8_recipes::block_scaled_mm", "gemm"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1_cga1x1x1_kernel0_0", "attention"),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+    # Inductor names a kernel after what it fuses: these feed FP8 GEMMs (quantization), not GEMMs themselves.
+    ("triton_poi_fused__scaled_mm__to_copy_abs_add_clamp_clone_div_eq_full_like_isinf_mul_ne_ones_like_reciprocal_t_", "quantization"),
+    ("triton_red_fused__to_copy_abs_amax_bitwise_and_block_scaled_mm_cat_clamp_div_eq_full_like_gt_isinf_mul_ne_ones", "quantization"),
+    ("_fp8_transpose_kernel", "quantization"),  # recipes.fp8.kernels
+    ("void transformer_engine::detail::cast_transpose_kernel<float, __nv_fp8_e4m3>", "quantization"),
+    ("triton_poi_fused_cat_mul_silu_silu_backward_split_view_4", "other"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul> >", "other"),
+])
+def test_kernel_categories(name, category):
+    assert kernel_category(name) == category
