@@ -19,12 +19,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from recipes.config import CONF_DIR, Config, ConfigError, save_config  # noqa: E402
-from recipes.hydra_schema import check_override_keys, register_schema, to_config  # noqa: E402
-from recipes.launcher import launch  # noqa: E402
-from recipes.plan import describe, make_plan, resolve  # noqa: E402
+from recipes.config import CONF_DIR, Config, ConfigError, save_config
+from recipes.hydra_schema import check_override_keys, register_schema, to_config
+from recipes.launcher import launch
+from recipes.plan import make_plan
+from recipes.plan.describe import describe
+from recipes.plan.gpu import resolve
+from recipes.run_files import CONFIG
 
 
 
@@ -48,7 +49,7 @@ def experiment_name(cfg: Config) -> str:
 def main(dict_cfg: DictConfig) -> None:
     directory = run_dir(dict_cfg)
     dict_cfg.run.dir = str(directory)
-    config_path = directory / "config.yaml"
+    config_path = directory / CONFIG
     try:
         cfg: Config = resolve(to_config(dict_cfg))
         plan = make_plan(cfg, config_path)

@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from recipes.config import Activation, Config, ModelConfig
+from recipes.config import Activation, Config, ModelConfig, Normalization
+from recipes.run_files import METRICS, SUMMARY
 
 
 def flops_per_token(model: ModelConfig, include_output_layer: bool = True, causal: bool = True) -> float:
@@ -41,6 +42,20 @@ def flops_per_token(model: ModelConfig, include_output_layer: bool = True, causa
     per_layer = 6 * (h * (q + 2 * kv) + q * h + mlp_matrices * h * f) + attention
     logits = 6 * h * model.vocab_size if include_output_layer else 0
     return float(model.num_layers * per_layer + logits)
+
+
+def count_parameters(model: ModelConfig) -> int:
+    """The model's parameters, exactly those recipes.models.transformer builds (and megatron-core's GPTModel;
+    tests/test_models.py checks both): per layer the fused QKV projection h * (q + 2 * kv), the output projection
+    q * h, the MLP m * h * f (m as in flops_per_token) and two norms (RMSNorm: a weight; LayerNorm1p: a weight and
+    a bias); plus the untied embedding and output layer (V * h each) and the final norm."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    q = model.num_attention_heads * model.kv_channels
+    kv = model.num_query_groups * model.kv_channels
+    mlp_matrices = 3 if model.activation == Activation.swiglu else 2
+    norm = h if model.normalization == Normalization.rmsnorm else 2 * h
+    per_layer = h * (q + 2 * kv) + q * h + mlp_matrices * h * f + 2 * norm
+    return model.num_layers * per_layer + 2 * model.vocab_size * h + norm
 
 
 def warmup_steps(num_steps: int) -> int:
@@ -83,7 +98,7 @@ class MetricsWriter:
     """Appends one JSON line per step to `<run dir>/metrics.jsonl`, flushed so a crash loses nothing written."""
 
     def __init__(self, run_dir: Path):
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS
         self._file = self.path.open("a")
 
     def write(self, metrics: StepMetrics) -> None:
@@ -105,10 +120,11 @@ def summarize(cfg: Config, history: list[StepMetrics], world_size: int, extra: d
 
     return {
         "model": cfg.model.name,
+        "parameters": count_parameters(cfg.model),
         "precision": cfg.precision.name,
         "recipe": cfg.precision.recipe.value,
         "gpu": cfg.gpu.name,
-        "engine": cfg.engine,
+        "engine": cfg.engine.value,
         "world_size": world_size,
         "nodes": cfg.executor.nodes,
         "num_layers": cfg.model.num_layers,
@@ -129,4 +145,4 @@ def summarize(cfg: Config, history: list[StepMetrics], world_size: int, extra: d
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (run_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from recipes.config import ConfigError, Fp8Format, ModelConfig, PrecisionConfig, Recipe
-from recipes.fp8 import convert_to_fp8
+from recipes.fp8.convert import convert_to_fp8
 from recipes.fp8.current_scaling import Float8Tensor, quantize_tensorwise, tensorwise_scale
 from recipes.fp8.formats import E4M3, E5M2, forward_and_backward_dtypes
-from recipes.fp8.linear import BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling, Fp8Linear, fp8_linear, recipe_from_config
+from recipes.fp8.linear import BlockwiseScaling, TensorwiseScaling, DelayedScaling, MXFP8Scaling, Fp8Linear, fp8_linear, recipe_from_config
 from recipes.models.transformer import Transformer
 
 U = 2.0**-24  # FP32 unit roundoff
@@ -267,11 +267,11 @@ def precision(fmt: Fp8Format = Fp8Format.hybrid, **kw) -> PrecisionConfig:
     return PrecisionConfig(name="fp8_current", recipe=Recipe.tensorwise, fp8_format=fmt, **kw)
 
 
-def hybrid(**kw) -> CurrentScaling:
+def hybrid(**kw) -> TensorwiseScaling:
     return recipe_from_config(precision(Fp8Format.hybrid, **kw))
 
 
-def all_e4m3(**kw) -> CurrentScaling:
+def all_e4m3(**kw) -> TensorwiseScaling:
     return recipe_from_config(precision(Fp8Format.e4m3, **kw))
 
 

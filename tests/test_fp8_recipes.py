@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recipes.config import AmaxComputeAlgo, Fp8Format, ModelConfig, PrecisionConfig, Recipe
-from recipes.fp8 import convert_to_fp8
+from recipes.fp8.convert import convert_to_fp8
 from recipes.fp8.blockwise import quantize_blockwise
 from recipes.fp8.current_scaling import quantize_tensorwise, tensorwise_scale
 from recipes.fp8.delayed_scaling import DelayedScalingState, quantize_delayed, update_delayed_scaling
@@ -35,16 +35,14 @@ from recipes.fp8.linear import (
     DelayedScaling,
     Fp8Linear,
     MXFP8Scaling,
-    attach_weight_caches,
     fp8_linear,
     recipe_from_config,
-    fp8_amaxes_finite,
-    non_finite_amaxes,
-    set_weight_cache_mode,
-    update_fp8_scaling,
 )
 from recipes.fp8.mxfp8 import mx_scale_exponent, quantize_mx, swizzle_32_4_4, to_e8m0
 from recipes.fp8.tensor import Float8Tensor
+from recipes.fp8.training import (
+    attach_weight_caches, fp8_amaxes_finite, non_finite_amaxes, set_weight_cache_mode, update_fp8_scaling,
+)
 from recipes.models.transformer import Transformer
 
 U = 2.0**-24  # FP32 unit roundoff

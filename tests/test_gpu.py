@@ -10,7 +10,7 @@ import torch
 
 from recipes.fp8.current_scaling import quantize_tensorwise
 from recipes.fp8.formats import E4M3, E5M2
-from recipes.fp8.linear import CurrentScaling, Fp8Linear
+from recipes.fp8.linear import TensorwiseScaling, Fp8Linear
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,7 +34,7 @@ def test_quantization_on_cuda_equals_cpu_bit_for_bit(dtype):
 def test_fp8_linear_gemms_on_cuda_against_float64(compiled):
     torch.manual_seed(0)
     linear = torch.nn.Linear(512, 384, bias=False, device="cuda")
-    layer = Fp8Linear(linear, CurrentScaling(E4M3, E5M2))
+    layer = Fp8Linear(linear, TensorwiseScaling(E4M3, E5M2))
     forward = torch.compile(layer) if compiled else layer
     x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     y = forward(x)
@@ -62,7 +62,8 @@ def test_every_recipe_gemms_on_cuda_against_float64(precision, compiled):
     import dataclasses
 
     from recipes.config import load_option
-    from recipes.fp8.linear import recipe_from_config, update_fp8_scaling
+    from recipes.fp8.linear import recipe_from_config
+    from recipes.fp8.training import update_fp8_scaling
 
     config = load_option("precision", precision)
     recipe = recipe_from_config(dataclasses.replace(config, emulate=config.recipe.value == "mxfp8"))
@@ -123,7 +124,8 @@ def test_native_blockwise_gemms_equal_their_emulation(fp8_wgrad):
 
 
 def test_delayed_scaling_compiles_and_matches_eager():
-    from recipes.fp8.linear import DelayedScaling, update_fp8_scaling
+    from recipes.fp8.linear import DelayedScaling
+    from recipes.fp8.training import update_fp8_scaling
 
     torch.manual_seed(0)
     linears = [torch.nn.Linear(256, 256, bias=False, device="cuda") for _ in range(2)]
@@ -192,7 +194,7 @@ def test_compiled_emulated_mxfp8_model_matches_eager():
     import dataclasses
 
     from recipes.config import load_option
-    from recipes.fp8 import convert_to_fp8
+    from recipes.fp8.convert import convert_to_fp8
     from recipes.models.transformer import Transformer
 
     cfg = dataclasses.replace(load_option("model", "tiny_llama"), num_layers=2)
@@ -321,11 +323,8 @@ def test_fused_linears_train_like_plain_ones_on_cuda(precision):
     import dataclasses
 
     from recipes.config import TrainerConfig, load_option
-    from recipes.engine.training import (
-        build_optimizer, compile_blocks, fused_linears_apply, optimizer_step, prepare_fp8_weight_caching,
-        prepare_main_grads,
-    )
-    from recipes.fp8 import convert_to_fp8
+    from recipes.engine.training import build_optimizer, compile_blocks, optimizer_step
+    from recipes.fp8 import Fp8Training
     from recipes.models.transformer import Transformer
 
     cfg = dataclasses.replace(load_option("model", "tiny_llama"), num_layers=2)
@@ -335,15 +334,12 @@ def test_fused_linears_train_like_plain_ones_on_cuda(precision):
     results = []
     for fused_kernels in (False, True):
         settings = dataclasses.replace(load_option("precision", precision), fused_kernels=fused_kernels)
-        fused = fused_linears_apply(settings, torch.device("cuda"), processes=1)
-        assert fused == fused_kernels
+        fp8 = Fp8Training.for_one_process(settings, 3, torch.device("cuda"))
+        assert fp8.fused_linears == fused_kernels
         with torch.device("cuda"):
             model = Transformer(cfg)
         model.init_weights(torch.Generator("cuda").manual_seed(1))
-        convert_to_fp8(model.layers, settings, bf16_linears=fused)
-        prepare_fp8_weight_caching(model, 3)
-        if fused:
-            prepare_main_grads(model)
+        fp8.convert(model)
         compile_blocks(model.layers)
         optimizer = build_optimizer(model, trainer, torch.device("cuda"))
 
@@ -352,7 +348,7 @@ def test_fused_linears_train_like_plain_ones_on_cuda(precision):
                 logits = model(tokens[micro, :, :-1])
             return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[micro, :, 1:].flatten())
 
-        step_loss, grad_norm = optimizer_step(loss, 3, model, optimizer, trainer.lr, trainer.grad_clip)
+        step_loss, grad_norm = optimizer_step(loss, 3, model, fp8, optimizer, trainer.lr, trainer.grad_clip)
         results.append((step_loss.item(), grad_norm.item(), [p.detach().double() for p in model.parameters()]))
     (loss_plain, norm_plain, plain), (loss_fused, norm_fused, fused_params) = results
     assert abs(loss_fused - loss_plain) < 1e-3 * loss_plain

@@ -336,7 +336,15 @@ ERROR_CASES = {
     "local_nodes": (("executor.nodes=2", "dryrun=true"), ("executor=local", "executor.nodes=1")),
     "profile_step": (("trainer.max_steps=10", "trainer.profile_step=11", "dryrun=true"),
                      ("trainer.profile_step=11", "trainer.max_steps=10")),
-    "unknown_engine": (("engine=jax", "dryrun=true"), ("engine=jax", "not available", "torch, megatron")),
+    "unknown_engine": (("engine=jax", "dryrun=true"), ("engine=jax", "Invalid value 'jax'", "torch, megatron")),
+    "unknown_executor": (("executor.name=ray", "dryrun=true"), ("executor.name", "'ray'", "local, slurm")),
+    "unknown_tunnel": (("executor=slurm", "gpu=h100", "executor.slurm.tunnel=vpn", "dryrun=true"),
+                       ("executor.slurm.tunnel", "'vpn'", "local, ssh")),
+    # Slurm's and SSH's settings, checked by the plan like the rest (nothing saved or rendered first)
+    "slurm_secret_name": (("executor=slurm", "gpu=cpu", "executor.slurm.secret_env=[NOT-A-NAME]", "dryrun=true"),
+                          ("executor.slurm.secret_env", "NOT-A-NAME")),
+    "ssh_without_host": (("executor=slurm", "gpu=cpu", "executor.slurm.tunnel=ssh", "dryrun=true"),
+                         ("executor.slurm.ssh.host", "executor.slurm.ssh.job_dir", "executor.slurm.ssh.repo")),
     # hidden 200 keeps heads % groups and the even rotary dimension valid; only the FP8 check rejects it
     "fp8_dims": (("model.hidden_size=200", "dryrun=true"), ("divisible by 16", "hidden_size = 200")),
     "gpu_count": (_gpu_count_case(), (f"executor.gpus={max(2, torch.cuda.device_count() + 1)}",

@@ -19,7 +19,7 @@ from recipes.metrics import StepMetrics, warmup_steps
 REPO = Path(__file__).resolve().parent.parent
 STEP_FIELDS = {f for f in StepMetrics.__dataclass_fields__}
 SUMMARY_FIELDS = {
-    "model", "precision", "recipe", "gpu", "engine", "world_size", "nodes", "num_layers", "seq_length",
+    "model", "parameters", "precision", "recipe", "gpu", "engine", "world_size", "nodes", "num_layers", "seq_length",
     "micro_batch_size", "global_batch_size", "steps", "warmup_steps_excluded", "median_step_time_s",
     "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu", "peak_memory_gib", "final_loss", "emulated",
     "commit", "versions", "device",
@@ -72,6 +72,7 @@ def test_training_run_loss_falls(tmp_path, cache_dir, precision):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary) == SUMMARY_FIELDS
     assert summary["precision"] == precision and summary["steps"] == steps
+    assert summary["parameters"] == 3_311_872  # tiny_llama, worked out by hand in tests/test_models.py
     assert summary["warmup_steps_excluded"] == warmup_steps(steps)
     steady = sorted(m["step_time_s"] for m in metrics[warmup_steps(steps):])
     assert summary["median_step_time_s"] == pytest.approx((steady[8] + steady[9]) / 2)
@@ -120,6 +121,7 @@ def test_non_finite_amax_stops_a_delayed_scaling_run_naming_step_layer_and_role(
     the role."""
     from recipes.engine import torch_engine
     from recipes.fp8.linear import Fp8Linear
+    from recipes.trainer import loop
 
     run_dir = tmp_path / "run"
     small = ("model.num_layers=2", "model.seq_length=32", "trainer.micro_batch_size=1", "trainer.global_batch_size=1")
@@ -127,7 +129,7 @@ def test_non_finite_amax_stops_a_delayed_scaling_run_naming_step_layer_and_role(
                     "trainer.activation_checkpointing=true", f"run.dir={run_dir}", "dryrun=true")
     assert result.returncode == 0, result.stderr
     now, faulty = {}, {}
-    learning_rate, build_model = torch_engine.learning_rate, torch_engine.build_model
+    learning_rate, build_model = loop.learning_rate, torch_engine.build_model
 
     def noting_the_step(step, trainer):
         now["step"] = step
@@ -148,7 +150,7 @@ def test_non_finite_amax_stops_a_delayed_scaling_run_naming_step_layer_and_role(
         layer.register_forward_pre_hook(inject)
         return model
 
-    monkeypatch.setattr(torch_engine, "learning_rate", noting_the_step)
+    monkeypatch.setattr(loop, "learning_rate", noting_the_step)
     monkeypatch.setattr(torch_engine, "build_model", with_a_fault)
     assert engine_main([str(run_dir / "config.yaml")]) == 1
     error = capsys.readouterr().err.strip().splitlines()[-1]

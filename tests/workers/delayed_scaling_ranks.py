@@ -15,8 +15,9 @@ from recipes.config import AmaxComputeAlgo
 from recipes.engine.fsdp import data_parallel_mesh, shard_model
 from recipes.fp8.delayed_scaling import NUM_ROLES
 from recipes.fp8.formats import E4M3, E5M2
-from recipes.fp8.linear import DelayedScaling, Fp8Linear, fp8_amaxes_finite, non_finite_amaxes, update_fp8_scaling
+from recipes.fp8.linear import DelayedScaling, Fp8Linear
 from recipes.fp8.current_scaling import tensorwise_scale
+from recipes.fp8.training import fp8_amaxes_finite, non_finite_amaxes, update_fp8_scaling
 
 INPUT, WEIGHT, GRAD = range(NUM_ROLES)
 
