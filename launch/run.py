@@ -22,12 +22,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from recipes.config import CONF_DIR, Config, ConfigError, save_config  # noqa: E402
-from recipes.hydra_schema import check_override_keys, register_schema, to_config  # noqa: E402
-from recipes.launcher import launch  # noqa: E402
-from recipes.plan import describe, make_plan, resolve  # noqa: E402
+from recipes.config import CONF_DIR, Config, ConfigError, save_config
+from recipes.hydra_schema import check_override_keys, register_schema, to_config
+from recipes.launcher import launch
+from recipes.plan import make_plan
+from recipes.plan.describe import describe
+from recipes.plan.gpu import resolve
+from recipes.run_files import CONFIG, OVERRIDES
 
 
 
@@ -79,7 +80,7 @@ def experiment_name(cfg: Config) -> str:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(dict_cfg: DictConfig) -> None:
     directory = Path(HydraConfig.get().runtime.output_dir).resolve()
-    config_path = directory / "config.yaml"
+    config_path = directory / CONFIG
     try:
         dict_cfg.run.dir = str(run_dir(dict_cfg))
         cfg: Config = resolve(to_config(dict_cfg))
@@ -91,7 +92,7 @@ def main(dict_cfg: DictConfig) -> None:
     print(describe(plan), flush=True)
     directory.mkdir(parents=True, exist_ok=True)
     save_config(dataclasses.replace(cfg, dryrun=False), config_path)  # the config as the engine will run it
-    save_overrides(HydraConfig.get(), directory / "overrides.yaml")
+    save_overrides(HydraConfig.get(), directory / OVERRIDES)
     try:
         status = launch(plan, config_path, experiment_name(cfg))
     except ConfigError as error:

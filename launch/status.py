@@ -20,14 +20,13 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from recipes.config import ConfigError  # noqa: E402
-from recipes.slurm import JobRecord, cluster_of, find_records, gather, job_state  # noqa: E402
+from recipes.config import ConfigError
+from recipes.run_files import METRICS
+from recipes.slurm import JobRecord, cluster_of, find_records, gather, job_state
 
 
 def last_step(run_dir: Path) -> str:
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / METRICS
     lines = metrics.read_text().splitlines() if metrics.is_file() else []
     return str(json.loads(lines[-1]).get("step", "-")) if lines else "-"
 

@@ -31,13 +31,14 @@ class Activation(str, enum.Enum):
 
 
 class Recipe(str, enum.Enum):
-    """Scaling recipes, named as megatron-core's `fp8_recipe` names them (bf16 = no FP8)."""
+    """Scaling recipes, named as megatron-core's `fp8_recipe` names them (bf16 = no FP8). Each FP8 recipe is the
+    class of recipes.fp8.linear with its name, and the conf/precision option in the comment."""
 
     bf16 = "bf16"
-    delayed = "delayed"
-    tensorwise = "tensorwise"
-    blockwise = "blockwise"
-    mxfp8 = "mxfp8"
+    delayed = "delayed"  # DelayedScaling: fp8_delayed
+    tensorwise = "tensorwise"  # TensorwiseScaling, per-tensor current scaling (TE's Float8CurrentScaling): fp8_current
+    blockwise = "blockwise"  # BlockwiseScaling: fp8_blockwise
+    mxfp8 = "mxfp8"  # MXFP8Scaling: mxfp8
 
 
 class Fp8Format(str, enum.Enum):
@@ -63,6 +64,23 @@ class GradReduce(str, enum.Enum):
 
     per_step = "per_step"  # once, after the last micro-batch: least traffic; FP32 gradients held unsharded until then
     per_micro_batch = "per_micro_batch"  # after every micro-batch (torchtitan's way): sharded gradients only
+
+
+class Engine(str, enum.Enum):
+    torch = "torch"  # recipes.engine.torch_engine: PyTorch-native models, the FP8 recipes of recipes/fp8, FSDP2
+    megatron = "megatron"  # recipes.megatron.engine: megatron-core's models and parallelism, Transformer Engine's FP8
+
+
+class ExecutorName(str, enum.Enum):
+    local = "local"  # nemo-run's LocalExecutor: this machine (torchrun for several processes)
+    slurm = "slurm"  # nemo-run's SlurmExecutor: one sbatch job per run (recipes.slurm)
+
+
+class Tunnel(str, enum.Enum):
+    """How executor=slurm reaches sbatch."""
+
+    local = "local"  # this machine runs sbatch (a login node)
+    ssh = "ssh"  # through a login node over SSH (executor.slurm.ssh, nemo-run's SSHTunnel)
 
 
 class DataKind(str, enum.Enum):
@@ -108,7 +126,7 @@ class PrecisionConfig:
     fp8_wgrad: bool = True  # False: the wgrad GEMM runs in BF16
     amax_history_len: int = 1024  # delayed scaling only
     amax_compute_algo: AmaxComputeAlgo = AmaxComputeAlgo.max  # delayed scaling only
-    margin: int = 0  # scale = fp8_max / amax / 2**margin
+    margin: int = 0  # delayed scaling only: scale = (fp8_max * 2**-margin) / amax
     num_layers_at_start_in_bf16: int = 0
     num_layers_at_end_in_bf16: int = 0
     fp8_param_gather: bool = False  # all-gather FP8 weights (sharded engines only)
@@ -214,7 +232,7 @@ class SlurmConfig:
     exclusive: bool = False  # whole nodes
     mem: Optional[str] = None  # sbatch --mem, e.g. 0 (all of it) or 200G
     sbatch_args: dict[str, str] = field(default_factory=dict)  # any other sbatch option: {qos: high}
-    tunnel: str = "local"  # local: this machine can run sbatch; ssh: submit through executor.slurm.ssh
+    tunnel: Tunnel = Tunnel.local
     ssh: SshTunnelConfig = field(default_factory=SshTunnelConfig)
     retries: int = 0  # resubmissions of a failed job (nemo-run max_retries)
     dependency: Optional[str] = None  # afterany, afterok, ...: each point of a -m sweep waits for the previous one
@@ -222,7 +240,7 @@ class SlurmConfig:
 
 @dataclass
 class ExecutorConfig:
-    name: str = "local"
+    name: ExecutorName = ExecutorName.local
     gpus: int = 1  # processes per node: one per GPU (or CPU processes on a CPU-only machine)
     nodes: int = 1
     # Where nemo-run keeps its experiment records for every executor (and, on Slurm with the local tunnel, the jobs'
@@ -302,7 +320,7 @@ class Config:
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # engine=megatron only
     run: RunConfig = field(default_factory=RunConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    engine: str = "torch"  # torch (recipes.engine.torch_engine) or megatron (recipes.engine.megatron_engine)
+    engine: Engine = Engine.torch
     dryrun: bool = False
 
 

@@ -11,9 +11,9 @@ import os
 import sys
 from pathlib import Path
 
-from recipes.config import REPO_ROOT, ConfigError
+from recipes.config import REPO_ROOT, ExecutorName
 from recipes.nemo_run_home import cli_commands, use_nemo_run_home
-from recipes.plan import ENGINE_MODULE, Plan
+from recipes.plan import Plan, engine_command
 from recipes.slurm import TASK, slug
 
 
@@ -24,12 +24,10 @@ def launch(plan: Plan, config_path: Path, experiment: str) -> int:
     # torchrun must come from this interpreter's environment, whatever PATH the user's shell had; on Slurm,
     # sbatch hands the submitting PATH to the job.
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    if cfg.executor.name == "slurm":
+    if cfg.executor.name == ExecutorName.slurm:
         from recipes.slurm import submit
 
         return submit(plan, config_path, experiment, dryrun=cfg.dryrun)
-    if cfg.executor.name != "local":
-        raise ConfigError(f"executor={cfg.executor.name} is not available; use executor=local or executor=slurm")
     if cfg.dryrun:
         print(f"dry run: nothing launched; the resolved config is {config_path}, and the command above runs it")
         return 0
@@ -49,7 +47,8 @@ def run_local(plan: Plan, config_path: Path, experiment: str) -> int:
         env_vars={"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                   "LOGLEVEL": "WARNING", "PYTHONUNBUFFERED": "1"},
     )
-    task = run.Script(path=ENGINE_MODULE[cfg.engine], m=True, entrypoint=sys.executable, args=[str(config_path)])
+    python, _, module, config = engine_command(cfg, config_path)
+    task = run.Script(path=module, m=True, entrypoint=python, args=[config])
     title = slug(experiment)
     with run.Experiment(title, executor=executor, base_dir=str(home), log_level="WARN",
                         enable_goodbye_message=False) as exp:

@@ -34,7 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from recipes.config import Activation, Config, ConfigError, ModelConfig, to_dict
+from recipes.config import Activation, Config, ConfigError, ModelConfig, Normalization, to_dict
+from recipes.run_files import METRICS, SUMMARY, TENSORBOARD
 
 
 def flops_per_token(model: ModelConfig, include_output_layer: bool = True, causal: bool = True) -> float:
@@ -48,6 +49,20 @@ def flops_per_token(model: ModelConfig, include_output_layer: bool = True, causa
     per_layer = 6 * (h * (q + 2 * kv) + q * h + mlp_matrices * h * f) + attention
     logits = 6 * h * model.vocab_size if include_output_layer else 0
     return float(model.num_layers * per_layer + logits)
+
+
+def count_parameters(model: ModelConfig) -> int:
+    """The model's parameters, exactly those recipes.models.transformer builds (and megatron-core's GPTModel;
+    tests/test_models.py checks both): per layer the fused QKV projection h * (q + 2 * kv), the output projection
+    q * h, the MLP m * h * f (m as in flops_per_token) and two norms (RMSNorm: a weight; LayerNorm1p: a weight and
+    a bias); plus the untied embedding and output layer (V * h each) and the final norm."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    q = model.num_attention_heads * model.kv_channels
+    kv = model.num_query_groups * model.kv_channels
+    mlp_matrices = 3 if model.activation == Activation.swiglu else 2
+    norm = h if model.normalization == Normalization.rmsnorm else 2 * h
+    per_layer = h * (q + 2 * kv) + q * h + mlp_matrices * h * f + 2 * norm
+    return model.num_layers * per_layer + 2 * model.vocab_size * h + norm
 
 
 def warmup_steps(num_steps: int) -> int:
@@ -86,9 +101,6 @@ def step_metrics(
     )
 
 
-TENSORBOARD_DIR = "tensorboard"  # in the run directory
-
-
 def check_loggers(cfg: Config) -> None:
     """The loggers the config asks for can start in this Python; ConfigError naming the fix otherwise."""
     if cfg.trainer.tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -107,13 +119,13 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path, cfg: Config, first_step: int = 1):
         check_loggers(cfg)
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS
         self._file = self.path.open("a")
         self._tensorboard = None
         if cfg.trainer.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tensorboard = SummaryWriter(str(run_dir / TENSORBOARD_DIR),
+            self._tensorboard = SummaryWriter(str(run_dir / TENSORBOARD),
                                               purge_step=first_step if first_step > 1 else None)
         self._wandb = _start_wandb(cfg, run_dir) if cfg.logger.wandb.project else None
 
@@ -156,10 +168,11 @@ def summarize(cfg: Config, history: list[StepMetrics], world_size: int, extra: d
 
     return {
         "model": cfg.model.name,
+        "parameters": count_parameters(cfg.model),
         "precision": cfg.precision.name,
         "recipe": cfg.precision.recipe.value,
         "gpu": cfg.gpu.name,
-        "engine": cfg.engine,
+        "engine": cfg.engine.value,
         "world_size": world_size,
         "nodes": cfg.executor.nodes,
         "num_layers": cfg.model.num_layers,
@@ -180,4 +193,4 @@ def summarize(cfg: Config, history: list[StepMetrics], world_size: int, extra: d
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (run_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")

@@ -16,6 +16,8 @@ from typing import Callable, Iterator
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from recipes.run_files import PROFILE
+
 # Name patterns, in this order: collectives (NCCL kernels, Gloo/c10d ops); attention (cuDNN's fused attention
 # kernels also carry GEMM-like names, "..._sdpa_sm90_flash_bprop_wgmma..."); GEMMs: cuBLAS/cuBLASLt (nvjet, xmma),
 # CUTLASS, Inductor's GEMM templates (triton_tem_) on GPUs, the matmul operators on CPUs (`fp8_recipes::` ops ending
@@ -95,7 +97,7 @@ def profile_step_if_due(step: int, profile_step: int | None, run_dir: Path, rank
         yield
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    folder = run_dir / "profile"
+    folder = run_dir / PROFILE
     folder.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(folder / f"trace_rank{rank}.json"))
     split = {"step": step, "rank": rank, **time_split(prof, device.type)}

@@ -21,7 +21,6 @@ Each submitted run gets a record, `slurm_job.json`, in its run directory and in 
 
 from __future__ import annotations
 
-import getpass
 import json
 import os
 import posixpath
@@ -29,23 +28,19 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from recipes.config import REPO_ROOT, Config, ConfigError, SlurmConfig, SshTunnelConfig, dump_config
+from recipes.config import Config, SshTunnelConfig, dump_config
+from recipes.run_files import CONFIG, JOB_RECORD, METRICS, SBATCH_SCRIPT, SLURM_LOG, SUMMARY, TRAIN_LOG, slurm_log_name
 
 
 if TYPE_CHECKING:  # launch/status.py reads jobs back without importing the planner (and torch)
     from recipes.plan import Plan
+    from recipes.plan.cluster import Site
 
-JOB_RECORD = "slurm_job.json"
 TASK = "train"
-SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+-]+$")
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-SBATCH_OPTION = re.compile(r"^[a-z][a-z0-9_-]*$")
-DEPENDENCY_TYPES = ("after", "afterany", "afterok", "afternotok")
 # The latest job of each experiment submitted by this process: Hydra's basic launcher runs the points of a -m
 # sweep one after another in one process, so this is the previous point's job when `dependency` chains them.
 _latest_job: dict[str, str] = {}
@@ -76,72 +71,6 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "run"
 
 
-@dataclass
-class Site:
-    """Where the job finds what it needs on the cluster: this machine (tunnel=local) or the login node's storage."""
-
-    repo: str  # this repository's checkout, imported by the job
-    storage: str  # the folder holding the job folders and the run directory (mounted into a container)
-    job_root: str  # nemo-run's job folders: <experiment>/<experiment id>/<task>
-    run_dir: str
-    python: str
-    ssh: Optional[SshTunnelConfig] = None  # the login node, when submitting over SSH
-
-
-def job_site(cfg: Config, run_dir: Path, nemo_run_home: Path) -> Site:
-    slurm = cfg.executor.slurm
-    ssh = ssh_settings(slurm)
-    if ssh is None:
-        return Site(str(REPO_ROOT), str(Path(cfg.run.root).resolve()), str(nemo_run_home / "experiments"),
-                    str(run_dir), "python" if slurm.container_image else sys.executable)
-    from recipes.ssh import check_ssh_settings, remote_run_dir
-
-    check_ssh_settings(ssh)
-    return Site(ssh.repo, ssh.job_dir, posixpath.join(ssh.job_dir, "experiments"),
-                remote_run_dir(ssh, run_dir, Path(cfg.run.root).resolve()), ssh.python or "python", ssh)
-
-
-def ssh_settings(slurm: SlurmConfig) -> Optional[SshTunnelConfig]:
-    """executor.slurm.ssh when the tunnel is ssh, None for the local tunnel."""
-    if slurm.tunnel not in ("local", "ssh"):
-        raise ConfigError(f"executor.slurm.tunnel={slurm.tunnel!r}; valid values: local, ssh")
-    if slurm.tunnel == "local":
-        return None
-    missing = [f"executor.slurm.ssh.{name}" for name in ("host", "job_dir", "repo") if not getattr(slurm.ssh, name)]
-    if missing:
-        raise ConfigError(f"executor.slurm.tunnel=ssh needs {', '.join(missing)}: the login node, the job folder "
-                          "on the cluster's shared storage and this repository's checkout there (absolute paths)")
-    return replace(slurm.ssh, user=slurm.ssh.user or getpass.getuser())
-
-
-def check_slurm_settings(slurm: SlurmConfig, job_root: Path | str, run_dir: str) -> None:
-    """`job_root` and `run_dir` as the sbatch script names them: on the login node when the tunnel is ssh."""
-    root_setting = "executor.slurm.ssh.job_dir" if ssh_settings(slurm) else "executor.nemo_run_home"
-    bad = [key for key in slurm.env_vars if not ENV_NAME.match(key)]
-    if bad:
-        raise ConfigError(f"executor.slurm.env_vars: {bad} are not environment variable names ([A-Za-z_][A-Za-z0-9_]*)")
-    bad = [name for name in slurm.secret_env if not ENV_NAME.match(name) or name in slurm.env_vars]
-    if bad:
-        raise ConfigError(f"executor.slurm.secret_env: {bad} must be environment variable names that are not also in "
-                          "executor.slurm.env_vars (a secret passes by name; its value stays in your environment)")
-    if slurm.dependency is not None and slurm.dependency not in DEPENDENCY_TYPES:
-        raise ConfigError(f"executor.slurm.dependency={slurm.dependency!r}; valid values: null, "
-                          f"{', '.join(DEPENDENCY_TYPES)}")
-    bad = [key for key in slurm.sbatch_args if not SBATCH_OPTION.match(key)]
-    if bad:
-        raise ConfigError(f"executor.slurm.sbatch_args: {bad} are not sbatch option names (e.g. qos, mail-type)")
-    if slurm.container_image is None:  # nemo-run then rewrites every "/nemo_run" in the script to the job folder
-        clash = [path for path in (str(job_root), run_dir) if "/nemo_run" in path]
-        if clash:
-            raise ConfigError(f"{clash[0]!r} contains '/nemo_run', which nemo-run rewrites in the sbatch script of "
-                              f"a job without a container; rename that folder ({root_setting}, run.root or run.dir)")
-    if not SAFE_PATH.match(str(job_root)):
-        raise ConfigError(
-            f"{root_setting}: {str(job_root)!r}: nemo-run writes the job folder unquoted into the sbatch script, so "
-            f"it may hold only letters, digits and _ . / + -; choose another {root_setting}"
-        )
-
-
 def _setup_lines(site: Site, secrets: list[str]) -> Optional[str]:
     """Script lines before srun: a Python given by path brings its folder (torchrun is there) onto PATH, and the
     job stops, naming the secret, when one did not reach it (printenv prints no value)."""
@@ -159,7 +88,6 @@ def make_executor(plan: Plan, site: Site, job_name_prefix: str, after: Optional[
 
     cfg = plan.cfg
     slurm = cfg.executor.slurm
-    check_slurm_settings(slurm, site.job_root, site.run_dir)
     if site.ssh is None:
         tunnel = run.LocalTunnel(job_dir=site.job_root)
     else:
@@ -203,11 +131,10 @@ def make_executor(plan: Plan, site: Site, job_name_prefix: str, after: Optional[
 def _task(plan: Plan, site: Site):
     import nemo_run as run
 
-    from recipes.plan import ENGINE_MODULE
+    from recipes.plan import engine_command
 
-    config = posixpath.join(site.run_dir, "config.yaml")
-    return run.Script(path=ENGINE_MODULE[plan.cfg.engine], m=True, entrypoint=shlex.quote(site.python),
-                      args=[shlex.quote(config)])
+    python, _, module, config = engine_command(plan.cfg, posixpath.join(site.run_dir, CONFIG), site.python)
+    return run.Script(path=module, m=True, entrypoint=shlex.quote(python), args=[shlex.quote(config)])
 
 
 def _prepare_login_node(cfg: Config, site: Site) -> None:
@@ -220,7 +147,7 @@ def _prepare_login_node(cfg: Config, site: Site) -> None:
     try:
         check_remote_checkout(session, site.ssh, None if cfg.executor.slurm.container_image else site.python)
         remote_cfg = replace(cfg, run=replace(cfg.run, dir=site.run_dir), dryrun=False)
-        upload(session, dump_config(remote_cfg), posixpath.join(site.run_dir, "config.yaml"))
+        upload(session, dump_config(remote_cfg), posixpath.join(site.run_dir, CONFIG))
     finally:
         session.cleanup()
 
@@ -234,14 +161,11 @@ def submit(plan: Plan, config_path: Path, experiment: str, dryrun: bool) -> int:
     cfg = plan.cfg
     nemo_run_home = use_nemo_run_home(cfg.executor.nemo_run_home)  # nemo-run's own job list (.slurm_jobs) too
     run_dir = config_path.parent
-    site = job_site(cfg, run_dir, nemo_run_home)
+    site = plan.site  # checked by the plan (recipes.plan.cluster)
     ssh = site.ssh
     after = _latest_job.get(slug(experiment)) if cfg.executor.slurm.dependency else None
     executor = make_executor(plan, site, job_name_prefix=f"{slug(cfg.run.name)}.", after=after)
-    if not dryrun and ssh is None:
-        _require_sbatch()
-        require_secrets(cfg.executor.slurm.secret_env)
-    elif not dryrun:  # secrets come from the login node's environment: sbatch runs there
+    if not dryrun and ssh is not None:  # sbatch runs on the login node, with its environment's secrets
         _prepare_login_node(cfg, site)
     with run.Experiment(slug(experiment), executor=executor, base_dir=str(nemo_run_home), log_level="WARN",
                         enable_goodbye_message=False) as exp:
@@ -249,12 +173,12 @@ def submit(plan: Plan, config_path: Path, experiment: str, dryrun: bool) -> int:
         if dryrun:
             exp.dryrun(log=False, delete_exp_dir=False)
             script = Path(exp._exp_dir, f"{TASK}_sbatch.sh")
-            shutil.copy(script, run_dir / "sbatch.sh")
+            shutil.copy(script, run_dir / SBATCH_SCRIPT)
             shutil.rmtree(exp._exp_dir)
             if not any(Path(exp._exp_dir).parent.iterdir()):
                 Path(exp._exp_dir).parent.rmdir()
-            print(f"{(run_dir / 'sbatch.sh').read_text()}\n"
-                  f"dry run: nothing submitted; the sbatch script above is saved as {run_dir / 'sbatch.sh'}")
+            print(f"{(run_dir / SBATCH_SCRIPT).read_text()}\n"
+                  f"dry run: nothing submitted; the sbatch script above is saved as {run_dir / SBATCH_SCRIPT}")
             return 0
         exp.run(detach=True, tail_logs=False)
         job = exp.jobs[0]
@@ -263,11 +187,11 @@ def submit(plan: Plan, config_path: Path, experiment: str, dryrun: bool) -> int:
         log_dir = posixpath.join(job.executor.tunnel.job_dir, Path(job.executor.job_dir).name)
         record = JobRecord(slug(experiment), exp._id, job_id, f"{slug(cfg.run.name)}.{TASK}", log_dir, str(run_dir),
                            asdict(ssh) if ssh else None, site.run_dir if ssh else None)
-        shutil.copy(Path(exp._exp_dir, f"{TASK}_sbatch.sh"), run_dir / "sbatch.sh")
+        shutil.copy(Path(exp._exp_dir, f"{TASK}_sbatch.sh"), run_dir / SBATCH_SCRIPT)
         record.save(run_dir, Path(exp._exp_dir))
     print(f"submitted   Slurm job {job_id}, experiment {record.experiment_id}\n"
           + (f"after       job {_job_id(after)} ({cfg.executor.slurm.dependency})\n" if after else "")
-          + f"logs        {record.log_dir}/log-{record.job_name}_{job_id}_<restart>.out"
+          + f"logs        {record.log_dir}/{slurm_log_name(record.job_name, job_id, '<restart>')}"
           + (f" on {ssh.host}\nremote run  {site.run_dir} on {ssh.host} (status gathers it here)" if ssh else "")
           + f"\nrun dir     {run_dir}\n"
           f"status      python launch/status.py {shlex.quote(str(run_dir))}\n"
@@ -277,19 +201,6 @@ def submit(plan: Plan, config_path: Path, experiment: str, dryrun: bool) -> int:
 
 def _job_id(handle: str) -> str:
     return str(handle).rstrip("/").rpartition("/")[2]
-
-
-def require_secrets(names: list[str]) -> None:
-    missing = [name for name in names if name not in os.environ]
-    if missing:
-        raise ConfigError(f"executor.slurm.secret_env: {missing} not set here; export them before submitting (the "
-                          "job receives them from this environment, by name)")
-
-
-def _require_sbatch() -> None:
-    if shutil.which("sbatch") is None:
-        raise ConfigError("executor=slurm: sbatch is not on PATH here; submit from a Slurm login node, or use "
-                          "dryrun=true to only render the sbatch script (scripts/slurm/start.sh starts a test cluster)")
 
 
 # ---- reading jobs back ----
@@ -331,10 +242,6 @@ def job_state(job_id: str, cluster=LOCAL) -> tuple[str, int]:
     return (lines[0].split()[0] if lines else "UNKNOWN"), 0
 
 
-# nemo-run's srun logs: log-<job name>_<job id>_<restart>.out|.err (scripts/compare.py reads them too).
-SLURM_LOG = re.compile(r"^log-(?P<name>.+)_(?P<job>\d+)_(?P<restart>\d+)\.(?P<stream>out|err)$")
-
-
 def newest_log(record: JobRecord, names: list[str]) -> Optional[str]:
     """Of the file names in the job's log folder, the srun log of its latest start:
     log-<name>_<job id>_<restart>.out with the highest restart."""
@@ -346,7 +253,7 @@ def newest_log(record: JobRecord, names: list[str]) -> Optional[str]:
     return max(logs)[1] if logs else None
 
 
-RUN_OUTPUTS = ("metrics.jsonl", "summary.json")  # what the job writes into its run directory
+RUN_OUTPUTS = (METRICS, SUMMARY)  # what the job writes into its run directory
 
 
 def gather(record: JobRecord, cluster=LOCAL) -> Optional[str]:
@@ -358,7 +265,7 @@ def gather(record: JobRecord, cluster=LOCAL) -> Optional[str]:
     if not run_dir.is_dir():
         return log
     if log is not None:
-        cluster.fetch(log, run_dir / "train.log")
+        cluster.fetch(log, run_dir / TRAIN_LOG)
     if record.remote_run_dir:
         present = set(cluster.listdir(record.remote_run_dir))
         for output in RUN_OUTPUTS:

@@ -74,22 +74,6 @@ def tunnel(ssh: SshTunnelConfig, job_dir: str) -> BatchSSHTunnel:
     return BatchSSHTunnel(host=ssh.host, user=ssh.user, port=ssh.port, identity=ssh.identity, job_dir=job_dir)
 
 
-def check_ssh_settings(ssh: SshTunnelConfig) -> None:
-    """Before connecting: the remote paths must be absolute (sbatch and sftp do not expand ~ or a relative path)."""
-    for name in ("job_dir", "repo"):
-        value = getattr(ssh, name)
-        if not value.startswith("/"):
-            raise ConfigError(f"executor.slurm.ssh.{name}={value!r} must be an absolute path on the cluster")
-
-
-def remote_run_dir(ssh: SshTunnelConfig, run_dir: Path, run_root: Path) -> str:
-    """Where the job keeps the run on the cluster: under ssh.job_dir/runs, as run_dir is under run.root here (its
-    name alone when it is elsewhere). The same local run directory maps to the same remote one, so a resubmission
-    resumes from the checkpoints there."""
-    relative = run_dir.relative_to(run_root) if run_dir.is_relative_to(run_root) else Path(run_dir.name)
-    return posixpath.join(ssh.job_dir, "runs", relative.as_posix())
-
-
 def check_remote_checkout(session: BatchSSHTunnel, ssh: SshTunnelConfig, python: Optional[str]) -> None:
     """The job imports this repository from ssh.repo and runs `python` there: check both before submitting
     (`python` None: it is inside the job's container, which the login node cannot check)."""

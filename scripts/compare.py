@@ -24,13 +24,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from recipes.report import EXIT_USAGE, UsageError, build_report
+from recipes.report.table import DEFAULT_LOSS_TOLERANCE
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from recipes.report import EXIT_USAGE, UsageError, build_report  # noqa: E402
-from recipes.report.table import DEFAULT_LOSS_TOLERANCE  # noqa: E402
-
 DEFAULT_MANIFEST = REPO_ROOT / "docs" / "results" / "runs.txt"
 
 

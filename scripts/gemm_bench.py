@@ -24,16 +24,14 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from recipes.config import Activation, load_option  # noqa: E402
-from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise  # noqa: E402
-from recipes.fp8.current_scaling import quantize_tensorwise  # noqa: E402
-from recipes.fp8.formats import E4M3, fp8_max  # noqa: E402
-from recipes.fp8.gemm import fp8_gemm  # noqa: E402
-from recipes.provenance import provenance  # noqa: E402
-from recipes.report.gemm import read_gemm_csv  # noqa: E402
-from recipes.report.plots import gemm_speedup_vs_k  # noqa: E402
+from recipes.config import Activation, load_option
+from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise
+from recipes.fp8.current_scaling import quantize_tensorwise
+from recipes.fp8.formats import E4M3, fp8_max
+from recipes.fp8.gemm import fp8_gemm
+from recipes.provenance import provenance
+from recipes.report.gemm import read_gemm_csv
+from recipes.report.plots import gemm_speedup_vs_k
 
 MODELS = ["llama3_8b", "llama3_70b", "llama31_405b", "nemotron4_15b", "nemotron4_340b"]
 K_SWEEP = [1024, 2048, 4096, 8192, 16384]

@@ -41,28 +41,28 @@ import yaml
 from torch import nn
 from torch._dynamo.utils import counters
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from recipes.config import ConfigError, ModelConfig, TrainerConfig, load_option
+from recipes.engine.training import build_optimizer, compile_blocks, optimizer_step
+from recipes.fp8 import Fp8Training
+from recipes.metrics import flops_per_token
+from recipes.models.transformer import RotaryEmbedding, TransformerBlock, init_weights
+from recipes.profiling import describe_time_split, profile_kernels
+from recipes.provenance import provenance
 
-from recipes.config import ConfigError, ModelConfig, TrainerConfig, load_option  # noqa: E402
-from recipes.engine.training import (  # noqa: E402
-    build_optimizer, compile_blocks, fused_linears_apply, optimizer_step, prepare_fp8_weight_caching, prepare_main_grads,
-)
-from recipes.fp8 import convert_to_fp8  # noqa: E402
-from recipes.metrics import flops_per_token  # noqa: E402
-from recipes.models.transformer import RotaryEmbedding, TransformerBlock, init_weights  # noqa: E402
-from recipes.profiling import describe_time_split, profile_kernels  # noqa: E402
-from recipes.provenance import provenance  # noqa: E402
-from gemm_bench import bench_shape, model_gemm_shapes  # noqa: E402  (scripts/, this file's directory)
-from te_peer import TE_COLUMNS, TeDecoderStack, import_transformer_engine, te_recipe  # noqa: E402
+# Sibling scripts: scripts/, this script's folder, is on sys.path.
+from gemm_bench import bench_shape, model_gemm_shapes
+from te_peer import TE_COLUMNS, TeDecoderStack, import_transformer_engine, te_recipe
 
 TORCHAO_PEER = "torchao_tensorwise"
 
 
 class Trainee(NamedTuple):
-    """What a column trains: the blocks, and the loss of one micro-batch (input, micro-batch index)."""
+    """What a column trains: the blocks, the loss of one micro-batch (input, micro-batch index), and the FP8 object
+    the engine's optimizer step calls (BF16's, which does nothing, for a peer's own layers)."""
 
     model: nn.Module
     loss: Callable[[torch.Tensor, int], torch.Tensor]
+    fp8: Fp8Training
 
 
 class Variant(NamedTuple):
@@ -76,18 +76,15 @@ def squared_output(out: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean()
 
 
-def ours(name: str, convert: Callable[[nn.ModuleList, torch.device], bool]) -> Variant:
-    """Our blocks (recipes.models) converted by `convert` (which says whether the fused linears apply), then set up
-    and compiled as the torch engine does it in one process; BF16 autocast."""
+def ours(name: str, convert: Callable[[nn.Module, int, torch.device], Fp8Training]) -> Variant:
+    """Our blocks (recipes.models) converted by `convert` (for steps of so many micro-batches on the device; it
+    returns the FP8 object of the step), then compiled as the torch engine does it in one process; BF16 autocast."""
 
     def build(model_cfg: ModelConfig, args, device: torch.device) -> Trainee:
         with torch.device(device):
             stack = DecoderStack(model_cfg)
         init_weights(stack, model_cfg)
-        fused = convert(stack.layers, device)
-        prepare_fp8_weight_caching(stack, args.micro_batches)
-        if fused:
-            prepare_main_grads(stack)
+        fp8 = convert(stack, args.micro_batches, device)
         if args.compile:
             compile_blocks(stack.layers)
 
@@ -95,7 +92,7 @@ def ours(name: str, convert: Callable[[nn.ModuleList, torch.device], bool]) -> V
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 return squared_output(stack(x))
 
-        return Trainee(stack, loss)
+        return Trainee(stack, loss, fp8)
 
     return Variant(name, build)
 
@@ -110,20 +107,20 @@ def precision_variant(spec: str) -> Variant:
             raise ConfigError(f"--precisions {spec}: precision has no field '{key}'")
         precision = dataclasses.replace(precision, **{key: yaml.safe_load(value)})
 
-    def convert(layers: nn.ModuleList, device: torch.device) -> bool:
-        fused = fused_linears_apply(precision, device, processes=1)
-        convert_to_fp8(layers, precision, bf16_linears=fused)
-        return fused
+    def convert(stack: nn.Module, micro_batches: int, device: torch.device) -> Fp8Training:
+        fp8 = Fp8Training.for_one_process(precision, micro_batches, device)
+        fp8.convert(stack)
+        return fp8
 
     return ours(spec, convert)
 
 
 def torchao_variant() -> Variant:
-    def convert(layers: nn.ModuleList, device: torch.device) -> bool:
+    def convert(stack: nn.Module, micro_batches: int, device: torch.device) -> Fp8Training:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        convert_to_float8_training(layers, config=Float8LinearConfig.from_recipe_name("tensorwise"))
-        return False
+        convert_to_float8_training(stack.layers, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+        return Fp8Training(load_option("precision", "bf16"))  # torchao's FP8 needs no call from the step
 
     return ours(TORCHAO_PEER, convert)
 
@@ -141,7 +138,7 @@ def te_variant(column: str) -> Variant:
                 out = stack(x, is_first_microbatch=micro == 0)
             return squared_output(out)
 
-        return Trainee(stack, loss)
+        return Trainee(stack, loss, Fp8Training(load_option("precision", "bf16")))  # TE's FP8: in its layers
 
     return Variant(column, build)
 
@@ -181,7 +178,8 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
         return trainee.loss(inputs[micro % len(inputs)], micro)
 
     def training_step():
-        return optimizer_step(micro_batch_loss, args.micro_batches, stack, optimizer, trainer.lr, trainer.grad_clip)
+        return optimizer_step(micro_batch_loss, args.micro_batches, stack, trainee.fp8, optimizer, trainer.lr,
+                              trainer.grad_clip)
 
     times, losses = [], []
     if device.type == "cuda":

@@ -9,7 +9,7 @@ switch buys, the torch engine beside it; or the loss of each recipe over 500 ste
 
 `prepare` composes each configuration as `launch/run.py ... dryrun=true run.dir=DIR/<name>` does (Hydra, the
 plan's checks, the plan into plan.txt, config.yaml for the engine) and lists them in DIR/study.json. `run` starts
-each as its own process, `python -m recipes.engine.<engine> DIR/<name>/config.yaml` (the plan's command), so a crash
+each as its own process, `python -m <engine module> DIR/<name>/config.yaml` (the plan's command), so a crash
 stops only that configuration; it needs only what the engines need (torch, PyYAML, rich, megatron-core, Transformer
 Engine for FP8), not Hydra or nemo-run.
 
@@ -53,17 +53,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from recipes.config import load_config, load_option  # noqa: E402
-from recipes.plan import engine_command  # noqa: E402
-from recipes.provenance import git_commit, provenance  # noqa: E402
+from recipes.config import REPO_ROOT, load_config, load_option
+from recipes.plan import launch_command
+from recipes.provenance import git_commit, provenance
+from recipes.run_files import CONFIG, METRICS, SUMMARY, TRAIN_LOG
 
 FP8_RECIPES = ("fp8_current", "fp8_delayed", "fp8_blockwise")  # the Hopper ones: MXFP8 needs Blackwell
 SPEED_PARTS = ("functional", "precisions", "torch", "nemotron", "ablations")
 FIRST_GUESS_S = {"megatron": 90.0, "torch": 150.0}  # a run's cost before any run of its kind has finished
-KEPT_FILES = ("config.yaml", "plan.txt", "metrics.jsonl", "metrics_uninterrupted.jsonl", "summary.json", "train.log",
+KEPT_FILES = (CONFIG, "plan.txt", METRICS, "metrics_uninterrupted.jsonl", SUMMARY, TRAIN_LOG,
               "train_resumed.log")
 LOSS_WINDOW = 100  # the loss study compares the mean loss of the last 100 steps
 
@@ -156,7 +154,9 @@ def prepare(study: str, runs: list[Run], directory: Path) -> None:
 
     from recipes.config import CONF_DIR, save_config
     from recipes.hydra_schema import check_override_keys, register_schema, to_config
-    from recipes.plan import describe, make_plan, resolve
+    from recipes.plan import make_plan
+    from recipes.plan.describe import describe
+    from recipes.plan.gpu import resolve
 
     register_schema()
     directory.mkdir(parents=True, exist_ok=True)
@@ -166,10 +166,10 @@ def prepare(study: str, runs: list[Run], directory: Path) -> None:
             overrides = [*run.overrides, "dryrun=true", f"run.dir={run_dir}"]
             check_override_keys(overrides)
             cfg = resolve(to_config(compose("config", overrides=overrides)))
-            plan = make_plan(cfg, run_dir / "config.yaml")
+            plan = make_plan(cfg, run_dir / CONFIG)
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "plan.txt").write_text(describe(plan) + "\n")
-            save_config(dataclasses.replace(cfg, dryrun=False), run_dir / "config.yaml")
+            save_config(dataclasses.replace(cfg, dryrun=False), run_dir / CONFIG)
     record = {"study": study, "commit": git_commit(), "runs": [dataclasses.asdict(run) for run in runs]}
     (directory / "study.json").write_text(json.dumps(record, indent=1) + "\n")
 
@@ -201,8 +201,8 @@ def last_error(log: Path) -> str:
 
 def launch(run_dir: Path, log_name: str, timeout_s: float, commit: str) -> tuple[str, str]:
     """The engine on run_dir/config.yaml, the command the plan prints, in run_dir (its relative cache folder)."""
-    config = run_dir / "config.yaml"
-    command = engine_command(load_config(config), config)
+    config = run_dir / CONFIG
+    command = launch_command(load_config(config), config)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "FP8_RECIPES_COMMIT": os.environ.get("FP8_RECIPES_COMMIT", commit),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     log = run_dir / log_name
@@ -220,10 +220,10 @@ def execute(run: Run, run_dir: Path, timeout_s: float, commit: str) -> Outcome:
     started = time.monotonic()
     if run.resume:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # an earlier call's would be resumed from
-    status, error = launch(run_dir, "train.log", timeout_s, commit)
+    status, error = launch(run_dir, TRAIN_LOG, timeout_s, commit)
     if status == "ok" and run.resume:
         checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
-        shutil.copy(run_dir / "metrics.jsonl", run_dir / "metrics_uninterrupted.jsonl")
+        shutil.copy(run_dir / METRICS, run_dir / "metrics_uninterrupted.jsonl")
         shutil.rmtree(checkpoints[-1])
         status, error = launch(run_dir, "train_resumed.log", timeout_s - (time.monotonic() - started), commit)
     return Outcome(status, time.monotonic() - started, error)
@@ -236,7 +236,7 @@ def estimate_s(run: Run, runs: list[Run], outcomes: dict[str, Outcome]) -> float
     return max(alike, default=FIRST_GUESS_S[run.engine])
 
 
-def metrics(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+def metrics(run_dir: Path, name: str = METRICS) -> list[dict]:
     path = run_dir / name
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 

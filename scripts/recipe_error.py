@@ -11,7 +11,7 @@ and without autocast. Reported:
 - gradient error: the relative error of each weight gradient of the decoder blocks against the float64 model's,
   so everything the precision changes, compounded through the layers and the backward (mean and max).
 Recipes without a native kernel on this device are emulated (blockwise off Hopper, MXFP8 off Blackwell: the torch
-engine's rule, `recipes.plan.native_archs`), and the table says so. A recipe that silently ran in BF16 would show
+engine's rule, `recipes.plan.checks.native_archs`), and the table says so. A recipe that silently ran in BF16 would show
 BF16's gradient error.
 """
 
@@ -27,15 +27,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from recipes.config import ConfigError, PrecisionConfig, load_option  # noqa: E402
-from recipes.data import make_dataset  # noqa: E402
-from recipes.fp8 import convert_to_fp8  # noqa: E402
-from recipes.fp8.linear import Fp8Linear  # noqa: E402
-from recipes.models.transformer import Transformer  # noqa: E402
-from recipes.plan import detect_gpu, native_archs  # noqa: E402
-from recipes.provenance import provenance  # noqa: E402
+from recipes.config import ConfigError, PrecisionConfig, load_option
+from recipes.data import make_dataset
+from recipes.fp8.convert import convert_to_fp8
+from recipes.fp8.linear import Fp8Linear
+from recipes.models.transformer import Transformer
+from recipes.plan.checks import native_archs
+from recipes.plan.gpu import detect_gpu
+from recipes.provenance import provenance
 
 PRECISIONS = "bf16,fp8_current,fp8_delayed,fp8_blockwise,mxfp8"
 

@@ -40,11 +40,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from recipes.config import Config, GradReduce, TrainerConfig, load_config, load_option, save_config  # noqa: E402
-from recipes.plan import engine_command, validate  # noqa: E402
-from recipes.provenance import provenance  # noqa: E402
+from recipes.config import Config, GradReduce, TrainerConfig, load_config, load_option, save_config
+from recipes.plan import launch_command
+from recipes.plan.checks import validate
+from recipes.provenance import provenance
+from recipes.run_files import CONFIG, METRICS, SUMMARY, TRAIN_LOG
 
 WARMUP = 3
 RUN_TIMEOUT_S = 300
@@ -102,8 +102,8 @@ def make_config(run: Run, run_dir: Path, gpu: str) -> Path:
     cfg.run.dir = str(run_dir)
     validate(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    return run_dir / "config.yaml"
+    save_config(cfg, run_dir / CONFIG)
+    return run_dir / CONFIG
 
 
 def start(cfg_path: Path, devices: str) -> subprocess.Popen:
@@ -112,8 +112,8 @@ def start(cfg_path: Path, devices: str) -> subprocess.Popen:
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent.parent),
                                                        os.environ.get("PYTHONPATH")]))}
-    command = engine_command(load_config(cfg_path), cfg_path)
-    log = open(cfg_path.parent / "train.log", "w")
+    command = launch_command(load_config(cfg_path), cfg_path)
+    log = open(cfg_path.parent / TRAIN_LOG, "w")
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -161,7 +161,7 @@ def execute(runs: list[Run], out: Path, gpu: str, gpus: int) -> dict[str, Path]:
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines()]
 
 
 def steady(run_dir: Path, field: str) -> float:
@@ -169,7 +169,7 @@ def steady(run_dir: Path, field: str) -> float:
 
 
 def throughput_row(run: Run, run_dir: Path) -> dict:
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = json.loads((run_dir / SUMMARY).read_text())
     return {
         "part": run.part, "run": run.name, "GPUs": run.gpus, "global batch": run.trainer["global_batch_size"],
         "s/step": f"{steady(run_dir, 'step_time_s'):.3f}",

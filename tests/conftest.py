@@ -44,7 +44,7 @@ def hydra_compose():
     from hydra import compose, initialize_config_dir
 
     from recipes.hydra_schema import register_schema, to_config
-    from recipes.plan import resolve
+    from recipes.plan.gpu import resolve
 
     register_schema()
 

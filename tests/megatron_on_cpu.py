@@ -1,4 +1,4 @@
-"""Test-only: run recipes.engine.megatron_engine on CPUs (Gloo) by pointing megatron-core's CUDA calls at the CPU.
+"""Test-only: run recipes.megatron.engine on CPUs (Gloo) by pointing megatron-core's CUDA calls at the CPU.
 
     torchrun --nproc-per-node=N tests/megatron_on_cpu.py RUN_DIR/config.yaml
 
@@ -61,7 +61,7 @@ def install() -> None:
 
     random.get_cuda_rng_tracker = tensor_parallel.get_cuda_rng_tracker = lambda *args, **kwargs: NoRngTracker()
 
-    import recipes.engine.megatron_engine as engine
+    import recipes.megatron.engine as engine
 
     def setup_distributed(cfg):
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -75,6 +75,6 @@ def install() -> None:
 
 if __name__ == "__main__":
     install()
-    from recipes.engine.megatron_engine import main
+    from recipes.megatron.engine import main
 
     sys.exit(main(sys.argv[1:]))

@@ -1,9 +1,9 @@
 """Checkpoint and resume of the PyTorch engine: exact continuation, metrics without gaps or duplicates, pruning,
 atomic saves, refusal of a checkpoint of another model, and the same through torchrun with two processes.
 
-Runs are tiny_llama with 64-token sequences on random tokens, in FP8 current scaling, on the CPU (deterministic:
-compile is off), and a constant learning rate, so that a run may also be extended (max_steps grown) and still
-match an uninterrupted one bit for bit.
+Runs are tiny_llama with 64-token sequences on random tokens, in FP8 current scaling (one in delayed scaling), on
+the CPU (deterministic: compile is off), and a constant learning rate, so that a run may also be extended
+(max_steps grown) and still match an uninterrupted one bit for bit.
 """
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from recipes.config import CheckpointConfig, Config, TrainerConfig, load_option, save_config
 from recipes.engine import checkpoint, torch_engine
-from recipes.engine.checkpoint import CheckpointError
+from recipes.trainer.checkpoints import complete_checkpoints
 
 from test_train import launch, read_metrics
 
@@ -110,7 +110,7 @@ def test_resume_after_a_kill_is_exact_and_metrics_have_no_gap_or_duplicate(tmp_p
     with (run_dir / "metrics.jsonl").open("a") as file:
         file.write(json.dumps({**read_metrics(run_dir)[-1], "step": 5, "loss": 99.0}) + "\n")
         file.write('{"step": 6, "lo')
-    assert [p.name for _, p in checkpoint.complete_checkpoints(run_dir / "checkpoints")] == ["step_00000003"]
+    assert [p.name for _, p in complete_checkpoints(run_dir / "checkpoints", checkpoint.FILE)] == ["step_00000003"]
 
     capsys.readouterr()
     patch_batches(monkeypatch, resumed)
@@ -138,6 +138,21 @@ def test_a_finished_run_extended_with_more_steps_matches_an_uninterrupted_one(tm
 
     run(make_config(run_dir, max_steps=STEPS, interval=4))  # started again when already done: nothing to train
     assert losses(run_dir) == reference
+
+
+def test_delayed_scaling_resumes_exactly_with_its_amax_histories(tmp_path, capsys):
+    """fp8_delayed, 2 micro-batches a step: each weight is quantized in the first only, and the second's amax 0
+    leaves its history and scale alone (Transformer Engine's fused update). Resumed from step 2's checkpoint, the
+    run continues bit for bit: losses, and the weights, Adam moments, amax histories and scales of step 4."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    run(make_config(whole, max_steps=4, interval=4, precision="fp8_delayed"))
+    run(make_config(split, max_steps=2, interval=2, precision="fp8_delayed"))
+    capsys.readouterr()
+    run(make_config(split, max_steps=4, interval=2, precision="fp8_delayed"))
+    assert "resuming from step 2 of" in capsys.readouterr().out
+    assert losses(split) == losses(whole)
+    saved = [(d / "checkpoints" / "step_00000004" / "__0_0.distcp").read_bytes() for d in (whole, split)]
+    assert saved[0] == saved[1]
 
 
 def test_only_the_last_checkpoints_are_kept(tmp_path):
@@ -190,34 +205,16 @@ def test_a_checkpoint_of_another_model_is_refused_with_a_clear_message(tmp_path,
     assert "past trainer.max_steps=1" in capsys.readouterr().err
 
 
-class DelayedScalingLike(nn.Module):
-    """A module with FP8 scaling state outside its parameters, as delayed scaling's linears will have."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(2, 2))
-        self.amax_history = torch.zeros(4, 3)
-
-    def fp8_state_dict(self) -> dict:
-        return {"amax_history": self.amax_history.clone()}
-
-    def load_fp8_state_dict(self, state: dict) -> None:
-        self.amax_history.copy_(state["amax_history"])
-
-
-def test_fp8_scaling_state_is_collected_from_modules_that_have_it():
-    model = nn.Sequential(nn.Linear(2, 2), DelayedScalingLike(), nn.Sequential(DelayedScalingLike()))
-    model[1].amax_history.fill_(3.0)
-    model[2][0].amax_history.fill_(5.0)
-    state = checkpoint.fp8_state(model)
-    assert set(state) == {"1", "2.0"}
-
-    fresh = nn.Sequential(nn.Linear(2, 2), DelayedScalingLike(), nn.Sequential(DelayedScalingLike()))
-    checkpoint.load_fp8_state(fresh, state)
-    assert torch.equal(fresh[1].amax_history, torch.full((4, 3), 3.0))
-    assert torch.equal(fresh[2][0].amax_history, torch.full((4, 3), 5.0))
-    with pytest.raises(CheckpointError, match="FP8 scaling state"):
-        checkpoint.load_fp8_state(nn.Sequential(nn.Linear(2, 2)), state)
+def test_delayed_scaling_state_travels_in_the_checkpoint(tmp_path):
+    """Delayed scaling's amax histories and scales are buffers of the FP8 linears, so the model's checkpoint carries
+    them: a run resumed at step 2 continues exactly as the uninterrupted one (a fresh history, scale 1, would
+    quantize differently). A small model, for the CPU's slow FP8 GEMMs."""
+    small = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+                 kv_channels=16)
+    run(make_config(tmp_path / "whole", max_steps=4, interval=0, precision="fp8_delayed", **small))
+    run(make_config(tmp_path / "run", max_steps=2, interval=2, precision="fp8_delayed", **small))
+    run(make_config(tmp_path / "run", max_steps=4, interval=2, precision="fp8_delayed", **small))
+    assert losses(tmp_path / "run") == losses(tmp_path / "whole")
 
 
 def test_two_processes_checkpoint_and_resume_exactly_through_torchrun(tmp_path):
@@ -236,7 +233,7 @@ def test_two_processes_checkpoint_and_resume_exactly_through_torchrun(tmp_path):
     assert len(rng) == 2  # each rank's RNG state, gathered to the one writer
 
     # As if killed after step 4's metrics but before its checkpoint: the resumed run redoes steps 3 and 4.
-    checkpoint.shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
     second = launch(tmp_path, cache, *args)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resuming from step 2 of" in second.stdout

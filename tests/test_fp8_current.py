@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from recipes.config import ConfigError, Fp8Format, ModelConfig, PrecisionConfig, Recipe
-from recipes.fp8 import convert_to_fp8
+from recipes.fp8.convert import convert_to_fp8
 from recipes.fp8.current_scaling import Float8Tensor, quantize_tensorwise, tensorwise_scale
 from recipes.fp8.formats import E4M3, E5M2, forward_and_backward_dtypes
-from recipes.fp8.linear import BlockwiseScaling, CurrentScaling, DelayedScaling, MXFP8Scaling, Fp8Linear, fp8_linear, recipe_from_config
+from recipes.fp8.linear import BlockwiseScaling, TensorwiseScaling, DelayedScaling, MXFP8Scaling, Fp8Linear, fp8_linear, recipe_from_config
 from recipes.models.transformer import Transformer
 
 U = 2.0**-24  # FP32 unit roundoff
@@ -232,25 +232,6 @@ def test_values_near_e4m3_subnormal_range():
 
 
 @pytest.mark.parametrize("dtype", FORMATS)
-def test_margin_halves_scale_per_unit(dtype):
-    spec = SPEC[dtype]
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(64, 64, generator=g) * 3.0
-    amax = x.abs().amax()
-    base = tensorwise_scale(amax, dtype, margin=0)
-    for margin in range(1, 5):
-        scale = tensorwise_scale(amax, dtype, margin=margin)
-        # Division by a power of two is exact in FP32 (no under/overflow here): exactly base / 2**margin.
-        assert scale.item() == base.item() / 2**margin
-        expected = ref_scale(amax.item(), spec["max"], margin).item()
-        assert abs(scale.item() - expected) <= 2 * U * expected  # two FP32 roundings, as in test 1
-        q = quantize_tensorwise(x, dtype, margin=margin)
-        assert torch.equal(q.scale_inv, scale.reciprocal())
-        # amax now maps to fp8_max / 2**margin (448/2^k and 57344/2^k are representable for k <= 4).
-        assert q.data.double().abs().max().item() == spec["max"] / 2**margin
-
-
-@pytest.mark.parametrize("dtype", FORMATS)
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_non_finite_input_gives_nan_not_saturation(dtype, bad, in_dtype):
@@ -286,11 +267,11 @@ def precision(fmt: Fp8Format = Fp8Format.hybrid, **kw) -> PrecisionConfig:
     return PrecisionConfig(name="fp8_current", recipe=Recipe.tensorwise, fp8_format=fmt, **kw)
 
 
-def hybrid(**kw) -> CurrentScaling:
+def hybrid(**kw) -> TensorwiseScaling:
     return recipe_from_config(precision(Fp8Format.hybrid, **kw))
 
 
-def all_e4m3(**kw) -> CurrentScaling:
+def all_e4m3(**kw) -> TensorwiseScaling:
     return recipe_from_config(precision(Fp8Format.e4m3, **kw))
 
 
@@ -327,10 +308,14 @@ def rel_fro(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 def test_recipe_from_config():
     r = hybrid()
-    assert (r.forward_dtype, r.backward_dtype, r.margin, r.fp8_wgrad) == (E4M3, E5M2, 0, True)
+    assert (r.forward_dtype, r.backward_dtype, r.fp8_wgrad) == (E4M3, E5M2, True)
     assert forward_and_backward_dtypes(Fp8Format.hybrid) == (E4M3, E5M2)
-    r = all_e4m3(margin=2, fp8_wgrad=False)
-    assert (r.forward_dtype, r.backward_dtype, r.margin, r.fp8_wgrad) == (E4M3, E4M3, 2, False)
+    r = all_e4m3(fp8_wgrad=False)
+    assert (r.forward_dtype, r.backward_dtype, r.fp8_wgrad) == (E4M3, E4M3, False)
+    # TE's Float8CurrentScaling has no margin (its scale is compute_scale_from_amax's fp8_max / amax): refused,
+    # not ignored.
+    with pytest.raises(ConfigError, match=r"precision\.margin=2 is delayed scaling's.*precision=fp8_delayed"):
+        hybrid(margin=2)
 
 
 def assert_gemm_exact(out, a64, b64, out_unit_roundoff):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recipes.config import AmaxComputeAlgo, Fp8Format, ModelConfig, PrecisionConfig, Recipe
-from recipes.fp8 import convert_to_fp8
+from recipes.fp8.convert import convert_to_fp8
 from recipes.fp8.blockwise import quantize_blockwise
 from recipes.fp8.current_scaling import quantize_tensorwise, tensorwise_scale
 from recipes.fp8.delayed_scaling import DelayedScalingState, quantize_delayed, update_delayed_scaling
@@ -35,14 +35,14 @@ from recipes.fp8.linear import (
     DelayedScaling,
     Fp8Linear,
     MXFP8Scaling,
-    attach_weight_caches,
     fp8_linear,
     recipe_from_config,
-    set_weight_cache_mode,
-    update_fp8_scaling,
 )
 from recipes.fp8.mxfp8 import mx_scale_exponent, quantize_mx, swizzle_32_4_4, to_e8m0
 from recipes.fp8.tensor import Float8Tensor
+from recipes.fp8.training import (
+    attach_weight_caches, fp8_amaxes_finite, non_finite_amaxes, set_weight_cache_mode, update_fp8_scaling,
+)
 from recipes.models.transformer import Transformer
 
 U = 2.0**-24  # FP32 unit roundoff
@@ -161,19 +161,15 @@ HISTORY_LEN = 3
 AMAX_SEQUENCE = [3.0, 200.0, 1.5, 2.0, 5.0, 0.75, 4.0]
 
 
-def new_state(history_len: int = HISTORY_LEN) -> tuple[torch.Tensor, torch.Tensor]:
-    """(amax_history, scale) of a fresh DelayedScalingState."""
-    state = DelayedScalingState(history_len)
-    return state.amax_history, state.scale
+def new_state(history_len: int = HISTORY_LEN) -> DelayedScalingState:
+    return DelayedScalingState(history_len)
 
 
-def quantize_delayed_use(x, dtype, state, role, algo, margin):
+def quantize_delayed_use(x, dtype, state: DelayedScalingState, role, algo, margin):
     """One micro-batch's use of `role`: quantize with the current scale, then close the history slot (the engine
     calls update_delayed_scaling once after each micro-batch's backward)."""
-    quantized = quantize_delayed(x, dtype, state, role)
-    holder = DelayedScalingState(state[0].shape[1])
-    holder.amax_history, holder.scale = state  # the same tensors: the update is in place
-    update_delayed_scaling([holder], (dtype,) * 3, algo, margin)
+    quantized = quantize_delayed(x, dtype, (state.amax_history, state.scale), role)
+    update_delayed_scaling([state], (dtype,) * 3, algo, margin)
     return quantized
 
 
@@ -208,7 +204,7 @@ def test_delayed_scale_sequence(algo, margin, dtype):
         # tensor (use 1 after amax 3: 200 * 448/3 saturates) -- saturation is delayed scaling's documented price.
         assert torch.equal(q.data.double(), ref_cast(x, expected[t], dtype)), t
         # The other roles' rows are untouched.
-        assert torch.equal(state[1][:2], torch.ones(2)) and torch.equal(state[0][:2], torch.zeros(2, HISTORY_LEN))
+        assert torch.equal(state.scale[:2], torch.ones(2)) and torch.equal(state.amax_history[:2], torch.zeros(2, HISTORY_LEN))
     if algo == AmaxComputeAlgo.max and margin == 0:
         assert (q.data.double().abs() == fp8_max).sum() == 0  # last use: amax 4 <= 5, no saturation
 
@@ -220,7 +216,7 @@ def test_delayed_first_use_scale_one_and_zero_tensor():
         q = quantize_delayed_use(z, E4M3, state, INPUT, AmaxComputeAlgo.max, 0)
         assert q.scale_inv.item() == 1.0 and (q.data.double() == 0).all()
         assert torch.isfinite(deq64(q)).all()
-    assert state[1][INPUT].item() == 1.0
+    assert state.scale[INPUT].item() == 1.0
     x = with_amax((16, 16), 896.0, seed=3)
     q = quantize_delayed_use(x, E4M3, state, INPUT, AmaxComputeAlgo.max, 0)
     assert q.scale_inv.item() == 1.0  # still scale 1 (history of zeros) ...
@@ -239,20 +235,33 @@ def test_delayed_roles_are_independent():
         assert q.scale_inv.item() == torch.tensor(1.0 / ref_scale(a, 448.0), dtype=torch.float64).float().item()
 
 
+INV_224 = torch.tensor(1 / 224.0, dtype=torch.float64).float().item()  # scale_inv of scale 448 / 2, rounded once
+
+
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
 @pytest.mark.parametrize("algo", [AmaxComputeAlgo.max, AmaxComputeAlgo.most_recent], ids=["max", "most_recent"])
-def test_delayed_non_finite_poisons(bad, algo):
+def test_delayed_non_finite_is_cast_with_the_stored_scale_and_flagged(bad, algo):
     state = new_state()
-    quantize_delayed_use(with_amax((8, 16), 2.0, seed=1), E4M3, state, INPUT, algo, 0)  # warm-up: a finite scale
+    quantize_delayed_use(with_amax((8, 16), 2.0, seed=1), E4M3, state, INPUT, algo, 0)  # warm-up: scale 448/2
     x = with_amax((8, 16), 2.0, seed=2)
     x[3, 4] = bad
     q = quantize_delayed_use(x, E4M3, state, INPUT, algo, 0)
-    # This use: NaN, not a silent saturation of inf to 448 with the old (finite) scale.
-    assert torch.isnan(q.scale_inv) and torch.isnan(q.data.double()).all()
-    assert not (q.data.double().abs() == 448.0).any()
-    # The history is poisoned: the next (finite) tensor quantizes to NaN as well.
+    # The cast uses the stored scale alone, as TE's does: inf saturates to +-448, NaN stays NaN, the rest as usual.
+    assert q.scale_inv.item() == INV_224
+    data, expected = q.data.double(), ref_cast(x, 224.0, E4M3)
+    assert (data[3, 4].item() == 448.0) if bad == float("inf") else math.isnan(data[3, 4].item())
+    others = torch.ones_like(x, dtype=torch.bool)
+    others[3, 4] = False
+    assert torch.equal(data[others], expected[others])
+    # The amax reached the history (newest slot, TE's layout [open, oldest, ..., newest]) and the update flagged
+    # the role; the scale follows TE's rule (inf: not finite, the previous scale; NaN: max drops it, most_recent
+    # keeps the previous scale): 224 either way here.
+    newest = state.amax_history[INPUT, -1].item()
+    assert newest == bad if bad == float("inf") else math.isnan(newest)
+    assert state.nonfinite.tolist() == [1.0, 0.0, 0.0] and state.scale[INPUT].item() == 224.0
+    # Later finite tensors cast normally; the flag stays until the training loop stops on it.
     q = quantize_delayed_use(with_amax((8, 16), 2.0, seed=3), E4M3, state, INPUT, algo, 0)
-    assert torch.isnan(q.scale_inv) and torch.isnan(deq64(q)).all()
+    assert q.scale_inv.item() == INV_224 and state.nonfinite.tolist() == [1.0, 0.0, 0.0]
 
 
 def delayed_recipe(history_len: int = HISTORY_LEN, algo=AmaxComputeAlgo.max, **kw) -> DelayedScaling:
@@ -334,6 +343,7 @@ def test_delayed_state_dict_round_trip():
     a = linear_module(128, 64, recipe, seed=1)
     sd_keys = set(a.state_dict())
     assert {"fp8_state.amax_history", "fp8_state.scale"} <= sd_keys
+    assert "fp8_state.nonfinite" not in sd_keys  # the run stops on it: checkpoints of earlier versions still load
 
     def step(module, seed):
         x = with_amax((32, 128), 1.0 + seed, seed=seed).bfloat16().requires_grad_(True)
@@ -364,18 +374,23 @@ def test_delayed_state_dict_round_trip():
     assert torch.equal(a.fp8_state.amax_history, b.fp8_state.amax_history)
 
 
-def test_delayed_fp8_linear_non_finite_input():
-    module = linear_module(64, 32, delayed_recipe())
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_delayed_fp8_linear_non_finite_input_is_flagged_by_layer_and_role(bad):
+    model = nn.Sequential(linear_module(64, 32, delayed_recipe()), linear_module(32, 32, delayed_recipe(), seed=1))
     x = with_amax((16, 64), 2.0, seed=1).bfloat16()
-    module(x)  # warm-up
-    update_fp8_scaling(module)
+    model(x)  # warm-up
+    update_fp8_scaling(model)
+    assert bool(fp8_amaxes_finite(model)) and non_finite_amaxes(model) == ""
     x_bad = x.clone()
-    x_bad[3, 3] = float("inf")
-    y = module(x_bad)
-    assert torch.isnan(y).all()  # NaN for this use, not 448 * old scale_inv
-    update_fp8_scaling(module)
-    y = module(x)
-    assert torch.isnan(y).all()  # the input history is poisoned
+    x_bad[3, 3] = bad
+    y = model(x_bad)
+    # inf is saturated by the cast (the stored scale; as in TE), NaN propagates; either way the update flags the
+    # first layer's input, and only it.
+    assert torch.isfinite(y).all() if bad == float("inf") else torch.isnan(y).any()
+    update_fp8_scaling(model)
+    assert not bool(fp8_amaxes_finite(model))
+    assert non_finite_amaxes(model) == ("0's input" if bad == float("inf") else "0's input (and 1 more)")
+    assert fp8_amaxes_finite(nn.Linear(4, 4)) is True  # no delayed scaling: nothing to check
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -968,17 +983,30 @@ def test_weight_cache_is_really_reused_and_refreshed():
     assert not torch.equal(layer(x), first)
 
 
-def test_weight_cache_records_the_weight_amax_once_per_optimizer_step():
-    """Delayed scaling with the cache: the weight is quantized in the first micro-batch only, so one slot of the
-    weight's amax history is filled per optimizer step (the input and gradient rows: one per micro-batch), and
-    the empty slots of the other micro-batches keep the weight's scale instead of resetting it."""
-    layer = linear_module(256, 128, delayed_recipe(history_len=8, algo=AmaxComputeAlgo.most_recent), seed=4)
+@pytest.mark.parametrize("algo", [AmaxComputeAlgo.max, AmaxComputeAlgo.most_recent], ids=["max", "most_recent"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_weight_cache_records_the_weight_amax_once_per_optimizer_step(algo, compiled):
+    """Delayed scaling with the cache, as TE with is_first_microbatch: the weight is quantized in the first
+    micro-batch of an optimizer step only, its amax is 0 in the others, and TE's fused update (delayed_scaling.cu
+    kernel_bulk) neither moves a history nor changes a scale for an amax of 0. History 4, 4 micro-batches a step,
+    weight amaxes 2, 1.5, 1.25 in three steps: the window holds 2, 1.5, 1.25 and the max scale stays 448 / 2 = 224
+    (rolling the zeros in, the window would lose the 2: 224, 298.7, 358.4)."""
+    layer = linear_module(64, 32, delayed_recipe(history_len=4, algo=algo), seed=4)
     attach_weight_caches(layer)
+    if compiled:
+        layer.compile()
     g = torch.Generator().manual_seed(6)
-    xs = [torch.randn(64, 256, generator=g).bfloat16().requires_grad_() for _ in range(3)]
-    accumulate(layer, xs, cached=True)
-    history, scale = layer.fp8_state.amax_history, layer.fp8_state.scale
-    amax = layer.weight.detach().abs().amax()
-    assert history[WEIGHT].tolist() == [0, 0, 0, amax.item(), 0, 0, 0, 0]  # filled in micro-batch 1 of 3
-    assert int((history[INPUT] > 0).sum()) == 3 and int((history[GRAD] > 0).sum()) == 3
-    assert scale[WEIGHT] == tensorwise_scale(amax, E4M3)  # most_recent, yet not reset by the empty slots
+    amaxes, scales = [2.0, 1.5, 1.25], []
+    for step, amax in enumerate(amaxes):
+        with torch.no_grad():
+            layer.weight.copy_(with_amax((32, 64), amax, seed=step))  # the new weights of an optimizer step
+        accumulate(layer, [torch.randn(16, 64, generator=g).bfloat16().requires_grad_() for _ in range(4)], True)
+        scales.append(layer.fp8_state.scale[WEIGHT].item())
+    history = layer.fp8_state.amax_history
+    assert history[WEIGHT].tolist() == [0.0] + amaxes  # TE's layout: [open slot, oldest, ..., newest]
+    if algo == AmaxComputeAlgo.max:
+        assert scales == [ref_scale(2.0, 448.0)] * 3 == [224.0] * 3
+    else:
+        assert scales == [ref_scale(a, 448.0) for a in amaxes]
+    # Input and gradient are quantized in every micro-batch: 12 non-zero amaxes went through their windows.
+    assert (history[[INPUT, GRAD], 1:] > 0).all() and (history[[INPUT, GRAD], 0] == 0).all()

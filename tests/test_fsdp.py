@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +19,10 @@ from pathlib import Path
 import pytest
 
 from recipes.config import CheckpointConfig, Config, ConfigError, GradReduce, TrainerConfig, load_config, load_option, save_config
-from recipes.engine import checkpoint, torch_engine
-from recipes.plan import describe, estimate_memory, make_plan
+from recipes.engine import torch_engine
+from recipes.plan import make_plan
+from recipes.plan.describe import describe
+from recipes.plan.memory import estimate_memory
 
 from test_train import read_metrics
 
@@ -105,13 +108,13 @@ def test_fp8_delayed_under_fsdp_matches_one_process_and_resumes_exactly(tmp_path
 
     # As if killed after step 4's metrics but before its checkpoint: the resumed run redoes steps 3 and 4, from
     # each rank's shards of the weights, Adam moments and the amax histories.
-    checkpoint.shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
     torchrun("-m", "recipes.engine.torch_engine", str(config_path))
     assert curve(run_dir) == uninterrupted  # bit-identical
 
     # The same sharded checkpoint, resumed by one process: DCP reshards on load.
     one_dir = tmp_path / "resharded"
-    checkpoint.shutil.copytree(step_2, one_dir / "checkpoints" / step_2.name)
+    shutil.copytree(step_2, one_dir / "checkpoints" / step_2.name)
     capsys.readouterr()
     assert torch_engine.main([str(make_config(one_dir, cache_dir, "fp8_delayed", 1, interval=2))]) == 0
     assert "resuming from step 2 of" in capsys.readouterr().out
@@ -173,7 +176,7 @@ def test_fp8_all_gather_trains_like_one_process_and_resumes_exactly(tmp_path, ca
     torchrun("-m", "recipes.engine.torch_engine", str(config_path))
     uninterrupted = curve(run_dir)
     assert_close(uninterrupted, curve(tmp_path / "one"), "fp8")
-    checkpoint.shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
     torchrun("-m", "recipes.engine.torch_engine", str(config_path))
     assert curve(run_dir) == uninterrupted
 

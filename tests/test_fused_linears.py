@@ -12,15 +12,16 @@ import pytest
 import torch
 from torch import nn
 
-from recipes.engine.training import build_optimizer, optimizer_step, prepare_fp8_weight_caching, prepare_main_grads
+from recipes.engine.training import build_optimizer, optimizer_step
 from recipes.config import TrainerConfig, load_option
-from recipes.fp8 import convert_to_fp8
+from recipes.fp8 import Fp8Training
 from recipes.fp8.blockwise import quantize_blockwise
+from recipes.fp8.convert import convert_to_fp8
 from recipes.fp8.formats import E4M3, E5M2
 from recipes.fp8.linear import (
-    CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, Bf16Linear, BlockwiseScaling, CurrentScaling, DelayedScaling, Fp8Linear,
-    attach_main_grads, attach_weight_caches, expose_main_grads, set_weight_cache_mode,
+    CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, Bf16Linear, BlockwiseScaling, DelayedScaling, Fp8Linear, TensorwiseScaling,
 )
+from recipes.fp8.training import attach_main_grads, attach_weight_caches, expose_main_grads, set_weight_cache_mode
 from recipes.models.transformer import Transformer
 
 MICRO_BATCHES = 3
@@ -91,8 +92,8 @@ def test_bf16_main_grad_sums_micro_batches_in_fp32(compiled):
 
 
 @pytest.mark.parametrize("recipe, compiled", [
-    (CurrentScaling(E4M3, E5M2), False), (CurrentScaling(E4M3, E5M2), True),
-    (DelayedScaling(E4M3, E5M2, amax_history_len=4), False), (CurrentScaling(E4M3, E5M2, fp8_wgrad=False), False),
+    (TensorwiseScaling(E4M3, E5M2), False), (TensorwiseScaling(E4M3, E5M2), True),
+    (DelayedScaling(E4M3, E5M2, amax_history_len=4), False), (TensorwiseScaling(E4M3, E5M2, fp8_wgrad=False), False),
 ], ids=["current", "current-compiled", "delayed", "bf16-wgrad"])
 def test_fp8_main_grad_equals_autograds_sum(recipe, compiled):
     """The same FP8 GEMMs either way; main_grad receives the first micro-batch's weight gradient and adds the
@@ -124,10 +125,10 @@ def test_optimizer_step_with_fused_linears_trains_like_autograd():
         torch.manual_seed(0)
         model = Transformer(cfg)
         model.init_weights(torch.Generator().manual_seed(0))
-        convert_to_fp8(model.layers, precision, bf16_linears=fused)
-        prepare_fp8_weight_caching(model, MICRO_BATCHES)
-        if fused:
-            assert prepare_main_grads(model) == 4 * cfg.num_layers
+        fp8 = Fp8Training(precision, MICRO_BATCHES, fused_linears=fused)
+        fp8.convert(model)
+        with_main_grads = [m for m in model.modules() if getattr(m, "main_grad", None) is not None]
+        assert len(with_main_grads) == (4 * cfg.num_layers if fused else 0)
         optimizer = build_optimizer(model, trainer, torch.device("cpu"))
 
         def loss(micro: int) -> torch.Tensor:
@@ -135,7 +136,7 @@ def test_optimizer_step_with_fused_linears_trains_like_autograd():
                 logits = model(tokens[micro, :, :-1])
             return nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[micro, :, 1:].flatten())
 
-        optimizer_step(loss, MICRO_BATCHES, model, optimizer, trainer.lr, trainer.grad_clip)
+        optimizer_step(loss, MICRO_BATCHES, model, fp8, optimizer, trainer.lr, trainer.grad_clip)
         weights.append([p.detach().clone() for p in model.parameters()])
     for before, after in zip(*weights):
         assert torch.equal(before, after)
@@ -206,7 +207,7 @@ def test_transpose_fp8_moves_every_byte(kernels, shape):
 
 
 @needs_triton
-@pytest.mark.parametrize("recipe", [CurrentScaling(E4M3, E5M2), DelayedScaling(E4M3, E5M2, amax_history_len=4),
+@pytest.mark.parametrize("recipe", [TensorwiseScaling(E4M3, E5M2), DelayedScaling(E4M3, E5M2, amax_history_len=4),
                                     BlockwiseScaling(E4M3, E4M3, emulate=True)], ids=["current", "delayed", "blockwise"])
 def test_fp8_linear_with_fused_kernels_equals_reference(kernels, recipe):
     """The same layer with and without the kernels: identical outputs and gradients, bit for bit."""

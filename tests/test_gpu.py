@@ -10,7 +10,7 @@ import torch
 
 from recipes.fp8.current_scaling import quantize_tensorwise
 from recipes.fp8.formats import E4M3, E5M2
-from recipes.fp8.linear import CurrentScaling, Fp8Linear
+from recipes.fp8.linear import TensorwiseScaling, Fp8Linear
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,7 +34,7 @@ def test_quantization_on_cuda_equals_cpu_bit_for_bit(dtype):
 def test_fp8_linear_gemms_on_cuda_against_float64(compiled):
     torch.manual_seed(0)
     linear = torch.nn.Linear(512, 384, bias=False, device="cuda")
-    layer = Fp8Linear(linear, CurrentScaling(E4M3, E5M2))
+    layer = Fp8Linear(linear, TensorwiseScaling(E4M3, E5M2))
     forward = torch.compile(layer) if compiled else layer
     x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     y = forward(x)
@@ -62,7 +62,8 @@ def test_every_recipe_gemms_on_cuda_against_float64(precision, compiled):
     import dataclasses
 
     from recipes.config import load_option
-    from recipes.fp8.linear import recipe_from_config, update_fp8_scaling
+    from recipes.fp8.linear import recipe_from_config
+    from recipes.fp8.training import update_fp8_scaling
 
     config = load_option("precision", precision)
     recipe = recipe_from_config(dataclasses.replace(config, emulate=config.recipe.value == "mxfp8"))
@@ -123,7 +124,8 @@ def test_native_blockwise_gemms_equal_their_emulation(fp8_wgrad):
 
 
 def test_delayed_scaling_compiles_and_matches_eager():
-    from recipes.fp8.linear import DelayedScaling, update_fp8_scaling
+    from recipes.fp8.linear import DelayedScaling
+    from recipes.fp8.training import update_fp8_scaling
 
     torch.manual_seed(0)
     linears = [torch.nn.Linear(256, 256, bias=False, device="cuda") for _ in range(2)]
@@ -140,6 +142,23 @@ def test_delayed_scaling_compiles_and_matches_eager():
         assert torch.equal(outs[0], outs[1])
         assert torch.equal(eager.fp8_state.amax_history, compiled.fp8_state.amax_history)
         assert torch.equal(eager.fp8_state.scale, compiled.fp8_state.scale)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_scales_follow_transformer_engine_on_cuda(compiled):
+    """tests/test_te_parity.py's checks with CUDA kernels (and Triton's, compiled): delayed scaling's histories and
+    scales equal TE's fused update bit for bit, MXFP8 exponents TE's float_to_e8m0 over every binade (no flush
+    of subnormal products to zero), blockwise FP32 scales TE's compute_scale_from_types."""
+    from test_te_parity import check_blockwise_scales, check_delayed_sequence, check_mx_exponents
+
+    cuda = torch.device("cuda")
+    for algo, margin in (("max", 1), ("most_recent", 0)):
+        check_delayed_sequence(algo, margin, compiled, cuda)
+    for dtype in (E4M3, E5M2):
+        check_mx_exponents(dtype, compiled, cuda)
+    for in_dtype in (torch.bfloat16, torch.float32):
+        for pow2 in (False, True):
+            check_blockwise_scales(in_dtype, pow2, compiled, cuda)
 
 
 def test_blockwise_linear_compiles_in_one_graph_and_matches_eager():
@@ -175,7 +194,7 @@ def test_compiled_emulated_mxfp8_model_matches_eager():
     import dataclasses
 
     from recipes.config import load_option
-    from recipes.fp8 import convert_to_fp8
+    from recipes.fp8.convert import convert_to_fp8
     from recipes.models.transformer import Transformer
 
     cfg = dataclasses.replace(load_option("model", "tiny_llama"), num_layers=2)
@@ -304,11 +323,8 @@ def test_fused_linears_train_like_plain_ones_on_cuda(precision):
     import dataclasses
 
     from recipes.config import TrainerConfig, load_option
-    from recipes.engine.training import (
-        build_optimizer, compile_blocks, fused_linears_apply, optimizer_step, prepare_fp8_weight_caching,
-        prepare_main_grads,
-    )
-    from recipes.fp8 import convert_to_fp8
+    from recipes.engine.training import build_optimizer, compile_blocks, optimizer_step
+    from recipes.fp8 import Fp8Training
     from recipes.models.transformer import Transformer
 
     cfg = dataclasses.replace(load_option("model", "tiny_llama"), num_layers=2)
@@ -318,15 +334,12 @@ def test_fused_linears_train_like_plain_ones_on_cuda(precision):
     results = []
     for fused_kernels in (False, True):
         settings = dataclasses.replace(load_option("precision", precision), fused_kernels=fused_kernels)
-        fused = fused_linears_apply(settings, torch.device("cuda"), processes=1)
-        assert fused == fused_kernels
+        fp8 = Fp8Training.for_one_process(settings, 3, torch.device("cuda"))
+        assert fp8.fused_linears == fused_kernels
         with torch.device("cuda"):
             model = Transformer(cfg)
         model.init_weights(torch.Generator("cuda").manual_seed(1))
-        convert_to_fp8(model.layers, settings, bf16_linears=fused)
-        prepare_fp8_weight_caching(model, 3)
-        if fused:
-            prepare_main_grads(model)
+        fp8.convert(model)
         compile_blocks(model.layers)
         optimizer = build_optimizer(model, trainer, torch.device("cuda"))
 
@@ -335,7 +348,7 @@ def test_fused_linears_train_like_plain_ones_on_cuda(precision):
                 logits = model(tokens[micro, :, :-1])
             return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[micro, :, 1:].flatten())
 
-        step_loss, grad_norm = optimizer_step(loss, 3, model, optimizer, trainer.lr, trainer.grad_clip)
+        step_loss, grad_norm = optimizer_step(loss, 3, model, fp8, optimizer, trainer.lr, trainer.grad_clip)
         results.append((step_loss.item(), grad_norm.item(), [p.detach().double() for p in model.parameters()]))
     (loss_plain, norm_plain, plain), (loss_fused, norm_fused, fused_params) = results
     assert abs(loss_fused - loss_plain) < 1e-3 * loss_plain

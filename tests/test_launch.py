@@ -360,7 +360,15 @@ ERROR_CASES = {
     "local_nodes": (("executor.nodes=2", "dryrun=true"), ("executor=local", "executor.nodes=1")),
     "profile_step": (("trainer.max_steps=10", "trainer.profile_step=11", "dryrun=true"),
                      ("trainer.profile_step=11", "trainer.max_steps=10")),
-    "unknown_engine": (("engine=jax", "dryrun=true"), ("engine=jax", "not available", "torch, megatron")),
+    "unknown_engine": (("engine=jax", "dryrun=true"), ("engine=jax", "Invalid value 'jax'", "torch, megatron")),
+    "unknown_executor": (("executor.name=ray", "dryrun=true"), ("executor.name", "'ray'", "local, slurm")),
+    "unknown_tunnel": (("executor=slurm", "gpu=h100", "executor.slurm.tunnel=vpn", "dryrun=true"),
+                       ("executor.slurm.tunnel", "'vpn'", "local, ssh")),
+    # Slurm's and SSH's settings, checked by the plan like the rest (nothing saved or rendered first)
+    "slurm_secret_name": (("executor=slurm", "gpu=cpu", "executor.slurm.secret_env=[NOT-A-NAME]", "dryrun=true"),
+                          ("executor.slurm.secret_env", "NOT-A-NAME")),
+    "ssh_without_host": (("executor=slurm", "gpu=cpu", "executor.slurm.tunnel=ssh", "dryrun=true"),
+                         ("executor.slurm.ssh.host", "executor.slurm.ssh.job_dir", "executor.slurm.ssh.repo")),
     # wandb is no dependency: asking for it without it installed is refused before anything runs
     **({} if importlib.util.find_spec("wandb") else {"wandb_missing": (
         ("logger.wandb.project=fp8", "dryrun=true"),
@@ -380,6 +388,9 @@ ERROR_CASES = {
                        ("divisible by 128", "num_query_groups * kv_channels = 64")),
     "mxfp8_hopper": (("model=llama3_70b", "precision=mxfp8", "gpu=h100", "dryrun=true"),
                      ("precision=mxfp8", "Blackwell", "gpu=h100", "fp8_current", "precision.emulate=true")),
+    # Transformer Engine's Float8CurrentScaling has no margin: refused, not ignored
+    "margin_current": (("precision=fp8_current", "precision.margin=1", "dryrun=true"),
+                       ("precision.margin=1", "precision=fp8_current", "precision=fp8_delayed")),
 }
 
 

@@ -3,7 +3,7 @@
 Every GPU x model x precision composes with layout=published as a user would, is checked against REFERENCE.md
 (section 5's layouts, section 2's architectures, section 4's FP8 presets, restated below as the test's own data),
 and its TransformerConfig, DDP and optimizer configs are built, which runs megatron-core's own validation.
-GPTModel is built on the meta device for the parameter counts. Training needs CUDA (see megatron_engine).
+GPTModel is built on the meta device for the parameter counts. Training needs CUDA (see recipes.megatron.engine).
 """
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ import torch.nn.functional as F
 
 from recipes.config import REPO_ROOT, ConfigError, load_option
 from recipes.layouts import lookup, table
-from recipes.models.transformer import count_parameters
-from recipes.plan import data_parallel_size, estimate_memory, make_plan, validate
+from recipes.metrics import count_parameters
+from recipes.plan import make_plan
+from recipes.plan.checks import validate
+from recipes.plan.memory import estimate_memory
+from recipes.plan.parallel import data_parallel_size
 
 translate = pytest.importorskip("recipes.megatron.translate")
 from megatron.core.activations import squared_relu  # noqa: E402
@@ -262,7 +265,7 @@ def test_dryrun_shows_the_layout_and_the_estimate(tmp_path):
     assert "layout      tp 8 x pp 4 (vp 12) x cp 1 x dp 4, sequence parallel, distributed optimizer" in result.stdout
     assert "batch       micro 1 x 4 data-parallel x 8 accumulation = global 32" in result.stdout
     assert "with full recompute)" in result.stdout and " of 180 GB" in result.stdout
-    assert "-m recipes.engine.megatron_engine" in result.stdout and "--nnodes=16" in result.stdout
+    assert "-m recipes.megatron.engine" in result.stdout and "--nnodes=16" in result.stdout
 
 
 # ---- megatron-core's model: parameter counts ----
@@ -320,7 +323,7 @@ def test_megatron_datasets_give_each_data_parallel_rank_its_slice(hydra_compose,
 
 
 def test_iteration_line_is_megatrons_and_the_report_reads_it(tmp_path):
-    from recipes.engine.console import megatron_iteration_line
+    from recipes.trainer.console import megatron_iteration_line
     from recipes.metrics import StepMetrics
     from recipes.report.parse import read_log
 
@@ -340,7 +343,7 @@ def test_iteration_line_is_megatrons_and_the_report_reads_it(tmp_path):
 
 def test_engine_and_plan_refuse_a_cpu_with_the_fix(hydra_compose, tmp_path):
     from recipes.config import save_config
-    from recipes.engine.megatron_engine import main
+    from recipes.megatron.engine import main
 
     cfg = hydra_compose("engine=megatron", "precision=bf16", "gpu=cpu")
     with pytest.raises(ConfigError, match="engine=megatron needs CUDA GPUs.*engine=torch"):
@@ -420,15 +423,18 @@ def test_engine_trains_two_pipeline_stages_writes_metrics_and_resumes_exactly(hy
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert "resuming from step 2" in result.stdout
         resumed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        # Measurements aside: time, and on a CPU the peak memory (the process's maximum RSS, which loading the
+        # checkpoint raises in the resumed run).
         assert resumed == [{**m, "step_time_s": r["step_time_s"], "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"],
-                            "model_tflops_per_gpu": r["model_tflops_per_gpu"], "mfu": r["mfu"]}
+                            "model_tflops_per_gpu": r["model_tflops_per_gpu"], "mfu": r["mfu"],
+                            "peak_memory_gib": r["peak_memory_gib"]}
                            for m, r in zip(metrics, resumed)]
 
 
 def test_one_process_without_torchrun_gets_a_local_rendezvous(monkeypatch):
-    """The plan runs engine=megatron on one GPU as `python -m recipes.engine.megatron_engine` (no torchrun, no
+    """The plan runs engine=megatron on one GPU as `python -m recipes.megatron.engine` (no torchrun, no
     MASTER_ADDR); megatron-core still needs a process group, so the engine picks a free local port."""
-    from recipes.engine.megatron_engine import _rendezvous
+    from recipes.megatron.engine import _rendezvous
 
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     address = _rendezvous()
@@ -438,7 +444,7 @@ def test_one_process_without_torchrun_gets_a_local_rendezvous(monkeypatch):
 
 
 def test_fsdp2_gradient_reduction_option_is_refused_on_megatron(hydra_compose):
-    from recipes.plan import validate
+    from recipes.plan.checks import validate
 
     cfg = hydra_compose("engine=megatron", "gpu=h200", "precision=bf16", "trainer.grad_reduce=per_micro_batch", "dryrun=true")
     with pytest.raises(ConfigError, match="trainer.grad_reduce is the torch engine's"):
@@ -446,7 +452,7 @@ def test_fsdp2_gradient_reduction_option_is_refused_on_megatron(hydra_compose):
 
 
 def test_fsdp2_fp8_all_gather_option_is_refused_on_megatron(hydra_compose):
-    from recipes.plan import validate
+    from recipes.plan.checks import validate
 
     cfg = hydra_compose("engine=megatron", "gpu=h200", "precision=fp8_current", "trainer.fsdp_fp8_all_gather=true",
                         "dryrun=true")

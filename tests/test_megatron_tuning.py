@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from recipes.config import ConfigError
-from recipes.plan import megatron_tuning, validate
+from recipes.plan.checks import megatron_tuning, validate
 
 translate = pytest.importorskip("recipes.megatron.translate")
 from recipes.megatron.translate import Kernels, NO_KERNELS, WgradFusion, available_kernels  # noqa: E402
@@ -227,7 +227,7 @@ def test_te_layers_accumulate_weight_gradients_in_place_as_the_unfused_path_does
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from recipes.config import Config, MegatronConfig, TrainerConfig, load_option
-    from recipes.engine import megatron_engine as engine
+    from recipes.megatron import engine
     from recipes.megatron import parallel_state
     from recipes.megatron.build import build
     from recipes.megatron.data import MicroBatches, build_train_dataset

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from recipes.config import Activation, ModelConfig, Normalization, RopeScaling, load_option
-from recipes.metrics import flops_per_token
+from recipes.config import CONF_DIR, Activation, ModelConfig, Normalization, RopeScaling, load_option
+from recipes.metrics import count_parameters, flops_per_token
 from recipes.models.transformer import (
     MLP,
     Attention,
@@ -21,7 +21,6 @@ from recipes.models.transformer import (
     RMSNorm,
     RotaryEmbedding,
     Transformer,
-    count_parameters,
     rope_inverse_frequencies,
 )
 
@@ -105,6 +104,14 @@ def test_nemotron_15b_closed_form_by_hand():
 def test_tiny_llama_parameter_count():
     # 2*320*256 + 4*(256*(256+2*128) + 256*256 + 256*2*768 + 768*256 + 2*256) + 256 (the count run.py prints)
     assert count_parameters(load_option("model", "tiny_llama")) == 3_311_872
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))
+def test_parameter_count_is_what_the_model_builds(name):
+    """count_parameters (a formula the report uses without building models) against the model code itself."""
+    with torch.device("meta"):
+        model = Transformer(load_option("model", name))
+    assert count_parameters(model.cfg) == sum(p.numel() for p in model.parameters())
 
 
 def test_convergence_study_model_is_about_100m_parameters():

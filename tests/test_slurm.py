@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from recipes.config import ConfigError, SlurmConfig, TrainerConfig
-from recipes.slurm import JOB_RECORD, JobRecord, check_slurm_settings, job_state, require_secrets
+from recipes.plan.cluster import check_slurm_settings, require_secrets
+from recipes.slurm import JOB_RECORD, JobRecord, job_state
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_PY = REPO / "launch" / "run.py"

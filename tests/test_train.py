@@ -21,7 +21,7 @@ from recipes.metrics import StepMetrics, warmup_steps
 REPO = Path(__file__).resolve().parent.parent
 STEP_FIELDS = {f for f in StepMetrics.__dataclass_fields__}
 SUMMARY_FIELDS = {
-    "model", "precision", "recipe", "gpu", "engine", "world_size", "nodes", "num_layers", "seq_length",
+    "model", "parameters", "precision", "recipe", "gpu", "engine", "world_size", "nodes", "num_layers", "seq_length",
     "micro_batch_size", "global_batch_size", "steps", "warmup_steps_excluded", "median_step_time_s",
     "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu", "peak_memory_gib", "final_loss", "emulated",
     "commit", "versions", "device",
@@ -74,6 +74,7 @@ def test_training_run_loss_falls(tmp_path, cache_dir, precision):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary) == SUMMARY_FIELDS
     assert summary["precision"] == precision and summary["steps"] == steps
+    assert summary["parameters"] == 3_311_872  # tiny_llama, worked out by hand in tests/test_models.py
     assert summary["warmup_steps_excluded"] == warmup_steps(steps)
     steady = sorted(m["step_time_s"] for m in metrics[warmup_steps(steps):])
     assert summary["median_step_time_s"] == pytest.approx((steady[8] + steady[9]) / 2)
@@ -122,6 +123,57 @@ def test_non_finite_loss_stops_the_run_and_is_recorded(tmp_path, cache_dir, caps
     assert not (tmp_path / "nan" / "summary.json").exists()
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_non_finite_amax_stops_a_delayed_scaling_run_naming_step_layer_and_role(tmp_path, cache_dir, capsys,
+                                                                                monkeypatch, bad):
+    """An inf or NaN reaches one FP8 layer's input in step 2. Delayed scaling casts with its stored scale (an inf
+    saturates and the loss stays finite; a NaN spreads), its amax reaches the history, and the run stops at the
+    end of step 2 with one line naming the step, the layer (without the activation-checkpointing wrapper) and
+    the role."""
+    from recipes.engine import torch_engine
+    from recipes.fp8.linear import Fp8Linear
+    from recipes.trainer import loop
+
+    run_dir = tmp_path / "run"
+    small = ("model.num_layers=2", "model.seq_length=32", "trainer.micro_batch_size=1", "trainer.global_batch_size=1")
+    result = launch(tmp_path, cache_dir, "precision=fp8_delayed", "trainer.max_steps=2", *small,  # CPU FP8 is slow
+                    "trainer.activation_checkpointing=true", f"run.dir={run_dir}", "dryrun=true")
+    assert result.returncode == 0, result.stderr
+    now, faulty = {}, {}
+    learning_rate, build_model = loop.learning_rate, torch_engine.build_model
+
+    def noting_the_step(step, trainer):
+        now["step"] = step
+        return learning_rate(step, trainer)
+
+    def with_a_fault(*args, **kwargs):
+        model = build_model(*args, **kwargs)
+        name, layer = next((n, m) for n, m in model.named_modules() if n.startswith("layers.1.")
+                           and isinstance(m, Fp8Linear))
+        faulty["name"] = "layers.1." + name.split("_checkpoint_wrapped_module.")[1]
+
+        def inject(module, args):
+            if now["step"] == 2:
+                x = args[0].clone()
+                x.view(-1)[5] = bad
+                return (x,)
+
+        layer.register_forward_pre_hook(inject)
+        return model
+
+    monkeypatch.setattr(loop, "learning_rate", noting_the_step)
+    monkeypatch.setattr(torch_engine, "build_model", with_a_fault)
+    assert engine_main([str(run_dir / "config.yaml")]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("error: training stopped: step 2: ") and error.endswith("(precision=fp8_delayed)")
+    if bad == float("inf"):
+        assert f"the amax of {faulty['name']}'s input is inf or NaN (delayed scaling)" in error, error
+        assert "loss" not in error  # saturated in the cast: only the amax tells
+    else:
+        assert f"the amax of {faulty['name']}'s input (and " in error and "loss nan" in error, error
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2]
+
+
 def test_failed_job_makes_launch_fail(tmp_path, cache_dir):
     result = launch(tmp_path, cache_dir, "model.init_std=1e30", "trainer.max_steps=2", f"run.dir={tmp_path / 'f'}")
     assert result.returncode != 0
@@ -147,7 +199,7 @@ def test_local_sweep_is_one_experiment_that_nemo_runs_cli_reads(tmp_path, cache_
 
 
 def test_progress_line_shows_the_time_left():
-    from recipes.engine.console import step_line
+    from recipes.trainer.console import step_line
 
     times = [30.0, 2.0, 2.2, 2.1, 9.0]  # compilation first, a profiled step last: the median of all five is 2.2
     history = [StepMetrics(step=s, loss=3.0, grad_norm=1.0, lr=1e-3, step_time_s=t, tokens_per_s_per_gpu=100.0,

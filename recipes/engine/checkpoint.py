@@ -4,9 +4,9 @@ A run started again with the same run directory (a Slurm requeue, a resubmission
 `trainer.max_steps`) continues from the newest checkpoint there, and continues exactly: everything a step depends
 on is restored.
 
-    model          parameters and persistent buffers (the FP32 master weights; delayed scaling's amax histories)
+    model          parameters and persistent buffers (the FP32 master weights; delayed scaling's amax histories
+                   and scales, which FP8 recipes keep as buffers, replicated over data-parallel ranks)
     optimizer      AdamW moments and step counts
-    fp8            FP8 scaling state outside the model's state_dict, by module name (see fp8_state)
     step           the data position: sample i is a pure function of (seed, i) (MicroBatches.get), so the step
                    alone says where the data stream continues
     rng            torch CPU and CUDA, Python `random`, NumPy, for each rank
@@ -15,8 +15,10 @@ on is restored.
 On disk, under `<run dir>/checkpoints/` (or `trainer.checkpoint.dir`):
 
     step_00000050/.metadata, __0_0.distcp, __1_0.distcp, ...   model and optimizer (torch.distributed.checkpoint)
-    step_00000050/checkpoint.pt                                 step, fp8, rng, config; written last
+    step_00000050/checkpoint.pt                                 step, rng, config; written last
     step_00000150.tmp-<pid>/            a save that was killed midway: never read, removed by the next save
+
+(the folders as both engines keep them: recipes.trainer.checkpoints).
 
 Model and optimizer go through torch.distributed.checkpoint (DCP) with get_state_dict/set_state_dict: under
 FSDP every rank writes its own shards in parallel, nothing is gathered to one process (a full state of Llama 3
@@ -31,11 +33,8 @@ A save writes into the temporary folder (DCP fsyncs its files; checkpoint.pt is 
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -48,19 +47,12 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from recipes.config import Config, ConfigError, to_dict
-from recipes.metrics import StepMetrics
+from recipes.config import Config, to_dict
+from recipes.trainer.checkpoints import (
+    CheckpointError, check_resumable, complete_checkpoints, finish_save, prune, start_save,
+)
 
 FILE = "checkpoint.pt"
-_STEP_DIR = re.compile(r"step_(\d+)")
-
-# Settings a resumed run must share with the run that wrote the checkpoint: the model's shape and maths, the
-# precision recipe, which samples each step reads. Anything else (max_steps, intervals, compile, ...) may change.
-MUST_MATCH = ("model", "precision", "data.kind", "data.path", "trainer.seed", "trainer.global_batch_size")
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint this run cannot continue from; the message says why and what to do."""
 
 
 @dataclass
@@ -70,53 +62,7 @@ class Checkpoint:
     state: dict
 
 
-def checkpoint_dir(cfg: Config, run_dir: Path) -> Path:
-    configured = cfg.trainer.checkpoint.dir
-    return run_dir / "checkpoints" if configured is None else run_dir / Path(configured).expanduser()
-
-
-def is_due(cfg: Config, step: int) -> bool:
-    interval = cfg.trainer.checkpoint.interval
-    return interval > 0 and (step % interval == 0 or step == cfg.trainer.max_steps)
-
-
-def complete_checkpoints(directory: Path, marker: str = FILE) -> list[tuple[int, Path]]:
-    """(step, folder) of every complete checkpoint in `directory`, oldest first; temporary folders are ignored.
-    `marker` is the file an engine writes last into a checkpoint folder."""
-    if not directory.is_dir():
-        return []
-    found = []
-    for entry in directory.iterdir():
-        match = _STEP_DIR.fullmatch(entry.name)
-        if match and (entry / marker).is_file():
-            found.append((int(match.group(1)), entry))
-    return sorted(found)
-
-
 # ---- what a checkpoint holds ----
-
-
-def fp8_state(model: nn.Module) -> dict[str, Any]:
-    """FP8 scaling state kept outside parameters and buffers, by module name.
-
-    Current scaling has none: every scale is computed from the tensor at hand. Delayed scaling keeps an amax
-    history and a scale per operand as persistent buffers of each FP8 linear layer (`DelayedScalingState`), so
-    they travel in the model's state_dict and need nothing here. This hook is for a recipe whose state cannot be a
-    buffer: its modules define `fp8_state_dict()` and `load_fp8_state_dict(state)`. Either way the state must be
-    replicated over data-parallel ranks (delayed scaling reduces its amaxes over them), since one copy is saved.
-    """
-    return {name: m.fp8_state_dict() for name, m in model.named_modules() if hasattr(m, "fp8_state_dict")}
-
-
-def load_fp8_state(model: nn.Module, state: dict[str, Any]) -> None:
-    modules = {name: m for name, m in model.named_modules() if hasattr(m, "load_fp8_state_dict")}
-    if set(modules) != set(state):
-        raise CheckpointError(
-            f"the checkpoint has FP8 scaling state for {sorted(state) or 'no modules'}, this model for "
-            f"{sorted(modules) or 'no modules'}"
-        )
-    for name, module in modules.items():
-        module.load_fp8_state_dict(state[name])
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -171,13 +117,13 @@ def save(
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary, no_dist=world_size == 1)
     final = None
     if rank == 0:  # dcp.save returns once every rank's shards and the metadata are written
-        state = {"step": step, "fp8": fp8_state(model), "rng": rng, "config": to_dict(cfg)}
+        state = {"step": step, "rng": rng, "config": to_dict(cfg)}
         with open(temporary / FILE, "wb") as file:
             torch.save(state, file)
             file.flush()
             os.fsync(file.fileno())
         final = finish_save(directory, step, temporary)
-        prune(directory, cfg.trainer.checkpoint.keep_last)
+        prune(directory, cfg.trainer.checkpoint.keep_last, FILE)
     if world_size > 1:
         dist.barrier()  # nobody runs ahead (and possibly fails) before the checkpoint is on disk
     return final
@@ -191,54 +137,12 @@ def _temporary_dir(directory: Path, step: int, rank: int, world_size: int) -> Pa
     return temporary[0]
 
 
-def start_save(directory: Path, step: int, tag: str) -> Path:
-    """An empty temporary folder for step `step`'s checkpoint, never read as a checkpoint (see prune)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    temporary = directory / f"step_{step:08d}.tmp-{tag}"
-    shutil.rmtree(temporary, ignore_errors=True)
-    temporary.mkdir()
-    return temporary
-
-
-def finish_save(directory: Path, step: int, temporary: Path) -> Path:
-    """Publish a fully written temporary folder as `step_<N>` with one atomic rename."""
-    _fsync_dir(temporary)
-    final = directory / f"step_{step:08d}"
-    replaced = None
-    if final.exists():  # the same step saved again: moved aside (a name that is never read), then replaced
-        replaced = directory / f"{final.name}.tmp-replaced-{os.getpid()}"
-        os.rename(final, replaced)
-    os.rename(temporary, final)
-    _fsync_dir(directory)
-    if replaced:
-        shutil.rmtree(replaced)
-    return final
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def prune(directory: Path, keep_last: int, marker: str = FILE) -> None:
-    """Keep the newest `keep_last` checkpoints (all when 0) and remove the leftovers of killed saves."""
-    for entry in directory.glob("step_*.tmp-*"):  # one writer per run: any other is a killed save's
-        shutil.rmtree(entry, ignore_errors=True)
-    complete = complete_checkpoints(directory, marker)
-    if keep_last > 0:
-        for _, path in complete[:-keep_last]:
-            shutil.rmtree(path)
-
-
 # ---- resuming ----
 
 
 def load_latest(directory: Path, cfg: Config, device: torch.device) -> Optional[Checkpoint]:
     """The newest complete checkpoint in `directory`, checked against `cfg`; None when there is none."""
-    complete = complete_checkpoints(directory)
+    complete = complete_checkpoints(directory, FILE)
     if not complete:
         return None
     step, path = complete[-1]
@@ -247,58 +151,8 @@ def load_latest(directory: Path, cfg: Config, device: torch.device) -> Optional[
     return Checkpoint(path, step, state)
 
 
-def check_resumable(saved: dict, step: int, cfg: Config, path: Path) -> None:
-    """Raise CheckpointError when this run cannot continue from the checkpoint of `step` at `path`."""
-    check_compatible(saved, cfg, path)
-    if step > cfg.trainer.max_steps:
-        raise CheckpointError(
-            f"cannot resume from {path}: it is at step {step}, past trainer.max_steps={cfg.trainer.max_steps}. "
-            f"Set trainer.max_steps >= {step}, or use a new run.dir."
-        )
-
-
-def check_compatible(saved: dict, cfg: Config, path: Path) -> None:
-    """Raise CheckpointError when the checkpoint was written with a different model, precision or data order."""
-    current = to_dict(cfg)
-    differences = [
-        f"{name}={before!r} in the checkpoint, {after!r} now"
-        for key in MUST_MATCH
-        for name, before, after in _walk({key: _get(saved, key)}, {key: _get(current, key)}, "")
-    ]
-    if differences:
-        raise CheckpointError(
-            f"cannot resume from {path}: this run's config differs from the one that wrote it ("
-            + "; ".join(differences)
-            + f"). Use a new run.dir for a different run, or delete {path.parent} to start this one over."
-        )
-
-
-def changed_settings(saved: dict, cfg: Config) -> list[str]:
-    """Settings that differ from the checkpoint's but may (max_steps, intervals, ...), for the resume message."""
-    return [f"{name} {before!r} -> {after!r}" for name, before, after in _walk(saved, to_dict(cfg), "")]
-
-
-def _get(tree: Any, key: str) -> Any:
-    for part in key.split("."):
-        tree = tree.get(part) if isinstance(tree, dict) else None
-    return tree
-
-
-def _walk(before: dict, after: dict, prefix: str) -> list[tuple[str, Any, Any]]:
-    """(dotted key, before, after) of every leaf that differs."""
-    changes = []
-    for key in sorted(set(before) | set(after)):
-        name = f"{prefix}.{key}" if prefix else key
-        b, a = before.get(key), after.get(key)
-        if isinstance(b, dict) and isinstance(a, dict):
-            changes += _walk(b, a, name)
-        elif b != a:
-            changes.append((name, b, a))
-    return changes
-
-
 def restore(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Model, FP8 state and optimizer from `checkpoint` into this (possibly sharded) model and its optimizer (RNG
+    """Model and optimizer from `checkpoint` into this (possibly sharded) model and its optimizer (RNG
     separately, last: see set_rng_state). Every rank calls it."""
     if not (checkpoint.path / ".metadata").is_file():
         raise CheckpointError(
@@ -314,39 +168,8 @@ def restore(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Opt
     except (CheckpointException, RuntimeError) as error:  # missing or misshapen entries
         raise CheckpointError(f"cannot resume from {checkpoint.path}: the model does not match it: {error}") from None
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-    load_fp8_state(model, checkpoint.state["fp8"])
 
 
 def rank_rng(checkpoint: Checkpoint, rank: int) -> dict[str, Any]:
     states = checkpoint.state["rng"]
     return states[rank % len(states)]  # a different world size: data and weights are exact, RNG streams reused
-
-
-def resume_metrics(run_dir: Path, step: int) -> list[StepMetrics]:
-    """Cut `metrics.jsonl` back to the steps <= `step` (a run that crashed after its last checkpoint wrote later
-    steps, which the resumed run writes again) and return what is kept. step 0: a run that starts over."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    records = [(line, _record(line)) for line in lines]
-    kept = [(line, record) for line, record in records if record is not None and record["step"] <= step]
-    if len(kept) != len(lines):
-        temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text("".join(line + "\n" for line, _ in kept))
-        os.replace(temporary, path)
-        print(f"metrics.jsonl: dropped {len(lines) - len(kept)} line(s) after step {step}", flush=True)
-    history = [StepMetrics(**record) for _, record in kept]
-    if [m.step for m in history] != list(range(1, step + 1)):
-        print(f"warning: {path} does not hold exactly steps 1..{step}; summary.json covers those it holds", flush=True)
-    return history
-
-
-def _record(line: str) -> Optional[dict]:
-    """A metrics line parsed, its step an int; None for a line torn by a kill in the middle of its write."""
-    try:
-        record = json.loads(line)
-        record["step"] = int(record["step"])
-    except (ValueError, KeyError, TypeError):
-        return None
-    return record

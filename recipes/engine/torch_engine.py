@@ -4,20 +4,21 @@
 
 Reads only the resolved YAML written by `launch/run.py` (no Hydra, no nemo-run); the run directory is the
 folder holding that file, and the metrics are written there. Builds the model from
-conf/model, swaps its block linears for FP8 ones as the precision asks, trains with AdamW under BF16 autocast,
-and writes `metrics.jsonl` and `summary.json` into the run directory. Several processes train fully sharded
+conf/model, swaps its block linears for FP8 ones as the precision asks (`recipes.fp8.Fp8Training`), trains with
+AdamW under BF16 autocast in the loop both engines share (`recipes.trainer.loop`), and writes `metrics.jsonl` and
+`summary.json` into the run directory. Several processes train fully sharded
 data-parallel (FSDP2, `recipes.engine.fsdp`; NCCL on GPUs, Gloo on CPUs), each reading its own slice of every
 global batch. With `trainer.checkpoint.interval` set it checkpoints as it goes, and a start in a run directory
-that holds a checkpoint continues from the newest one (`recipes.engine.checkpoint`).
+that holds a checkpoint continues from the newest one (`recipes.engine.checkpoint`, `recipes.trainer.checkpoints`).
 """
 
 from __future__ import annotations
 
 import os
-import resource
 import sys
-import time
+from functools import partial
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -28,18 +29,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from recipes.config import Config, GradReduce
 from recipes.data import make_dataset
 from recipes.engine import checkpoint
-from recipes.engine.console import finish_run, print_step
-from recipes.engine.entry import engine_main
 from recipes.engine.fsdp import data_parallel_mesh, materialize, shard_model
-from recipes.engine.training import (
-    NonFiniteError, build_optimizer, checkpoint_blocks, compile_blocks, fused_linears_apply, learning_rate,
-    optimizer_step, prepare_fp8_weight_caching, prepare_main_grads,
-)
-from recipes.fp8 import convert_to_fp8
-from recipes.fp8.all_gather import fp8_all_gather_applies, update_all_gather_scales
-from recipes.metrics import MetricsWriter, StepMetrics, step_metrics
+from recipes.engine.training import build_optimizer, checkpoint_blocks, compile_blocks, optimizer_step
+from recipes.fp8 import Fp8Training
+from recipes.metrics import StepMetrics
 from recipes.models.transformer import Transformer
-from recipes.profiling import profile_step_if_due
+from recipes.trainer.checkpoints import changed_settings, checkpoint_dir
+from recipes.trainer.console import print_step
+from recipes.trainer.entry import engine_main
+from recipes.trainer.loop import EngineSteps, train_loop
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
@@ -54,36 +52,26 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     return rank, world_size, device
 
 
-def peak_memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
-
-
-def build_model(
-    cfg: Config, device: torch.device, num_micro_batches: int, mesh: DeviceMesh | None = None, fp8_all_gather: bool = False
-) -> nn.Module:
+def build_model(cfg: Config, device: torch.device, fp8: Fp8Training, mesh: DeviceMesh | None = None) -> nn.Module:
     """The model of one process, or with `mesh` this process's FSDP2 shards of it (built on the meta device,
-    sharded, then materialised: recipes.engine.fsdp.materialize); the same initial weights either way."""
+    sharded, then materialised: recipes.engine.fsdp.materialize); the same initial weights either way. `fp8`
+    converts its blocks' linears."""
     generator = torch.Generator(device).manual_seed(cfg.trainer.seed)
     with torch.device("meta" if mesh is not None else device):
         model = Transformer(cfg.model)
     if mesh is None:
         model.init_weights(generator)
-    fused = fused_linears_apply(cfg.precision, device, processes=1 if mesh is None else mesh.size())
-    convert_to_fp8(model.layers, cfg.precision, bf16_linears=fused)
-    if not fp8_all_gather:  # FP8-gathered weights arrive quantized: nothing to cache
-        prepare_fp8_weight_caching(model, num_micro_batches)
-    if fused:
-        prepare_main_grads(model)
+    fp8.convert(model)
     if cfg.trainer.activation_checkpointing:
         checkpoint_blocks(model.layers)
     should_compile = cfg.trainer.compile if cfg.trainer.compile is not None else device.type == "cuda"
     if should_compile:
         compile_blocks(model.layers)
     if mesh is not None:
-        shard_model(model, mesh, fp8_all_gather)
+        fp8.prepare_for_sharding(model)
+        shard_model(model, mesh)
         materialize(model, device, generator)
+        fp8.materialized(model)
     return model
 
 
@@ -104,73 +92,49 @@ class MicroBatches:
 
 def train(cfg: Config, run_dir: Path) -> dict:
     rank, world_size, device = setup_distributed()
-    is_logger = rank == 0
     accumulation = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * world_size)
     mesh = data_parallel_mesh(device, world_size) if world_size > 1 else None
-    model = build_model(cfg, device, accumulation, mesh, fp8_all_gather_applies(cfg, world_size))
+    fp8 = Fp8Training.for_run(cfg, world_size, device)
+    model = build_model(cfg, device, fp8, mesh)
     optimizer = build_optimizer(model, cfg.trainer, device)
-    checkpoints = checkpoint.checkpoint_dir(cfg, run_dir)
+    checkpoints = checkpoint_dir(cfg, run_dir)
     resumed = checkpoint.load_latest(checkpoints, cfg, device)
     first_step = 1
     if resumed:
         checkpoint.restore(resumed, model, optimizer)
         checkpoint.set_rng_state(checkpoint.rank_rng(resumed, rank), device)
         first_step = resumed.step + 1
-        if is_logger:
-            changed = checkpoint.changed_settings(resumed.state["config"], cfg)
+        if rank == 0:
+            changed = changed_settings(resumed.state["config"], cfg)
             note = f" (changed: {', '.join(changed)})" if changed else ""
             print(f"resuming from step {resumed.step} of {resumed.path}{note}", flush=True)
-    update_all_gather_scales(model)  # the FP8 all-gather's scales of the initial or restored weights
+    fp8.weights_changed(model)  # the initial or restored weights
     batches = MicroBatches(cfg, rank, world_size, device)
-    # The whole run's steps, those of earlier attempts included; metrics.jsonl is cut back to the checkpoint.
-    history: list[StepMetrics] = checkpoint.resume_metrics(run_dir, first_step - 1) if is_logger else []
-    writer = MetricsWriter(run_dir, cfg, first_step) if is_logger else None
 
-    def step_loss(step: int):
-        def micro_batch_loss(micro: int) -> torch.Tensor:
-            tokens, labels = batches.get(step, micro)
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                logits = model(tokens)
-            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+    def micro_batch_loss(step: int, micro: int) -> torch.Tensor:
+        tokens, labels = batches.get(step, micro)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(tokens)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
-        return micro_batch_loss
+    def train_step(step: int, lr: float) -> tuple[float, float]:
+        loss, grad_norm = optimizer_step(
+            partial(micro_batch_loss, step), accumulation, model, fp8, optimizer, lr, cfg.trainer.grad_clip,
+            reduce_every_micro_batch=cfg.trainer.grad_reduce == GradReduce.per_micro_batch,
+        )
+        if world_size > 1:
+            dist.all_reduce(loss)  # a sum: Gloo has no average
+            loss /= world_size
+        return loss.item(), grad_norm.item()
 
-    try:
-        for step in range(first_step, cfg.trainer.max_steps + 1):
-            lr = learning_rate(step, cfg.trainer)
-            start = time.perf_counter()
-            with profile_step_if_due(step, cfg.trainer.profile_step, run_dir, rank, device):
-                try:
-                    loss, grad_norm = optimizer_step(
-                        step_loss(step), accumulation, model, optimizer, lr, cfg.trainer.grad_clip,
-                        reduce_every_micro_batch=cfg.trainer.grad_reduce == GradReduce.per_micro_batch,
-                    )
-                except NonFiniteError as error:
-                    if writer:
-                        writer.write(step_metrics(cfg, step, error.loss, error.grad_norm, lr, float("nan"), world_size,
-                                                  peak_memory_gib(device)))
-                    raise NonFiniteError(error.loss, error.grad_norm) from None
-                if world_size > 1:
-                    dist.all_reduce(loss)  # a sum: Gloo has no average
-                    loss /= world_size
-                loss_value, grad_norm_value = loss.item(), grad_norm.item()
-            elapsed = time.perf_counter() - start
-            metrics = step_metrics(cfg, step, loss_value, grad_norm_value, lr, elapsed, world_size, peak_memory_gib(device))
-            history.append(metrics)
-            if writer:
-                writer.write(metrics)
-                if step == 1 or step % cfg.trainer.log_interval == 0 or step == cfg.trainer.max_steps:
-                    print_step(history, cfg.trainer.max_steps)
-            if checkpoint.is_due(cfg, step):
-                saved = checkpoint.save(checkpoints, step, model, optimizer, cfg, rank, world_size, device)
-                if saved:
-                    print(f"saved checkpoint of step {step} to {saved}", flush=True)
-    finally:
-        if writer:
-            writer.close()
-    summary = {}
-    if is_logger and history:  # empty only when resumed at max_steps with metrics.jsonl gone
-        summary = finish_run(cfg, history, world_size, run_dir)
+    def save_checkpoint(step: int) -> Optional[Path]:
+        return checkpoint.save(checkpoints, step, model, optimizer, cfg, rank, world_size, device)
+
+    def log(interval: list[StepMetrics], history: list[StepMetrics]) -> None:
+        print_step(history, cfg.trainer.max_steps)
+
+    engine = EngineSteps(train_step, save_checkpoint, log, log_first_step=True)
+    summary = train_loop(cfg, run_dir, engine, first_step, rank, world_size, device)
     if world_size > 1:
         dist.barrier()  # every rank waits for rank 0's summary
         dist.destroy_process_group()

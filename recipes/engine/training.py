@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from recipes.config import PrecisionConfig, TrainerConfig
+from recipes.config import TrainerConfig
 from recipes.engine.fsdp import replicated, set_gradient_sync
-from recipes.fp8 import update_fp8_scaling
-from recipes.fp8.all_gather import update_all_gather_scales
-from recipes.fp8.linear import (
-    CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, attach_main_grads, attach_weight_caches, expose_main_grads,
-    set_weight_cache_mode,
-)
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or the gradient norm is inf or NaN: the step is not applied and training stops."""
-
-    def __init__(self, loss: float, grad_norm: float):
-        super().__init__(f"loss {loss} / gradient norm {grad_norm} is not finite")
-        self.loss, self.grad_norm = loss, grad_norm
+from recipes.fp8 import Fp8Training
+from recipes.trainer.loop import NonFiniteError
 
 
 def checkpoint_blocks(layers: nn.ModuleList) -> None:
@@ -42,25 +29,6 @@ def compile_blocks(layers: nn.ModuleList) -> None:
         layer.compile()
 
 
-def fused_linears_apply(precision: PrecisionConfig, device: torch.device, processes: int) -> bool:
-    """Whether the blocks' BF16 linears become recipes.fp8.linear.Bf16Linear and every converted linear writes its
-    weight gradient into an FP32 main gradient: `precision.fused_kernels`, on CUDA, in one process (under FSDP2
-    the gradients must reach FSDP through autograd)."""
-    return precision.fused_kernels and device.type == "cuda" and processes == 1
-
-
-def prepare_main_grads(model: nn.Module) -> int:
-    """Weight gradients into FP32 main gradients, summed over micro-batches inside the GEMM (see
-    recipes.fp8.linear.attach_main_grads); call with fused_linears_apply, before compiling."""
-    return attach_main_grads(model)
-
-
-def prepare_fp8_weight_caching(model: nn.Module, num_micro_batches: int) -> int:
-    """With gradient accumulation, quantize each FP8 weight once per optimizer step (see recipes.fp8.linear);
-    call before compiling. Returns the number of layers that cache."""
-    return attach_weight_caches(model) if num_micro_batches > 1 else 0
-
-
 def build_optimizer(model: nn.Module, trainer: TrainerConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW on the FP32 master weights; no weight decay on norms (1-D parameters), as Megatron does."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -74,19 +42,11 @@ def build_optimizer(model: nn.Module, trainer: TrainerConfig, device: torch.devi
     )
 
 
-def learning_rate(step: int, trainer: TrainerConfig) -> float:
-    """Linear warm-up to `lr` over `warmup_steps`, then cosine decay to `min_lr` at `max_steps` (step is 1-based)."""
-    if step <= trainer.warmup_steps:
-        return trainer.lr * step / max(1, trainer.warmup_steps)
-    progress = (step - trainer.warmup_steps) / max(1, trainer.max_steps - trainer.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return trainer.min_lr + (trainer.lr - trainer.min_lr) * cosine
-
-
 def optimizer_step(
     micro_batch_loss: Callable[[int], torch.Tensor],
     num_micro_batches: int,
     model: nn.Module,
+    fp8: Fp8Training,
     optimizer: torch.optim.Optimizer,
     lr: float,
     grad_clip: float,
@@ -95,28 +55,28 @@ def optimizer_step(
     """Forward and backward of each micro-batch (gradients accumulate), clip, one optimizer step.
 
     Returns the mean loss and the gradient norm before clipping. Raises NonFiniteError, before the weights are
-    touched, when either is inf or NaN (one host sync per step). Under FSDP gradients are reduce-scattered in
+    touched, when either is inf or NaN or delayed scaling recorded an inf or NaN amax (one host sync per step
+    for the three). Under FSDP gradients are reduce-scattered in
     the last micro-batch's backward only, or in every one with `reduce_every_micro_batch` (FSDP then adds them
-    into the sharded gradients). After each backward, delayed scaling folds the micro-batch's amaxes into
-    its scales (recipes.fp8.update_fp8_scaling).
+    into the sharded gradients). `fp8` is called before each micro-batch, after each backward, after the last
+    one and once the weights have changed (recipes.fp8.training).
     """
     total = torch.zeros((), device=next(model.parameters()).device)
     for micro in range(num_micro_batches):
         set_gradient_sync(model, reduce_every_micro_batch or micro == num_micro_batches - 1)
-        set_weight_cache_mode(model, CACHE_REFRESH if micro == 0 else CACHE_REUSE)
+        fp8.micro_batch(model, micro)
         loss = micro_batch_loss(micro) / num_micro_batches
         loss.backward()
-        update_fp8_scaling(model)
+        fp8.after_backward(model)
         total += loss.detach()
-    set_weight_cache_mode(model, CACHE_OFF)  # the weights change now: a forward outside this step quantizes afresh
-    expose_main_grads(model)  # the main gradients the GEMMs summed, as the weights' .grad
+    fp8.after_micro_batches(model)
     grad_norm = replicated(nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True))
-    if not bool(torch.isfinite(total) & torch.isfinite(grad_norm)):
+    if not bool(torch.isfinite(total) & torch.isfinite(grad_norm) & fp8.amaxes_finite(model)):
         optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteError(total.item(), grad_norm.item())
+        raise NonFiniteError(total.item(), grad_norm.item(), fp8.non_finite_amaxes(model))
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    update_all_gather_scales(model)  # the new weights' scales for FSDP's FP8 all-gather (no-op without it)
+    fp8.weights_changed(model)
     return total, grad_norm

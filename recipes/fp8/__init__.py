@@ -1,4 +1,7 @@
-from recipes.fp8.convert import convert_to_fp8
-from recipes.fp8.linear import update_fp8_scaling
+"""FP8 training for the torch engine. `Fp8Training` (training.py) is what the engine calls; below it the FP8 linear
+layer (linear.py), the scaling recipes' quantization (current_scaling.py, delayed_scaling.py, blockwise.py,
+mxfp8.py), FSDP2's FP8 weight tensors (all_gather.py) and one FP8 GEMM (gemm.py)."""
 
-__all__ = ["convert_to_fp8", "update_fp8_scaling"]
+from recipes.fp8.training import Fp8Training
+
+__all__ = ["Fp8Training"]

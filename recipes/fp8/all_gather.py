@@ -14,27 +14,24 @@ does the same for its own Float8Linear). Two tensor subclasses plug into FSDP2's
 
 The scale of the whole weight, per recipe:
     current scaling   fp8_max / amax(whole FP32 weight): the shards' amaxes, all-reduced (max) once per optimizer
-                      step for every layer together (`update_all_gather_scales`, after the optimizer step and
+                      step for every layer together (update_all_gather_scales in recipes.fp8.training, after the optimizer step and
                       before the first forward). The FP8 weight is then exactly what one process would quantize
                       from its FP32 weight (the BF16 all-gather quantizes the BF16-rounded weight instead).
-    delayed scaling   the layer's weight scale from its amax history; `update_fp8_scaling` puts each shard's amax
-                      into the history's open slot before its all-reduce (max) makes it the whole weight's (not
-                      the all-gather itself: a backward's re-gather must not touch tensors the backward uses).
+    delayed scaling   the layer's weight scale from its amax history. The same all-reduce puts the whole weight's
+                      amax into the history's open slot, once per optimizer step as a cached weight's (and as TE
+                      records an FP8 weight's amax when it casts the master weight after the optimizer step);
+                      the next update_fp8_scaling folds it in (not the all-gather itself: a backward's re-gather
+                      must not touch tensors the backward uses).
 Block-scaled recipes (blockwise, MXFP8) keep the BF16 all-gather: their weight scales are per block, computed from
 the gathered weight.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-import torch.distributed as dist
 import torch.utils._pytree as pytree
-from torch import nn
 
-from recipes.config import Config, Recipe
-from recipes.fp8.current_scaling import cast_to_fp8, tensorwise_scale
+from recipes.fp8.current_scaling import cast_to_fp8
 from recipes.fp8.formats import E4M3
 from recipes.fp8.tensor import Float8Tensor
 
@@ -139,89 +136,21 @@ class Fp8GatheredWeight(torch.Tensor):
 
     def __repr__(self) -> str:
         # Metadata only: torch.compile's AOTAutograd prints its inputs' metadata while compiling, with fake tensors
-        # that have no values; reading the scale there (.item()) made Inductor fail and the compiled blocks fall
-        # back to eager around every FP8 linear on GPUs (torch 2.11), the FP8 all-gather's whole slowdown.
+        # that have no values; reading the scale there (.item()) makes Inductor fail, and the compiled blocks fall
+        # back to eager around every FP8 linear (docs/results: FSDP2 with FP8 all-gather).
         return f"Fp8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, data={self._data.dtype})"
 
 
-FP8_ALL_GATHER_RECIPES = (Recipe.tensorwise, Recipe.delayed)
-
-
-def fp8_all_gather_applies(cfg: Config, processes: int) -> bool:
-    """Whether the torch engine all-gathers the weights in FP8: asked for, and FSDP2 at work (several processes).
-    recipes.plan.validate refuses the option for recipes outside FP8_ALL_GATHER_RECIPES."""
-    return processes > 1 and cfg.trainer.fsdp_fp8_all_gather and cfg.precision.recipe in FP8_ALL_GATHER_RECIPES
-
-
-def _fp8_linears(model: nn.Module) -> list:
-    from recipes.fp8.linear import Fp8Linear
-
-    return [m for m in model.modules() if isinstance(m, Fp8Linear)]
-
-
-def _local(weight: torch.Tensor) -> torch.Tensor:
+def local_shard(weight: torch.Tensor) -> torch.Tensor:
     """What this process holds of a parameter: a DTensor's local shard, or the tensor itself."""
     return weight._local_tensor if hasattr(weight, "_local_tensor") else weight
 
 
-def _weight_scale(layer: nn.Module) -> torch.Tensor:
-    """The buffer whose value encodes a layer's FP8-gathered weight: delayed scaling's weight scale, or (current
-    scaling) the `all_gather_scale` that update_all_gather_scales sets."""
-    from recipes.fp8.linear import WEIGHT
-
-    return layer.all_gather_scale if layer.fp8_state is None else layer.fp8_state.scale[WEIGHT]
-
-
-def enable_fp8_all_gather(model: nn.Module) -> int:
-    """Before fully_shard: make every per-tensor FP8 linear's weight a master shard that FSDP2 all-gathers in FP8.
-    Returns how many; the caller keeps BF16 all-gather for block-scaled recipes (0 here)."""
-    from recipes.fp8.linear import CurrentScaling, DelayedScaling
-
-    layers = [m for m in _fp8_linears(model) if isinstance(m.recipe, (CurrentScaling, DelayedScaling))]
-    for layer in layers:
-        if layer.recipe.forward_dtype != E4M3:
-            raise ValueError("FP8 all-gather casts weights to E4M3; this recipe's forward format is not E4M3")
-        if layer.fp8_state is None:
-            # NaN until update_all_gather_scales sets it: a forgotten update makes the loss NaN, not silently wrong.
-            nan = torch.full((), float("nan"), device=layer.weight.device)
-            layer.register_buffer("all_gather_scale", nan, persistent=False)
-        master = Fp8ShardedWeight(layer.weight.data, _weight_scale(layer))
-        layer.weight = nn.Parameter(master, requires_grad=layer.weight.requires_grad)
-    return len(layers)
-
-
-def rebind_all_gather_scales(model: nn.Module) -> None:
-    """After `model.to_empty()` (a model sharded on the meta device, then materialised): point each master shard
-    at its layer's new scale buffer, and make that NaN until update_all_gather_scales."""
-    for layer in _fp8_linears(model):
-        local = _local(layer.weight)
-        if isinstance(local, Fp8ShardedWeight):
-            if layer.fp8_state is None:
-                layer.all_gather_scale.fill_(float("nan"))
-            local._scale = _weight_scale(layer)
-
-
-@torch.no_grad()
-def update_all_gather_scales(model: nn.Module) -> None:
-    """Current scaling: each FP8-all-gathered weight's scale from its whole FP32 weight, one all-reduce (max) for
-    all of them. Call after every optimizer step and before the first forward (and after restoring weights)."""
-    layers = [m for m in _fp8_linears(model) if hasattr(m, "all_gather_scale")]
-    if not layers:
-        return
-    amax = torch.stack([shard_amax(m.weight) for m in layers])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
-    scales = tensorwise_scale(amax, E4M3, layers[0].recipe.margin)
-    torch._foreach_copy_([m.all_gather_scale for m in layers], list(scales.unbind(0)))
-
-
-def shard_amax(weight: torch.Tensor) -> Optional[torch.Tensor]:
+def shard_amax(weight: torch.Tensor) -> torch.Tensor:
     """amax (FP32, 0-d) of this process's shard of an FP8-all-gathered weight (the sharded parameter, between
-    steps); None for any other weight. An empty shard (uneven sharding) has amax 0."""
-    local = _local(weight)
+    steps). An empty shard (uneven sharding) has amax 0."""
+    local = local_shard(weight)
     if isinstance(local, Fp8GatheredWeight):
         raise RuntimeError("a weight's shard amax was asked for while FSDP2 holds it unsharded (inside a step)")
-    if not isinstance(local, Fp8ShardedWeight):
-        return None
     shard = local._tensor
     return shard.abs().amax().float() if shard.numel() else shard.new_zeros((), dtype=torch.float32)

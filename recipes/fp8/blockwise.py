@@ -2,7 +2,9 @@
 
 Activations and gradients: one scale per 1 x 128 block along K. Weights: one per 128 x 128 block, so the
 transposed weight that dgrad needs reuses the same quantization. Each scale is fp8_max / amax of its block,
-rounded down to a power of two by default (then scaling is exact in binary and never overflows).
+rounded down to a power of two by default (then scaling is exact in binary and never overflows), as TE's
+compute_scale_from_types (common/recipe/recipe_common.cuh) computes it: a block amax so tiny that the FP32
+quotient overflows gets the input dtype's largest value as its scale (then its power-of-two floor).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def quantize_blockwise(
     if rows % block_rows or cols % block_cols:
         raise ValueError(f"blockwise FP8 needs dimensions divisible by its {block} blocks, got {tuple(x.shape)}")
     blocks = x.float().view(rows // block_rows, block_rows, cols // block_cols, block_cols)
-    scale = tensorwise_scale(blocks.abs().amax(dim=(1, 3)), dtype)
+    scale = tensorwise_scale(blocks.abs().amax(dim=(1, 3)), dtype, torch.finfo(x.dtype).max)
     if power_of_2_scales:
         scale = power_of_two_floor(scale)
     data = cast_to_fp8(blocks, scale[:, None, :, None], dtype).view(rows, cols)

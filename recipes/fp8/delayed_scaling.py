@@ -1,27 +1,33 @@
-"""Per-tensor delayed scaling (Transformer Engine's DelayedScaling).
+"""Per-tensor delayed scaling, as Transformer Engine 2.x's DelayedScaling computes it with its default, fused
+update (common/recipe/delayed_scaling.cu, `kernel_bulk`).
 
-Each operand role of a layer (input, weight, gradient) keeps a history of its last `amax_history_len` amaxes and
-the scale derived from it. A quantization uses the scale computed from the history *before* this tensor:
-
-    scale_t = fp8_max / reduce(history[..t-1]) / 2**margin,    reduce = max (over the window) or most_recent
-
+Each operand role of a layer (input, weight, gradient) keeps a history of `amax_history_len` amaxes and a scale.
+A quantization casts with the stored scale, never with its own tensor's amax (so a compiler may fuse the cast
+into the kernel that produces the tensor), and records its tensor's amax in the history's open slot (slot 0).
 "Step" here is one micro-batch: its forward quantizes input and weight once, its backward the gradient once.
-A quantization records its tensor's amax in the newest history slot (slot 0) and leaves the scale alone;
-`update_delayed_scaling`, called after each micro-batch's backward, then closes the slot of every layer at once,
-as Transformer Engine does after each fp8_autocast region:
+`update_delayed_scaling`, called after each micro-batch's backward, closes the open slot of every layer at once,
+as TE does after each fp8_autocast region:
 
-    1. one all-reduce (max) of the newest amaxes of all layers over the data-parallel ranks, so that every rank
+    1. one all-reduce (max) of the open slots of all layers over the data-parallel ranks, so that every rank
        holds the same histories and scales (each rank saw only its own slice of the batch);
-    2. the new scales from the reduced histories;
-    3. the window moves on by one (the oldest amax drops out, slot 0 is emptied).
+    2. per layer and role, with `last` the reduced amax:
+       last == 0   nothing changes: the history does not move and the scale stays. This is a tensor not
+                   quantized in this micro-batch (a cached weight, recipes.fp8.linear) or an all-zero one.
+       otherwise   the window moves on: amax = the maximum of the last `amax_history_len` amaxes, `last`
+                   included (`max`; NaN ignored), or `last` (`most_recent`), and
+                       scale = (fp8_max * 2**-margin) / amax            in FP32,
+                   the previous scale where amax is 0, inf or NaN, FP32's max where the quotient overflows.
+                   The oldest amax drops out, `last` becomes the newest.
 
-Recording is a max into the slot, so a forward recomputed under activation checkpointing quantizes with the same
-scale and records nothing new. Under gradient accumulation the training loop quantizes each weight once per optimizer
-step (recipes.fp8.linear's weight cache), so the weight's slot is filled in the first micro-batch only and stays
-empty in the others; a closed slot whose reduced amax is 0 keeps the previous scale, as Transformer Engine's
-scale update does, so an empty slot never resets a scale (and `most_recent` stays meaningful). The history starts at zero, so the first use has scale 1. An inf or NaN in the
-tensor makes this quantization NaN (not a silent saturation with the old scale) and poisons the history. The
-state lives in `DelayedScalingState` buffers of each FP8 linear layer, so checkpoints carry it.
+The history row of a role is laid out as TE's: [open slot, oldest, ..., newest]. It starts at zero and the
+scale at 1, so a tensor is first cast with scale 1. Recording is a max into the open slot, so a forward recomputed
+under activation checkpointing casts with the same scale and records nothing new. The state lives in
+`DelayedScalingState` buffers of each FP8 linear layer, so checkpoints carry it.
+
+inf and NaN: a cast saturates inf to +-fp8_max and keeps NaN (TE's casts do the same), and the recorded amax is
+inf or NaN (TE instead drops NaN from its amax). The update marks such a (layer, role) in the `nonfinite` flags,
+reduced over the ranks with the amaxes; the training loop reads them once per optimizer step with the loss
+(recipes.engine.training) and stops, naming the step, the layer and the role.
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ import torch.distributed as dist
 from torch import nn
 
 from recipes.config import AmaxComputeAlgo
-from recipes.fp8.current_scaling import cast_to_fp8, tensorwise_scale
+from recipes.fp8.current_scaling import FP32_MAX, cast_to_fp8
+from recipes.fp8.formats import fp8_max
 from recipes.fp8.tensor import Float8Tensor
 
-NUM_ROLES = 3  # input, weight, gradient
+NUM_ROLES = 3
+ROLE_NAMES = ("input", "weight", "grad")
 
 
 class DelayedScalingState(nn.Module):
@@ -42,11 +50,22 @@ class DelayedScalingState(nn.Module):
         super().__init__()
         self.register_buffer("amax_history", torch.zeros(NUM_ROLES, history_len))
         self.register_buffer("scale", torch.ones(NUM_ROLES))
+        # 1 where an inf or NaN amax was recorded; the run stops on it, so it is not checkpointed.
+        self.register_buffer("nonfinite", torch.zeros(NUM_ROLES), persistent=False)
 
     def reset_constants(self) -> None:
         """The initial state: an empty history, scale 1 (after a model built on the meta device is materialised)."""
         self.amax_history.zero_()
         self.scale.fill_(1.0)
+        self.nonfinite.zero_()
+
+
+def delayed_scale(amax: torch.Tensor, previous: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
+    """The new scale from the amax of the window (TE delayed_scaling.cu kernel_bulk: scaled_max / amax)."""
+    scaled_max = fp8_max(dtype) * 2.0**-margin  # TE: fp8_dtype_max * std::pow(2.f, -margin), exact in FP32
+    scale = torch.full_like(amax, scaled_max) / amax  # FP32 division
+    scale = torch.where(torch.isfinite(amax) & (amax > 0), scale, previous)
+    return torch.where(torch.isinf(scale), torch.full_like(scale, FP32_MAX), scale)
 
 
 @torch.no_grad()
@@ -54,12 +73,11 @@ def quantize_delayed(
     x: torch.Tensor, dtype: torch.dtype, state: tuple[torch.Tensor, torch.Tensor], role: int
 ) -> Float8Tensor:
     """`state` is (amax_history, scale) of a DelayedScalingState; this tensor's amax goes into the history's
-    newest slot (in place)."""
+    open slot (in place)."""
     amax_history, scales = state
-    amax = x.abs().amax().float()
-    poisoned = torch.where(torch.isfinite(amax), scales[role], torch.full_like(amax, float("nan")))
-    quantized = Float8Tensor(cast_to_fp8(x, poisoned, dtype), poisoned.reciprocal())
-    amax_history[role, 0] = torch.maximum(amax_history[role, 0], amax)  # maximum propagates NaN
+    scale = scales[role]
+    quantized = Float8Tensor(cast_to_fp8(x, scale, dtype), scale.reciprocal())
+    amax_history[role, 0] = torch.maximum(amax_history[role, 0], x.abs().amax().float())  # propagates NaN
     return quantized
 
 
@@ -67,18 +85,30 @@ def quantize_delayed(
 def update_delayed_scaling(
     states: list[DelayedScalingState], role_dtypes: tuple[torch.dtype, ...], algo: AmaxComputeAlgo, margin: int
 ) -> None:
-    """Close the newest history slot of every layer in `states`: reduce over the default process group (when
-    there is one), recompute the scales, move the window on. A handful of kernels and one collective for the
+    """Close the open history slot of every layer in `states`: reduce over the default process group (when
+    there is one), recompute the scales, move the windows on. A handful of kernels and one collective for the
     whole model, whatever its number of layers."""
     histories = torch.stack([state.amax_history for state in states])  # (layers, roles, history)
+    last = histories[:, :, 0]
+    nonfinite = torch.stack([state.nonfinite for state in states]).maximum((~torch.isfinite(last)).float())
     if dist.is_initialized() and dist.get_world_size() > 1:
-        newest = histories[:, :, 0].contiguous()
-        dist.all_reduce(newest, op=dist.ReduceOp.MAX)
-        histories[:, :, 0] = newest
-    reduced = histories.amax(dim=-1) if algo == AmaxComputeAlgo.max else histories[:, :, 0]
-    scales = torch.stack([tensorwise_scale(reduced[:, r], role_dtypes[r], margin) for r in range(NUM_ROLES)], dim=1)
-    scales = torch.where(reduced == 0, torch.stack([state.scale for state in states]), scales)
-    histories = histories.roll(1, dims=-1)
-    histories[:, :, 0] = 0
+        reduced = torch.stack([last, nonfinite])  # the flags travel with the amaxes: a MAX need not keep a NaN
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+        last, nonfinite = reduced.unbind(0)
+    window = histories.roll(-1, dims=-1)  # [oldest, ..., newest, last]: the last history_len amaxes
+    window[:, :, -1] = last
+    if algo == AmaxComputeAlgo.max:
+        amax = torch.where(torch.isnan(window), 0.0, window).amax(dim=-1)  # TE's fmaxf drops NaN
+    else:
+        amax = last
+    moves = last != 0  # TE skips the roll and keeps the scale where the reduced amax is 0 (NaN moves)
+    amax = torch.where(moves, amax, 0.0)
+    previous = torch.stack([state.scale for state in states])
+    scales = torch.stack(
+        [delayed_scale(amax[:, r], previous[:, r], role_dtypes[r], margin) for r in range(NUM_ROLES)], dim=1
+    )
+    window[:, :, 0] = 0  # the oldest amax drops out; slot 0 is the open one again
+    histories = torch.where(moves[:, :, None], window, histories)
     torch._foreach_copy_([state.amax_history for state in states], list(histories.unbind(0)))
     torch._foreach_copy_([state.scale for state in states], list(scales.unbind(0)))
+    torch._foreach_copy_([state.nonfinite for state in states], list(nonfinite.unbind(0)))

@@ -11,7 +11,7 @@ high-precision tensor, as Transformer Engine does. The forward saves x (already 
 
 Weights do not change between the micro-batches of one optimizer step, so with gradient accumulation each layer
 can quantize its weight (and the transpose dgrad needs) once per step, in the first micro-batch, and reuse it in
-the others: `attach_weight_caches` + `set_weight_cache_mode`, driven by the training loop. Transformer Engine
+the others: `WeightCache`, attached and switched by recipes.fp8.training for the training loop. Transformer Engine
 caches FP8 weights across micro-batches the same way (`is_first_microbatch`).
 """
 
@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from recipes.config import AmaxComputeAlgo, ConfigError, PrecisionConfig, Recipe
-from recipes.fp8.all_gather import Fp8GatheredWeight, shard_amax
+from recipes.fp8.all_gather import Fp8GatheredWeight
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise
 from recipes.fp8.current_scaling import quantize_tensorwise
-from recipes.fp8.delayed_scaling import NUM_ROLES, DelayedScalingState, quantize_delayed, update_delayed_scaling
+from recipes.fp8.delayed_scaling import DelayedScalingState, quantize_delayed
 from recipes.fp8.formats import forward_and_backward_dtypes
 from recipes.fp8.gemm import fp8_gemm, fp8_gemm_into, mm_into
 from recipes.fp8.mxfp8 import quantize_mx
@@ -40,11 +40,10 @@ CACHE_OFF, CACHE_REFRESH, CACHE_REUSE = "off", "refresh", "reuse"  # quantize W 
 
 @dataclass(frozen=True)
 class Fp8Recipe:
-    """What every recipe shares: FP8 types, margin, FP8 wgrad on/off, emulation of block-scaled GEMMs."""
+    """What every recipe shares: FP8 types, FP8 wgrad on/off, emulation of block-scaled GEMMs."""
 
     forward_dtype: torch.dtype
     backward_dtype: torch.dtype
-    margin: int = 0
     fp8_wgrad: bool = True
     emulate: bool = False
     fused_kernels: bool = False  # Triton kernels for transposed operands where they run (recipes.fp8.kernels)
@@ -89,11 +88,12 @@ def _kernels_for(t: torch.Tensor):
     return kernels
 
 
-class CurrentScaling(Fp8Recipe):
-    """Per-tensor current scaling (TE Float8CurrentScaling): the scale from each tensor's amax now."""
+class TensorwiseScaling(Fp8Recipe):
+    """Per-tensor current scaling (TE Float8CurrentScaling; precision=fp8_current): the scale from each tensor's amax
+    now."""
 
     def quantize(self, t, role, state):
-        return quantize_tensorwise(t, self.dtype(role), self.margin)
+        return quantize_tensorwise(t, self.dtype(role))
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,7 @@ class DelayedScaling(Fp8Recipe):
 
     amax_history_len: int = 1024
     amax_compute_algo: AmaxComputeAlgo = AmaxComputeAlgo.max
+    margin: int = 0  # scale = fp8_max * 2**-margin / amax
     stateful = True
 
     def quantize(self, t, role, state):
@@ -146,14 +147,18 @@ def recipe_from_config(precision: PrecisionConfig) -> Fp8Recipe:
     if precision.fp8_format is None:
         raise ConfigError(f"precision={precision.name}: set precision.fp8_format (hybrid or e4m3)")
     shared = dict(zip(("forward_dtype", "backward_dtype"), forward_and_backward_dtypes(precision.fp8_format)))
-    shared.update(margin=precision.margin, fp8_wgrad=precision.fp8_wgrad, emulate=precision.emulate,
-                  fused_kernels=precision.fused_kernels)
-    if precision.recipe == Recipe.tensorwise:
-        return CurrentScaling(**shared)
+    shared.update(fp8_wgrad=precision.fp8_wgrad, emulate=precision.emulate, fused_kernels=precision.fused_kernels)
     if precision.recipe == Recipe.delayed:
         return DelayedScaling(
-            **shared, amax_history_len=precision.amax_history_len, amax_compute_algo=precision.amax_compute_algo
+            **shared, amax_history_len=precision.amax_history_len, amax_compute_algo=precision.amax_compute_algo,
+            margin=precision.margin,
         )
+    if precision.margin:  # TE's Float8CurrentScaling, Float8BlockScaling and MXFP8 quantizers have none
+        raise ConfigError(f"precision.margin={precision.margin} is delayed scaling's: precision={precision.name} "
+                          "has no margin (none in Transformer Engine either); set precision.margin=0 or use "
+                          "precision=fp8_delayed")
+    if precision.recipe == Recipe.tensorwise:
+        return TensorwiseScaling(**shared)
     if precision.recipe == Recipe.blockwise:
         return BlockwiseScaling(**shared)
     if precision.recipe == Recipe.mxfp8:
@@ -340,59 +345,3 @@ class Bf16Linear(CachedWeightLinear):
         mode, cached = (CACHE_OFF, None) if cache is None else (cache.mode, cache.weight)
         y = _Bf16LinearFunction.apply(x2d, self.weight, mode, cached, self.main_grad)
         return y.view(*x.shape[:-1], self.out_features)
-
-
-def _cached_weight_linears(model: nn.Module) -> list[CachedWeightLinear]:
-    return [m for m in model.modules() if isinstance(m, CachedWeightLinear)]
-
-
-def attach_weight_caches(model: nn.Module) -> int:
-    """Give every converted linear of `model` a weight cache (before compiling it); returns how many got one.
-    Costs two bytes per weight element (the FP8 weight and its transpose, or the BF16 weight)."""
-    layers = _cached_weight_linears(model)
-    for layer in layers:
-        layer.weight_cache = layer.make_weight_cache()
-    return len(layers)
-
-
-def set_weight_cache_mode(model: nn.Module, mode: str) -> None:
-    """CACHE_REFRESH for the first micro-batch of an optimizer step, CACHE_REUSE for the rest, CACHE_OFF outside.
-    The mode also says whether a weight gradient starts or adds to `main_grad`."""
-    for layer in _cached_weight_linears(model):
-        if layer.weight_cache is not None:
-            layer.weight_cache.mode = mode
-
-
-def attach_main_grads(model: nn.Module) -> int:
-    """One process only (FSDP2 needs the gradients from autograd): give every converted linear an FP32 `main_grad`
-    that its backward writes (first micro-batch) or adds to (the others) inside the weight-gradient GEMM, as
-    Megatron's `gradient_accumulation_fusion` does; `expose_main_grads` hands them to the optimizer. Returns how
-    many. Costs nothing extra at the peak: the FP32 gradients exist during accumulation either way."""
-    layers = _cached_weight_linears(model)
-    for layer in layers:
-        layer.main_grad = torch.zeros_like(layer.weight, dtype=torch.float32)
-    return len(layers)
-
-
-def expose_main_grads(model: nn.Module) -> None:
-    """After the last micro-batch's backward: each main_grad becomes its weight's .grad (the same memory), for
-    clipping and the optimizer; zero_grad(set_to_none=True) drops the alias again."""
-    for layer in _cached_weight_linears(model):
-        if layer.main_grad is not None:
-            layer.weight.grad = layer.main_grad
-
-
-def update_fp8_scaling(model: nn.Module) -> None:
-    """Once after each micro-batch's backward: the delayed-scaling layers of `model` fold this micro-batch's amaxes
-    into their histories and scales, reduced over the data-parallel ranks (recipes.fp8.delayed_scaling). Nothing
-    to do for the other recipes, whose scales come from the tensor at hand."""
-    layers = [m for m in model.modules() if isinstance(m, Fp8Linear) and m.fp8_state is not None]
-    for layer in layers:  # weights FSDP2 all-gathers in FP8: their shards' amaxes (recipes.fp8.all_gather)
-        amax = shard_amax(layer.weight)
-        if amax is not None:
-            slot = layer.fp8_state.amax_history[WEIGHT, 0]
-            slot.copy_(torch.maximum(slot, amax))
-    if layers:
-        recipe = layers[0].recipe  # convert_to_fp8 gives every layer of a model the same recipe
-        dtypes = tuple(recipe.dtype(role) for role in range(NUM_ROLES))
-        update_delayed_scaling([m.fp8_state for m in layers], dtypes, recipe.amax_compute_algo, recipe.margin)

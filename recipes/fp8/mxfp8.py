@@ -1,8 +1,12 @@
 """MXFP8 (OCP Microscaling Formats v1.0): 32 consecutive elements along K share one E8M0 scale, a power of two.
 
-Scale exponent, "RCEIL" as NVIDIA's Transformer Engine and torchao compute it: the smallest power of two that
-maps the block's amax into E4M3's range, 2**ceil(log2(amax / 448)), clamped to E8M0's [-127, 127]. (The OCP text
-instead uses 2**(floor(log2(amax)) - 8), which can saturate the largest element; we follow NVIDIA.)
+Scale exponent as NVIDIA's Transformer Engine computes it on every GPU, and Blackwell's E8M0 conversion
+(`cvt.rp.satfinite.ue8m0x2.f32`) rounds: the FP32 product amax * fl32(1 / fp8_max), rounded up to a power of two.
+That is 2**ceil(log2(amax / fp8_max)), "RCEIL", the smallest power of two that maps the block's amax into the
+FP8 range, clamped to E8M0's [2**-127, 2**127], for every FP32 amax but one per format: the float just above
+fp8_max * 2**-127, whose product rounds down to 2**-127, so its largest element lands a hair above fp8_max and
+saturates to it. (The OCP text instead uses 2**(floor(log2(amax)) - 8), which can saturate the largest element
+of any block; we follow NVIDIA.)
 
 Native GEMMs (Blackwell, cuBLAS) take the scales as E8M0 bytes in a swizzled "32_4_4" tile layout:
 `to_e8m0` and `swizzle_32_4_4` produce them. Elsewhere the GEMM is emulated from `dequantize()`.
@@ -10,32 +14,35 @@ Native GEMMs (Blackwell, cuBLAS) take the scales as E8M0 bytes in a swizzled "32
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
 from recipes.fp8.current_scaling import cast_to_fp8
-from recipes.fp8.formats import fp8_max
+from recipes.fp8.formats import E4M3, E5M2, fp8_max
 from recipes.fp8.tensor import Float8Tensor
 
 MX_BLOCK = (1, 32)
 E8M0_BIAS = 127
+# TE's Quantized_Limits<OType>::max_norm_rcp: 1 / fp8_max rounded to FP32. As a Python float holding an FP32
+# value, its product with an FP32 amax is the FP32 product however a backend evaluates it (in FP32, or exactly
+# in float64 and rounded once).
+MAX_NORM_RCP = {dtype: torch.tensor(1.0 / fp8_max(dtype), dtype=torch.float32).item() for dtype in (E4M3, E5M2)}
 
 
 def mx_scale_exponent(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """ceil(log2(amax / fp8_max)), exactly, clamped to [-127, 127]; all-zero blocks get -127.
+    """The block's scale exponent k (scale_inv = 2**k, k in [-127, 127]) for a finite amax; all-zero blocks get -127.
 
-    Read off the FP32 bits rather than computed with log2 or frexp (log2 rounds; Inductor's CPU backend fails to
-    compile frexp/ldexp, and the float64 the quotient needed is slow on GPUs): with amax = m * 2**e (1 <= m < 2) and
-    fp8_max = M * 2**E (M = 1.75 for E4M3 and E5M2), amax / fp8_max = (m / M) * 2**(e - E), whose ceil(log2) is
-    e - E, plus 1 when m > M. An FP32-subnormal amax gives at most -134 here, clamped to -127 like the exact value.
+    TE cast/mxfp8/quantize_mxfp8.cuh: ptx::float_to_e8m0(amax * Quantized_Limits<OType>::max_norm_rcp), with
+    util/ptx_arch_spec.cuh's float_to_e8m0 (the biased exponent, plus one unless the mantissa is 0 or the product
+    is at most 2**-127). Read off the FP32 bits rather than computed with log2 or frexp: log2 rounds, and
+    Inductor's CPU backend fails to compile frexp/ldexp. The product is subnormal for amax < fp8_max * 2**-126,
+    which float_to_e8m0 expects as IEEE FP32 (no flush to zero; quantize_mx_op runs eager kernels).
     """
-    big_mantissa, big_exponent = math.frexp(fp8_max(dtype))  # fp8_max = big_mantissa * 2**big_exponent
-    max_exponent, max_fraction = big_exponent - 1, int((2 * big_mantissa - 1) * 2**23)
-    bits = amax.float().view(torch.int32)
-    exponent = ((bits >> 23) & 0xFF) - 127 - max_exponent + ((bits & 0x7FFFFF) > max_fraction).to(torch.int32)
-    return torch.where(amax > 0, exponent, torch.full_like(exponent, -E8M0_BIAS)).clamp(-E8M0_BIAS, E8M0_BIAS)
+    product = amax.float() * MAX_NORM_RCP[dtype]
+    bits = product.view(torch.int32)
+    biased, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    round_up = (mantissa > 0) & (biased != 0xFE) & ~((biased == 0) & (mantissa <= 0x400000))
+    return biased + round_up.to(torch.int32) - E8M0_BIAS
 
 
 def power_of_two(exponent: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""engine=megatron: the resolved config as megatron-core objects (translate), the model and parallel state built
-from them (build), and data through megatron-core's dataset builders (data). The training loop is
-recipes.engine.megatron_engine.
+"""engine=megatron (engine.py: `python -m recipes.megatron.engine RUN_DIR/config.yaml`): the resolved config as
+megatron-core objects (translate), the model and parallel state built from them (build), data through
+megatron-core's dataset builders (data), distributed checkpoints (checkpoint).
 
 Importing this package imports megatron.core once, without the warning it prints when Transformer Engine and Apex
 are missing: the local layer spec needs neither, and whether FP8 can run is decided in recipes.plan, with a fix.

@@ -4,7 +4,7 @@
                        run.pt         step and config, written last: the mark of a complete checkpoint
 
 Every rank writes its own shards into one temporary folder, and rank 0 publishes it as step_<N> with one rename
-(recipes.engine.checkpoint's start_save/finish_save), so the newest step_<N> is always whole and is what a restart
+(recipes.trainer.checkpoints' start_save/finish_save), so the newest step_<N> is always whole and is what a restart
 in the same run directory resumes, with the same tp, pp, vp and cp (the optimizer's "dp_reshardable" format lets
 only the data-parallel size change). There is no RNG state to keep: no dropout, and the data of a step is a
 function of the step (recipes.megatron.data).
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from recipes.config import Config, to_dict
-from recipes.engine import checkpoint
+from recipes.trainer import checkpoints
 from megatron.core import dist_checkpointing
 
 MARKER = "run.pt"
@@ -46,7 +46,7 @@ def save(directory: Path, step: int, model: list, optimizer, cfg: Config) -> Opt
     rank = dist.get_rank()
     temporary = directory / f"step_{step:08d}.tmp-megatron"  # one name on every rank
     if rank == 0:
-        checkpoint.start_save(directory, step, tag="megatron")
+        checkpoints.start_save(directory, step, tag="megatron")
     # With overlapped parameter all-gathers the model's BF16 weights lag the optimizer step until the next
     # forward; gather them now, as Megatron-LM does before saving.
     overlapped = [chunk for chunk in model if chunk.ddp_config.overlap_param_gather]
@@ -60,8 +60,8 @@ def save(directory: Path, step: int, model: list, optimizer, cfg: Config) -> Opt
     final = None
     if rank == 0:
         torch.save({"step": step, "config": to_dict(cfg)}, temporary / MARKER)
-        final = checkpoint.finish_save(directory, step, temporary)
-        checkpoint.prune(directory, cfg.trainer.checkpoint.keep_last, MARKER)
+        final = checkpoints.finish_save(directory, step, temporary)
+        checkpoints.prune(directory, cfg.trainer.checkpoint.keep_last, MARKER)
     dist.barrier()
     return final
 
@@ -69,12 +69,12 @@ def save(directory: Path, step: int, model: list, optimizer, cfg: Config) -> Opt
 @torch.no_grad()  # the optimizer copies loaded states into its FP32 master weights, views of autograd leaves
 def load_latest(directory: Path, cfg: Config, model: list, optimizer) -> int:
     """Load the newest complete checkpoint into the model chunks and optimizer; its step, 0 when there is none."""
-    complete = checkpoint.complete_checkpoints(directory, MARKER)
+    complete = checkpoints.complete_checkpoints(directory, MARKER)
     if not complete:
         return 0
     step, path = complete[-1]
     saved = torch.load(path / MARKER, weights_only=True)
-    checkpoint.check_resumable(saved["config"], step, cfg, path)
+    checkpoints.check_resumable(saved["config"], step, cfg, path)
     # Without Transformer Engine or Apex, megatron-core reads Adam's step count while it builds the loading state
     # dict, which a fresh optimizer does not have yet: one step on zero gradients allocates the states (and moves
     # the weights by weight decay), and the load below overwrites all of it.

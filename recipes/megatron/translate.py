@@ -8,7 +8,7 @@
     fusions(cfg, kernels)     cfg.megatron's fusion switches resolved against the kernels this Python can load
 
 megatron-core validates each object when it is built (TransformerConfig.__post_init__), so a config that passed
-recipes.plan.validate and still fails here is a gap in that preflight.
+recipes.plan.checks.validate and still fails here is a gap in that preflight.
 """
 
 from __future__ import annotations

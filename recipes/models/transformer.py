@@ -10,7 +10,7 @@ As in megatron-core, Q, K and V come from one fused linear layer (`qkv`) and the
 projections from one (`fc1`): fewer, larger GEMMs, and in FP8 one quantization of each input instead of several.
 
 Parameters are kept in FP32 (they are the optimizer's master weights); the residual stream and every GEMM run in
-`activation_dtype` (BF16). Each nn.Linear inside the blocks is a GEMM that `recipes.fp8.convert_to_fp8` may swap.
+`activation_dtype` (BF16). Each nn.Linear inside the blocks is a GEMM that `recipes.fp8.Fp8Training.convert` may swap.
 """
 
 from __future__ import annotations
@@ -199,10 +199,3 @@ def init_weights(module: nn.Module, cfg: ModelConfig, generator: torch.Generator
         std = initial_std(name, cfg)
         if std is not None:
             param.normal_(0.0, std, generator=generator)
-
-
-def count_parameters(cfg: ModelConfig) -> int:
-    """Exact parameter count, from the model itself built on the meta device (no memory is allocated)."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    return sum(p.numel() for p in model.parameters())

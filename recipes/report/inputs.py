@@ -28,9 +28,9 @@ from typing import Any, Optional
 import yaml
 
 from recipes.report import metadata
-from recipes.slurm import SLURM_LOG
 from recipes.report.parse import FileRead, read_log, read_metrics_jsonl
 from recipes.report.records import Run, merge_steps
+from recipes.run_files import CONFIG, METRICS, SLURM_LOG, SUMMARY, slurm_log_stem
 
 LOG_SUFFIXES = {".out", ".err", ".log", ".txt"}
 LOCAL_LOG = re.compile(r"^(?P<stream>combined|stdout|stderr)\.log$")  # nemo-run local: <task>/<app>/<role>/<n>/
@@ -59,13 +59,13 @@ def find_sources(inputs: list[str], base: Path) -> list[Source]:
         path = (base / given).resolve() if not os.path.isabs(given) else Path(given).resolve()
         if not path.exists():
             raise InputError(f"{given}: no such file or directory")
-        if path.is_dir() and (path / "metrics.jsonl").is_file():
+        if path.is_dir() and (path / METRICS).is_file():
             run_dirs.append((path, path))
         elif path.is_dir():
             for folder, subfolders, files in os.walk(path):
                 subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
                 folder_path = Path(folder)
-                if "metrics.jsonl" in files:
+                if METRICS in files:
                     run_dirs.append((folder_path, path))
                     subfolders[:] = []
                     continue
@@ -110,7 +110,7 @@ def _nemo_run_run_dirs(configs: Path, files: list[str]) -> list[Path]:
         args = task.get("args") if isinstance(task, dict) else None
         for arg in args if isinstance(args, list) else []:
             config = Path(str(arg))
-            if config.name == "config.yaml" and config.is_absolute() and (config.parent / "metrics.jsonl").is_file():
+            if config.name == CONFIG and config.is_absolute() and (config.parent / METRICS).is_file():
                 found.append(config.parent.resolve())
     return found
 
@@ -134,7 +134,7 @@ def _group_logs(files: list[tuple[Path, Path]]) -> list[Source]:
     for (_, name), members in groups.items():
         members.sort(key=lambda member: member[0])
         paths = [p for _, p, _ in members]
-        run_name = f"log-{name}_{members[0][0][0]}" if SLURM_LOG.match(paths[0].name) else name
+        run_name = slurm_log_stem(name, members[0][0][0]) if SLURM_LOG.match(paths[0].name) else name
         singles.append(Source("logs", paths, run_name, members[0][2]))
     return singles
 
@@ -158,13 +158,13 @@ def read_source(
         reads = [read_log(path, display_path(path, base)) for path in source.paths]
         config_dir = _config_dir(source.paths[0].parent, source.root)
     else:
-        metrics = source.paths[0] / "metrics.jsonl" if source.kind == "run_dir" else source.paths[0]
+        metrics = source.paths[0] / METRICS if source.kind == "run_dir" else source.paths[0]
         reads = [read_metrics_jsonl(metrics, display_path(metrics, base))]
         config_dir = metrics.parent
     notes = [note for read in reads for note in read.notes]
     if config_dir is not None:
-        config, more = _load(config_dir / "config.yaml", base, yaml.safe_load)
-        summary, even_more = _load(config_dir / "summary.json", base, json.loads)
+        config, more = _load(config_dir / CONFIG, base, yaml.safe_load)
+        summary, even_more = _load(config_dir / SUMMARY, base, json.loads)
         notes += more + even_more
 
     steps, repeats = merge_steps([read.steps for read in reads])
@@ -229,7 +229,7 @@ def _first_header(reads: list[FileRead]) -> dict[str, Any]:
 def _config_dir(folder: Path, root: Path) -> Optional[Path]:
     """The nearest folder from a log's folder up to the input's root that holds a config.yaml."""
     while True:
-        if (folder / "config.yaml").is_file():
+        if (folder / CONFIG).is_file():
             return folder
         if folder == root or folder.parent == folder or root not in folder.parents:
             return None

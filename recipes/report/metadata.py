@@ -10,8 +10,8 @@ keys in `KEYS`; they are merged in this order, the first source that knows a key
     5. format     the log format implies the engine (Megatron lines -> megatron, NeMo 2 lines -> nemo)
 
 then values that follow from others are derived (world size = nodes x GPUs per node, DP = world / (TP PP CP),
-parameter count from the model's dimensions, the GPU's BF16 peak from conf/gpu). Nothing else is guessed: a key
-no source knows stays unknown.
+parameter count from the model's dimensions (recipes.metrics) where summary.json has none, the GPU's BF16 peak from
+conf/gpu). Nothing else is guessed: a key no source knows stays unknown.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Optional
 import yaml
 
 from recipes.config import CONF_DIR, ConfigError, ModelConfig, from_dict
-from recipes.models.transformer import count_parameters as model_parameters
+from recipes.metrics import count_parameters as model_parameters
 
 # conf/ is the one place that names the models, GPUs and precisions; a file that cannot be read reads as empty.
 @functools.lru_cache(maxsize=None)
@@ -122,7 +122,7 @@ def from_config(config: dict, summary: dict) -> dict[str, Any]:
     parallel = _section(config, "parallel")
     meta: dict[str, Any] = {
         "model": model.get("name") or summary.get("model"),
-        "params": count_parameters(model),
+        "params": summary.get("parameters") or count_parameters(model),
         "precision": precision.get("name") or summary.get("precision"),
         "recipe": precision.get("recipe") or summary.get("recipe"),
         "emulated": summary.get("emulated", precision.get("emulate")),

@@ -1,7 +1,9 @@
 """Run by tests/test_fsdp.py under torchrun with 2 processes (Gloo): FP8 linears with delayed scaling, sharded by
 FSDP2, each rank feeding its own data. Checks that the layers see the whole (unsharded) BF16 weight, and that
 after update_fp8_scaling every rank holds the same amax histories and scales, whose newest amaxes are the maxima
-over the ranks. Exits non-zero (an AssertionError) otherwise."""
+over the ranks; that an amax of 0 on every rank leaves a history as it is (Transformer Engine's fused update),
+an amax of 0 on one rank does not; and that an inf on one rank stops both. Exits non-zero (an AssertionError)
+otherwise."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ from recipes.config import AmaxComputeAlgo
 from recipes.engine.fsdp import data_parallel_mesh, shard_model
 from recipes.fp8.delayed_scaling import NUM_ROLES
 from recipes.fp8.formats import E4M3, E5M2
-from recipes.fp8.linear import DelayedScaling, Fp8Linear, update_fp8_scaling
+from recipes.fp8.linear import DelayedScaling, Fp8Linear
 from recipes.fp8.current_scaling import tensorwise_scale
+from recipes.fp8.training import fp8_amaxes_finite, non_finite_amaxes, update_fp8_scaling
 
 INPUT, WEIGHT, GRAD = range(NUM_ROLES)
 
@@ -43,9 +46,14 @@ def main() -> None:
     seen = []
     model.layers[0].register_forward_pre_hook(lambda module, args: seen.append(module.weight.detach().clone()))
 
+    # Micro-batch 1: rank 0 feeds zeros, rank 1 does not: the reduced amaxes are rank 1's and every history moves.
+    # Micro-batch 3: both feed zeros: inputs and gradients have amax 0 on every rank and (TE's fused update) keep
+    # their histories and scales; the weights, quantized again, move on.
     amaxes = []
-    for micro in range(3):
+    for micro in range(4):
         x = torch.randn(32, 64, generator=torch.Generator().manual_seed(100 * rank + micro)) * (1 + rank + micro)
+        if (micro, rank) in ((1, 0), (3, 0), (3, 1)):
+            x = torch.zeros_like(x)
         x = x.bfloat16().requires_grad_(True)
         model(x).float().square().mean().backward()
         amaxes.append(x.abs().max().float())
@@ -59,11 +67,25 @@ def main() -> None:
         gathered = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(gathered, local)
         assert all(torch.equal(g, gathered[0]) for g in gathered), f"{name} differs between ranks"
-    # Newest first (slot 0 is the open one): slots 1..3 hold micro-batches 2, 1, 0, each the max over ranks.
+    # TE's layout [open slot, oldest, ..., newest]: micro-batches 0, 1, 2, each the max over ranks; not 3.
     every_rank = torch.stack(amaxes)
     dist.all_reduce(every_rank, op=dist.ReduceOp.MAX)
-    assert torch.equal(history[INPUT, 1:], every_rank.flip(0)), (history[INPUT], every_rank)
+    assert every_rank[3] == 0 and torch.equal(history[INPUT], torch.cat([torch.zeros(1), every_rank[:3]]))
     assert torch.equal(scale[INPUT], tensorwise_scale(every_rank.max(), E4M3))
+    assert (history[GRAD, 1:] > 0).all() and history[GRAD, 0] == 0  # three moves, none in micro-batch 3
+    weight_amax = full_weight.bfloat16().abs().max().float()
+    assert torch.equal(history[WEIGHT], torch.stack([torch.zeros(()), weight_amax, weight_amax, weight_amax]))
+
+    # An inf in rank 1's input only: the cast saturates it, and both ranks stop on the same flag.
+    assert bool(fp8_amaxes_finite(model))
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(7 + rank))
+    if rank == 1:
+        x[3, 3] = float("inf")
+    loss = model(x.bfloat16()).float().square().mean()
+    loss.backward()
+    update_fp8_scaling(model)
+    assert torch.isfinite(loss) and not bool(fp8_amaxes_finite(model))
+    assert non_finite_amaxes(model) == "layers.0's input", non_finite_amaxes(model)
     dist.destroy_process_group()
 
 

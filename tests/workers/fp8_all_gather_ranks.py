@@ -3,7 +3,7 @@ all-gather (recipes.fp8.all_gather), each rank feeding its own data, eager and w
 
 Checks, for current scaling, that the layer receives exactly the FP8 weight (bytes and scale) one process would
 quantize from the whole FP32 weight, after each optimizer step too; for delayed scaling, that the weight's amax
-recorded by the all-gather and reduced by update_fp8_scaling is the whole weight's, and that it sets the next
+recorded by update_all_gather_scales (once per optimizer step) is the whole weight's, and that it sets the next
 scale; and that compiled blocks compute what eager ones do. Exits non-zero (an AssertionError) otherwise."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import torch.distributed as dist
 from torch import nn
 
 from recipes.engine.fsdp import data_parallel_mesh, shard_model
-from recipes.fp8.all_gather import Fp8GatheredWeight, update_all_gather_scales
+from recipes.fp8.all_gather import Fp8GatheredWeight
 from recipes.fp8.current_scaling import quantize_tensorwise, tensorwise_scale
 from recipes.fp8.formats import E4M3, E5M2
-from recipes.fp8.linear import WEIGHT, CurrentScaling, DelayedScaling, Fp8Linear, update_fp8_scaling
+from recipes.fp8.linear import WEIGHT, TensorwiseScaling, DelayedScaling, Fp8Linear
+from recipes.fp8.training import enable_fp8_all_gather, update_all_gather_scales, update_fp8_scaling
 
 
 class Stack(nn.Module):
@@ -50,7 +51,8 @@ def train(recipe, compiled: bool) -> list[float]:
     if compiled:
         for layer in model.layers:
             layer.compile()
-    shard_model(model, data_parallel_mesh(torch.device("cpu"), dist.get_world_size()), fp8_all_gather=True)
+    enable_fp8_all_gather(model)
+    shard_model(model, data_parallel_mesh(torch.device("cpu"), dist.get_world_size()))
     update_all_gather_scales(model)
     linear = model.layers[0][1]
     received = []
@@ -68,11 +70,12 @@ def train(recipe, compiled: bool) -> list[float]:
         update_fp8_scaling(model)
         if isinstance(recipe, DelayedScaling):
             history = linear.fp8_state.amax_history
-            assert torch.equal(history[WEIGHT, 1], expected.abs().max()), (history[WEIGHT], expected.abs().max())
+            # The newest amax (TE's layout: [open slot, oldest, ..., newest]), put there by update_all_gather_scales.
+            assert torch.equal(history[WEIGHT, -1], expected.abs().max()), (history[WEIGHT], expected.abs().max())
             assert torch.equal(linear.fp8_state.scale[WEIGHT], tensorwise_scale(history[WEIGHT].max(), E4M3))
         weight, (data, scale_inv) = received[-1]
         assert isinstance(weight, Fp8GatheredWeight) and weight.shape == expected.shape
-        if isinstance(recipe, CurrentScaling):
+        if isinstance(recipe, TensorwiseScaling):
             reference = quantize_tensorwise(expected, E4M3)
             assert torch.equal(data.view(torch.uint8), reference.data.view(torch.uint8)), f"step {step}: FP8 bytes"
             assert torch.equal(scale_inv, reference.scale_inv), f"step {step}: scale"
@@ -85,7 +88,7 @@ def train(recipe, compiled: bool) -> list[float]:
 
 def main() -> None:
     dist.init_process_group("gloo")
-    for recipe in (CurrentScaling(E4M3, E5M2), DelayedScaling(E4M3, E5M2, amax_history_len=4)):
+    for recipe in (TensorwiseScaling(E4M3, E5M2), DelayedScaling(E4M3, E5M2, amax_history_len=4)):
         eager, compiled = train(recipe, False), train(recipe, True)
         assert all(abs(a - b) <= 1e-2 * abs(a) for a, b in zip(eager, compiled)), (recipe, eager, compiled)
     dist.destroy_process_group()

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from recipes.config import Config, TrainerConfig, load_option
 from recipes.engine.fsdp import data_parallel_mesh
 from recipes.engine.torch_engine import build_model
+from recipes.fp8 import Fp8Training
 
 
 def values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -44,8 +45,8 @@ def main() -> None:
             gpu=load_option("gpu", "cpu"), executor=load_option("executor", "local"), data=load_option("data", "mock"),
             trainer=TrainerConfig(micro_batch_size=1, global_batch_size=4, fsdp_fp8_all_gather=fp8_all_gather),
         )
-        one = values(build_model(cfg, device, 4))
-        sharded = values(build_model(cfg, device, 2, mesh, fp8_all_gather))
+        one = values(build_model(cfg, device, Fp8Training.for_run(cfg, 1)))
+        sharded = values(build_model(cfg, device, Fp8Training.for_run(cfg, dist.get_world_size()), mesh))
         assert one.keys() == sharded.keys(), one.keys() ^ sharded.keys()
         for name in one:
             assert torch.equal(one[name], sharded[name]), f"{model_name}: {name} differs"

@@ -1,4 +1,4 @@
-"""The command line both engines share: `python -m recipes.engine.<engine> RUN_DIR/config.yaml`."""
+"""The command line both engines share: `python -m <engine module> RUN_DIR/config.yaml`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from recipes.config import Config, ConfigError, load_config
-from recipes.engine.training import NonFiniteError
+from recipes.trainer.loop import NonFiniteError
 
 
 def engine_main(module: str, train: Callable[[Config, Path], dict], argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """The megatron-core engine: train from a resolved config file with tensor, pipeline, context and data parallelism.
 
-    torchrun --nproc-per-node=N -m recipes.engine.megatron_engine RUN_DIR/config.yaml
+    torchrun --nproc-per-node=N -m recipes.megatron.engine RUN_DIR/config.yaml
 
 Reads only the resolved YAML written by `launch/run.py`. The pieces are megatron-core's, put together as
 Megatron-LM's pretrain_gpt.py does:
@@ -12,36 +12,35 @@ Megatron-LM's pretrain_gpt.py does:
     gradients, optimizer  DistributedDataParallel (or Megatron-FSDP) + the distributed optimizer
     checkpoints           dist_checkpointing, resharded on load               recipes.megatron.checkpoint
 
-and it writes what the torch engine writes: metrics.jsonl and summary.json (recipes.metrics), plus Megatron's
-iteration line every log interval, so reports read both engines alike. Needs CUDA GPUs: megatron-core's rotary
+Its steps run in the loop both engines share (recipes.trainer.loop), so it writes what the torch engine writes:
+metrics.jsonl and summary.json (recipes.metrics), plus Megatron's iteration line every log interval, so reports
+read both engines alike. Needs CUDA GPUs: megatron-core's rotary
 embedding and RNG tracker call torch.cuda unconditionally.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import sys
-import time
 from functools import partial
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from recipes.config import Config, ConfigError
-from recipes.engine import checkpoint
-from recipes.engine.console import finish_run, megatron_iteration_line
-from recipes.engine.entry import engine_main
-from recipes.engine.training import NonFiniteError, learning_rate
 from recipes.megatron import parallel_state
 from recipes.megatron import checkpoint as megatron_checkpoint
 from recipes.megatron.build import build, initialize_parallel_state
 from recipes.megatron.data import MicroBatches, build_train_dataset
 from recipes.megatron.translate import ddp_config, optimizer_config
-from recipes.metrics import MetricsWriter, StepMetrics, step_metrics
-from recipes.profiling import profile_step_if_due
+from recipes.metrics import StepMetrics
+from recipes.trainer.checkpoints import checkpoint_dir
+from recipes.trainer.console import megatron_iteration_line
+from recipes.trainer.entry import engine_main
+from recipes.trainer.loop import EngineSteps, train_loop
 from megatron.core.distributed import DistributedDataParallel, FullyShardedDataParallel, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -126,74 +125,49 @@ def step_loss(losses_reduced: list[dict]) -> torch.Tensor:
 
 def train(cfg: Config, run_dir: Path) -> dict:
     rank, world_size, device = setup_distributed(cfg)
-    is_logger = rank == 0
     config, chunks = build(cfg, device)
     model = wrap(cfg, config, chunks)
     optimizer = get_megatron_optimizer(optimizer_config(cfg), model)
-    checkpoints = checkpoint.checkpoint_dir(cfg, run_dir)
+    checkpoints = checkpoint_dir(cfg, run_dir)
     first_step = megatron_checkpoint.load_latest(checkpoints, cfg, model, optimizer) + 1
-    if is_logger and first_step > 1:
+    if rank == 0 and first_step > 1:
         print(f"resuming from step {first_step - 1} of {checkpoints}", flush=True)
 
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     batches = MicroBatches(build_train_dataset(cfg, rank), cfg, dp_rank, dp_size)
     num_micro_batches = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * dp_size)
     forward_backward = get_forward_backward_func()
-    history: list[StepMetrics] = checkpoint.resume_metrics(run_dir, first_step - 1) if is_logger else []
-    writer = MetricsWriter(run_dir, cfg, first_step) if is_logger else None
-    last_logged = first_step - 1
 
-    try:
-        for step in range(first_step, cfg.trainer.max_steps + 1):
-            lr = learning_rate(step, cfg.trainer)
-            start = time.perf_counter()
-            with profile_step_if_due(step, cfg.trainer.profile_step, run_dir, rank, device):
-                for chunk in model:
-                    chunk.zero_grad_buffer()
-                optimizer.zero_grad()
-                # One iterator per model chunk, each over this step's micro-batches (the interleaved schedule pulls
-                # micro-batch m from chunk k's iterator when chunk k runs it).
-                iterators = [batches.of_step(step, num_micro_batches) for _ in model]
-                losses_reduced = forward_backward(
-                    forward_step_func=partial(forward_step, device),
-                    data_iterator=iterators if len(model) > 1 else iterators[0],
-                    model=model if len(model) > 1 else model[0],
-                    num_microbatches=num_micro_batches,
-                    seq_length=cfg.model.seq_length // cfg.parallel.cp,
-                    micro_batch_size=cfg.trainer.micro_batch_size,
-                    decoder_seq_length=cfg.model.seq_length // cfg.parallel.cp,
-                    forward_only=False,
-                )
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                _, grad_norm, _ = optimizer.step()
-                loss_value, grad_norm_value = step_loss(losses_reduced).item(), float(grad_norm)
-            elapsed = time.perf_counter() - start
-            metrics = step_metrics(cfg, step, loss_value, grad_norm_value, lr, elapsed, world_size,
-                                   torch.cuda.max_memory_allocated(device) / 2**30)
-            if not (math.isfinite(loss_value) and math.isfinite(grad_norm_value)):
-                # Megatron's optimizer has stepped already; the run stops here, before any checkpoint of it.
-                if writer:
-                    writer.write(metrics)
-                raise NonFiniteError(loss_value, grad_norm_value)
-            history.append(metrics)
-            if writer:
-                writer.write(metrics)
-                if step % cfg.trainer.log_interval == 0 or step == cfg.trainer.max_steps:
-                    interval = [m for m in history if m.step > last_logged]
-                    print(megatron_iteration_line(interval, cfg.trainer.max_steps, cfg.trainer.global_batch_size),
-                          flush=True)
-                    last_logged = step
-            if checkpoint.is_due(cfg, step):
-                saved = megatron_checkpoint.save(checkpoints, step, model, optimizer, cfg)
-                if saved and is_logger:
-                    print(f"saved checkpoint of step {step} to {saved}", flush=True)
-    finally:
-        if writer:
-            writer.close()
-    summary = {}
-    if is_logger and history:
-        summary = finish_run(cfg, history, world_size, run_dir)
+    def train_step(step: int, lr: float) -> tuple[float, float]:
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        # One iterator per model chunk, each over this step's micro-batches (the interleaved schedule pulls
+        # micro-batch m from chunk k's iterator when chunk k runs it).
+        iterators = [batches.of_step(step, num_micro_batches) for _ in model]
+        losses_reduced = forward_backward(
+            forward_step_func=partial(forward_step, device),
+            data_iterator=iterators if len(model) > 1 else iterators[0],
+            model=model if len(model) > 1 else model[0],
+            num_microbatches=num_micro_batches,
+            seq_length=cfg.model.seq_length // cfg.parallel.cp,
+            micro_batch_size=cfg.trainer.micro_batch_size,
+            decoder_seq_length=cfg.model.seq_length // cfg.parallel.cp,
+            forward_only=False,
+        )
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        _, grad_norm, _ = optimizer.step()  # a non-finite step is applied: the loop stops before checkpointing it
+        return step_loss(losses_reduced).item(), float(grad_norm)
+
+    def save_checkpoint(step: int) -> Optional[Path]:
+        return megatron_checkpoint.save(checkpoints, step, model, optimizer, cfg)
+
+    def log(interval: list[StepMetrics], history: list[StepMetrics]) -> None:
+        print(megatron_iteration_line(interval, cfg.trainer.max_steps, cfg.trainer.global_batch_size), flush=True)
+
+    summary = train_loop(cfg, run_dir, EngineSteps(train_step, save_checkpoint, log), first_step, rank, world_size,
+                         device)
     dist.barrier()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
@@ -201,7 +175,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return engine_main("recipes.engine.megatron_engine", train, argv)
+    return engine_main("recipes.megatron.engine", train, argv)
 
 
 if __name__ == "__main__":

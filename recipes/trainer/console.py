@@ -13,6 +13,7 @@ from rich.table import Table
 from recipes.config import Config
 from recipes.metrics import StepMetrics, summarize, write_summary
 from recipes.provenance import provenance
+from recipes.run_files import METRICS, SUMMARY
 
 console = Console(highlight=False, soft_wrap=True)
 
@@ -79,7 +80,7 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)
-    console.print(f"metrics: {run_dir / 'metrics.jsonl'}\nsummary: {run_dir / 'summary.json'}")
+    console.print(f"metrics: {run_dir / METRICS}\nsummary: {run_dir / SUMMARY}")
 
 
 def finish_run(cfg: Config, history: list[StepMetrics], world_size: int, run_dir: Path) -> dict:

@@ -1,0 +1,59 @@
+"""Preflight: resolve what the config leaves open (gpu.py), reject what cannot run (checks.py; for executor=slurm
+cluster.py too), estimate the memory (memory.py) and say what will run (describe.py). launch/run.py resolves, then
+`make_plan` does the rest, before anything launches.
+
+Everything here happens before launch, so a bad combination fails with a message naming the fix instead of a
+stack trace from inside an engine, and a recipe is never silently replaced by another precision.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from typing import Optional
+
+from recipes.config import Config, Engine, ExecutorName
+from recipes.metrics import count_parameters
+from recipes.plan.checks import validate
+from recipes.plan.cluster import Site, check_cluster
+from recipes.plan.memory import MemoryEstimate, estimate_memory
+from recipes.plan.parallel import world_size
+
+ENGINE_MODULE = {Engine.torch: "recipes.engine.torch_engine", Engine.megatron: "recipes.megatron.engine"}
+
+
+@dataclass
+class Plan:
+    cfg: Config
+    parameters: int
+    memory: MemoryEstimate
+    command: list[str]  # launch_command
+    site: Optional[Site] = None  # executor=slurm: where the job runs (recipes.plan.cluster)
+
+    @property
+    def processes(self) -> int:
+        return world_size(self.cfg)
+
+
+def engine_command(cfg: Config, config_path: Path | str, python: str = sys.executable) -> list[str]:
+    """`python -m <engine module> CONFIG`, what every process of the run executes: nemo-run's task, on this machine
+    (recipes.launcher) and in the sbatch script (recipes.slurm), and what the plan prints (launch_command)."""
+    return [python, "-m", ENGINE_MODULE[cfg.engine], str(config_path)]
+
+
+def launch_command(cfg: Config, config_path: Path) -> list[str]:
+    """engine_command as a shell would start the run: under torchrun for several processes, as nemo-run does."""
+    python, *module_and_config = engine_command(cfg, config_path)
+    if world_size(cfg) == 1:
+        return [python, *module_and_config]
+    return ["torchrun", f"--nproc-per-node={cfg.executor.gpus}", f"--nnodes={cfg.executor.nodes}", *module_and_config]
+
+
+def make_plan(cfg: Config, config_path: Path) -> Plan:
+    """Every check, Slurm's and SSH's included, then what will run: raises ConfigError before anything launches."""
+    validate(cfg)
+    site = check_cluster(cfg, config_path.parent) if cfg.executor.name == ExecutorName.slurm else None
+    parameters = count_parameters(cfg.model)
+    return Plan(cfg, parameters, estimate_memory(cfg, parameters), launch_command(cfg, config_path), site)

@@ -1,0 +1,260 @@
+"""What cannot run, refused before launch with a message that names the fix: the launch, the model's shape, the
+parallel layout, the precision on this GPU (a recipe is never silently replaced by another precision), the
+batch sizes."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+
+from recipes.config import Config, ConfigError, Fp8Format, GradReduce, MegatronConfig, ModelConfig, Recipe
+from recipes.fp8.training import FP8_ALL_GATHER_RECIPES
+from recipes.fp8.linear import recipe_from_config
+from recipes.metrics import check_loggers
+from recipes.plan.parallel import data_parallel_size, model_parallel_size, world_size
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError for the first thing that cannot run."""
+    _validate_launch(cfg)
+    if cfg.executor.name == "local":  # on Slurm the job's Python (a container's) decides, when the engine starts
+        check_loggers(cfg)
+    _validate_model(cfg.model)
+    _validate_parallel(cfg)
+    _validate_precision(cfg)
+    _validate_batch(cfg)
+
+
+def _validate_launch(cfg: Config) -> None:
+    if cfg.executor.name == "local" and cfg.executor.nodes != 1:
+        raise ConfigError(f"executor=local runs on this machine only: set executor.nodes=1 (got {cfg.executor.nodes})")
+    if cfg.executor.name == "slurm" and cfg.executor.slurm is None:
+        raise ConfigError("executor.slurm is missing: choose executor=slurm (conf/executor/slurm.yaml) rather than "
+                          "executor.name=slurm")
+    if cfg.engine == "megatron":
+        _validate_megatron_runtime(cfg)
+        megatron_tuning(cfg)
+        if cfg.trainer.grad_reduce != GradReduce.per_step:
+            raise ConfigError("trainer.grad_reduce is the torch engine's (FSDP2); engine=megatron reduces gradients "
+                              "through its DDP/distributed optimizer (parallel.* settings)")
+        if cfg.trainer.fsdp_fp8_all_gather:
+            raise ConfigError("trainer.fsdp_fp8_all_gather is the torch engine's (FSDP2); on engine=megatron use "
+                              "precision.fp8_param_gather")
+    elif cfg.megatron != MegatronConfig():
+        raise ConfigError(f"megatron.* switches are engine=megatron's; engine={cfg.engine.value} does not read them: "
+                          "set engine=megatron or leave them at their defaults")
+    if cfg.trainer.fsdp_fp8_all_gather and cfg.precision.recipe not in FP8_ALL_GATHER_RECIPES:
+        raise ConfigError(f"trainer.fsdp_fp8_all_gather needs a per-tensor FP8 recipe (fp8_current, fp8_delayed), "
+                          f"not precision={cfg.precision.name}: block-scaled weights are quantized after the gather")
+    if cfg.executor.gpus < 1:
+        raise ConfigError(f"executor.gpus must be at least 1 (got {cfg.executor.gpus})")
+    if cfg.executor.name == "local" and cfg.gpu.arch != "cpu" and not cfg.dryrun:
+        available = torch.cuda.device_count()
+        if cfg.executor.gpus > available:
+            raise ConfigError(f"executor.gpus={cfg.executor.gpus} but this machine has {available} GPU(s)")
+
+
+def _validate_megatron_runtime(cfg: Config) -> None:
+    if cfg.gpu.arch == "cpu" and not cfg.dryrun:
+        raise ConfigError("engine=megatron needs CUDA GPUs (megatron-core's rotary embedding and RNG tracker call "
+                          "torch.cuda); on this machine use engine=torch, or dryrun=true to see the plan")
+    if cfg.trainer.checkpoint.interval and _runs_here(cfg) and importlib.util.find_spec("psutil") is None:
+        raise ConfigError("trainer.checkpoint.interval on engine=megatron: megatron-core's distributed checkpoints "
+                          "need psutil (pip install psutil), or set trainer.checkpoint.interval=0")
+
+
+def megatron_tuning(cfg: Config) -> str:
+    """engine=megatron's fusions and overlaps (cfg.megatron) resolved with this Python's kernels when the job runs
+    here, left to the job's machine otherwise, as one line; ConfigError for a switch that cannot run."""
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # its import logs Megatron-FSDP's backend at INFO
+    from recipes.megatron.translate import available_kernels, describe_tuning
+
+    return describe_tuning(cfg, available_kernels() if _runs_here(cfg) else None)
+
+
+def _validate_model(model: ModelConfig) -> None:
+    if model.num_attention_heads % model.num_query_groups:
+        raise ConfigError(
+            f"model.num_attention_heads={model.num_attention_heads} must be a multiple of "
+            f"model.num_query_groups={model.num_query_groups}"
+        )
+    rotary_dim = model.kv_channels * model.rotary_percent
+    if rotary_dim != int(rotary_dim) or int(rotary_dim) % 2:
+        raise ConfigError(f"model.kv_channels * model.rotary_percent = {rotary_dim} must be an even integer")
+    if model.num_layers < 1:
+        raise ConfigError(f"model.num_layers must be at least 1 (got {model.num_layers})")
+
+
+def native_archs(recipe: Recipe, megatron: bool = False) -> tuple[str, ...] | None:
+    """The GPU architectures with native GEMMs for a block-scaled recipe (None: a recipe native everywhere). MXFP8:
+    Blackwell. Blockwise: Hopper in the torch engine (cuBLAS's sm90 block scaling), Hopper and Blackwell through
+    Transformer Engine (engine=megatron). Elsewhere the torch engine emulates them if asked (precision.emulate)."""
+    if recipe == Recipe.mxfp8:
+        return ("blackwell",)
+    if recipe == Recipe.blockwise:
+        return ("hopper", "blackwell") if megatron else ("hopper",)
+    return None
+
+
+def _validate_precision(cfg: Config) -> None:
+    precision, gpu, megatron = cfg.precision, cfg.gpu, cfg.engine == "megatron"
+    if precision.recipe == Recipe.bf16:
+        return
+    if precision.fp8_format is None:
+        raise ConfigError(f"precision={precision.name}: set precision.fp8_format (hybrid or e4m3)")
+    recipe_from_config(precision)  # refuses what no recipe computes: precision.margin outside delayed scaling
+    if megatron and precision.emulate:
+        raise ConfigError("precision.emulate=true is the torch engine's (engine=torch): engine=megatron runs "
+                          "Transformer Engine's kernels, which are native or absent")
+    if precision.recipe == Recipe.mxfp8 and gpu.arch not in native_archs(Recipe.mxfp8) and not precision.emulate:
+        raise ConfigError(
+            f"precision=mxfp8 runs natively only on Blackwell GPUs (b200, gb200); gpu={gpu.name} is {gpu.arch}. "
+            "Choose fp8_current or fp8_blockwise"
+            + (" (engine=megatron cannot emulate)." if megatron else ", or set precision.emulate=true to emulate it (slow; labelled).")
+        )
+    block_archs = native_archs(Recipe.blockwise, megatron)
+    if precision.recipe == Recipe.blockwise and gpu.arch not in block_archs and not precision.emulate:
+        raise ConfigError(
+            f"precision=fp8_blockwise runs natively on {' and '.join(a.capitalize() for a in block_archs)} GPUs with "
+            f"CUDA >= 12.9 (block-scaled "
+            f"GEMMs); gpu={gpu.name} is {gpu.arch}."
+            + ("" if megatron else " Set precision.emulate=true to emulate it (slow; labelled).")
+        )
+    if precision.recipe == Recipe.blockwise and _runs_here(cfg):
+        _require_cuda(12, 9, "precision=fp8_blockwise (cuBLAS block scaling)")
+    if (precision.recipe == Recipe.blockwise and not megatron and precision.fp8_format != Fp8Format.e4m3
+            and not precision.emulate):
+        raise ConfigError(
+            "precision=fp8_blockwise: cuBLAS block-scaled GEMMs on Hopper take E4M3 operands only (no E5M2 "
+            "gradients); set precision.fp8_format=e4m3, as conf/precision/fp8_blockwise.yaml does"
+        )
+    bf16_layers = precision.num_layers_at_start_in_bf16 + precision.num_layers_at_end_in_bf16
+    if bf16_layers > cfg.model.num_layers:
+        raise ConfigError(
+            f"precision.num_layers_at_start_in_bf16 + precision.num_layers_at_end_in_bf16 = {bf16_layers} is more "
+            f"than model.num_layers={cfg.model.num_layers}"
+        )
+    if megatron:
+        _validate_megatron_fp8(cfg)
+    _validate_gemm_dims(cfg)
+
+
+def _validate_megatron_fp8(cfg: Config) -> None:
+    """What megatron-core's TransformerConfig would reject, and FP8 without Transformer Engine."""
+    precision = cfg.precision
+    bf16_layers = precision.num_layers_at_start_in_bf16 + precision.num_layers_at_end_in_bf16
+    if bf16_layers and precision.recipe == Recipe.delayed:
+        raise ConfigError("engine=megatron: delayed scaling cannot keep first/last layers in BF16 (megatron-core "
+                          "rejects it); set precision.num_layers_at_start_in_bf16=0 precision.num_layers_at_end_in_bf16=0")
+    per_stage = cfg.model.num_layers // cfg.parallel.pp
+    for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+        if getattr(precision, name) > per_stage:
+            raise ConfigError(f"engine=megatron: precision.{name}={getattr(precision, name)} is more than the "
+                              f"{per_stage} layers of one pipeline stage (model.num_layers / parallel.pp)")
+    if _runs_here(cfg) and importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError(f"precision={precision.name} on engine=megatron needs Transformer Engine, which this "
+                          "Python lacks: run it in the NeMo container (executor=slurm), use precision=bf16, or "
+                          "engine=torch for its own FP8 recipes")
+
+
+def _runs_here(cfg: Config) -> bool:
+    """The job will run on this machine's GPUs: what this Python can do is what the job can do."""
+    return cfg.executor.name == "local" and cfg.gpu.arch != "cpu" and not cfg.dryrun
+
+
+def _require_cuda(major: int, minor: int, what: str) -> None:
+    version = torch.version.cuda
+    if version is None or tuple(int(v) for v in version.split(".")[:2]) < (major, minor):
+        raise ConfigError(f"{what} needs CUDA >= {major}.{minor}; this PyTorch is built with CUDA {version}. "
+                          "Install a PyTorch built for CUDA 12.9 or newer, or choose fp8_current")
+
+
+# Every dimension an FP8 GEMM contracts or produces must be a multiple of the recipe's block (16 for cuBLAS's
+# per-tensor FP8 GEMMs); the token count is the K of wgrad.
+GEMM_MULTIPLE = {Recipe.tensorwise: 16, Recipe.delayed: 16, Recipe.blockwise: 128, Recipe.mxfp8: 32}
+
+
+def _validate_gemm_dims(cfg: Config) -> None:
+    model, multiple = cfg.model, GEMM_MULTIPLE[cfg.precision.recipe]
+    gemm_dims = {
+        "hidden_size": model.hidden_size,
+        "ffn_hidden_size": model.ffn_hidden_size,
+        "num_attention_heads * kv_channels": model.num_attention_heads * model.kv_channels,
+        "num_query_groups * kv_channels": model.num_query_groups * model.kv_channels,
+        "micro_batch_size * seq_length": cfg.trainer.micro_batch_size * model.seq_length,
+    }
+    for name, value in gemm_dims.items():
+        if value % multiple:
+            raise ConfigError(
+                f"precision={cfg.precision.name} needs GEMM dimensions divisible by {multiple}: {name} = {value}"
+            )
+
+
+def _validate_parallel(cfg: Config) -> None:
+    """The parallel layout: what the torch engine cannot split, and what megatron-core cannot divide."""
+    p, m = cfg.parallel, cfg.model
+    sizes = {"tp": p.tp, "pp": p.pp, "vp": p.vp, "cp": p.cp}
+    if cfg.engine == "torch":
+        split = [f"parallel.{name}={size}" for name, size in sizes.items() if size != 1] + (["parallel.fsdp=true"] if p.fsdp else [])
+        if split:
+            raise ConfigError(f"engine=torch runs data-parallel only; {', '.join(split)} needs engine=megatron "
+                              "(or layout=none for data parallelism on the torch engine)")
+        return
+    for name, size in sizes.items():
+        if size < 1:
+            raise ConfigError(f"parallel.{name} must be at least 1 (got {size})")
+    world, model_parallel = world_size(cfg), model_parallel_size(cfg)
+    if world % model_parallel:
+        raise ConfigError(f"executor.gpus x executor.nodes = {world} GPUs is not a multiple of parallel.tp x pp x cp "
+                          f"= {p.tp} x {p.pp} x {p.cp} = {model_parallel}; change executor.nodes or the layout")
+    divisible = {
+        "model.num_attention_heads": m.num_attention_heads,
+        "model.ffn_hidden_size": m.ffn_hidden_size,
+        "model.vocab_size": m.vocab_size,  # the embedding and output layer are split over TP ranks by vocabulary
+    }
+    for name, value in divisible.items():
+        if value % p.tp:
+            raise ConfigError(f"{name}={value} is not divisible by parallel.tp={p.tp}: each tensor-parallel rank "
+                              f"takes an equal share; choose parallel.tp among {_divisors(value, 8)}")
+    # megatron-core splits query groups over TP ranks, or replicates them when there are fewer groups than ranks.
+    if m.num_query_groups % p.tp and p.tp % m.num_query_groups:
+        raise ConfigError(f"model.num_query_groups={m.num_query_groups} must be a multiple or a divisor of "
+                          f"parallel.tp={p.tp}")
+    if p.sp and p.tp == 1:
+        raise ConfigError("parallel.sp=true needs tensor parallelism (parallel.tp > 1): sequence parallelism splits "
+                          "what tensor parallelism replicates")
+    if p.vp > 1 and p.pp == 1:
+        raise ConfigError(f"parallel.vp={p.vp} interleaves pipeline stages and needs parallel.pp > 1; set parallel.vp=1")
+    chunks = p.pp * p.vp
+    split_layers = m.num_layers + (2 if p.pp_embedding_loss_as_layers else 0)
+    if split_layers % chunks:
+        counted = " (+ embedding and loss)" if p.pp_embedding_loss_as_layers else ""
+        raise ConfigError(f"model.num_layers{counted} = {split_layers} is not divisible by parallel.pp x parallel.vp "
+                          f"= {p.pp} x {p.vp} = {chunks} model chunks; change model.num_layers, parallel.pp or parallel.vp")
+    if p.cp > 1 and m.seq_length % (2 * p.cp):
+        raise ConfigError(f"model.seq_length={m.seq_length} must be divisible by 2 x parallel.cp = {2 * p.cp}: context "
+                          "parallelism gives each rank two chunks (one early, one late) to balance causal attention")
+
+
+def _divisors(value: int, largest: int) -> list[int]:
+    return [d for d in range(1, largest + 1) if value % d == 0]
+
+
+def _validate_batch(cfg: Config) -> None:
+    trainer, dp = cfg.trainer, data_parallel_size(cfg)
+    per_step = trainer.micro_batch_size * dp
+    if trainer.global_batch_size % per_step:
+        fixed = max(per_step, round(trainer.global_batch_size / per_step) * per_step)
+        raise ConfigError(
+            f"trainer.global_batch_size={trainer.global_batch_size} must be a multiple of micro_batch_size x "
+            f"data-parallel size = {trainer.micro_batch_size} x {dp} = {per_step}; "
+            f"e.g. trainer.global_batch_size={fixed}"
+        )
+    if trainer.max_steps < 1:
+        raise ConfigError(f"trainer.max_steps must be at least 1 (got {trainer.max_steps})")
+    if trainer.profile_step is not None and not 1 <= trainer.profile_step <= trainer.max_steps:
+        raise ConfigError(f"trainer.profile_step={trainer.profile_step} is not a step of this run (1 to "
+                          f"trainer.max_steps={trainer.max_steps}); a step after compilation and warm-up, such as "
+                          f"{min(trainer.max_steps, 5)}, shows the steady state")

@@ -1,0 +1,82 @@
+"""The plan as launch/run.py prints it: model, precision, GPUs, layout, batch, data, memory, run dir, command."""
+
+from __future__ import annotations
+
+from recipes.config import Config, ExecutorName, GradReduce
+from recipes.fp8.training import Fp8Training
+from recipes.plan import Plan
+from recipes.plan.checks import megatron_tuning
+from recipes.plan.parallel import data_parallel_size
+
+
+def _torch_engine_weight_gather(cfg: Config, processes: int) -> str:
+    if Fp8Training.for_run(cfg, processes).gathers_weights_in_fp8:
+        return "; weights all-gathered in FP8 by FSDP2 (trainer.fsdp_fp8_all_gather)"
+    if cfg.precision.fp8_param_gather:
+        return ("; weights all-gathered in BF16 (precision.fp8_param_gather is engine=megatron's; "
+                "trainer.fsdp_fp8_all_gather=true gathers FP8 here)")
+    return ""
+
+
+def describe_executor(cfg: Config) -> str:
+    slurm = cfg.executor.slurm
+    if cfg.executor.name != ExecutorName.slurm or slurm is None:
+        return cfg.executor.name.value
+    where = [f"partition {slurm.partition}" if slurm.partition else "default partition",
+             f"account {slurm.account}" if slurm.account else None, f"time {slurm.time}",
+             f"container {slurm.container_image}" if slurm.container_image else "no container"]
+    return f"slurm ({', '.join(filter(None, where))})"
+
+
+def describe_layout(cfg: Config) -> str:
+    p = cfg.parallel
+    parts = [f"tp {p.tp}", f"pp {p.pp}" + (f" (vp {p.vp})" if p.vp > 1 else ""), f"cp {p.cp}", f"dp {data_parallel_size(cfg)}"]
+    options = [name for name, on in (("sequence parallel", p.sequence_parallel), ("Megatron-FSDP", p.fsdp),
+                                     ("distributed optimizer", p.distributed_optimizer and not p.fsdp),
+                                     ("embedding and loss counted as layers", p.pp_embedding_loss_as_layers)) if on]
+    return " x ".join(parts) + "".join(f", {o}" for o in options) + f", recompute {p.recompute.value}"
+
+
+def describe(plan: Plan) -> str:
+    cfg, mem = plan.cfg, plan.memory
+    t = cfg.trainer
+    dp = data_parallel_size(cfg)
+    accumulation = t.global_batch_size // (t.micro_batch_size * dp)
+    gib = 2**30
+    capacity = f" of {cfg.gpu.memory_gb:.0f} GB" if cfg.gpu.memory_gb else ""
+    fixes = ("parallel.recompute=full, a larger parallel.tp or parallel.pp, " if cfg.engine == "megatron"
+             else "trainer.grad_reduce=per_micro_batch, "
+             if plan.processes > 1 and accumulation > 1 and t.grad_reduce == GradReduce.per_step else "")
+    over = (
+        f"  <- does not fit: use more GPUs (executor.gpus, executor.nodes), {fixes}"
+        f"{'' if cfg.engine == 'megatron' or t.activation_checkpointing else 'trainer.activation_checkpointing=true, '}"
+        "fewer layers (model.num_layers=N) or a smaller trainer.micro_batch_size"
+        if cfg.gpu.memory_gb and mem.total > cfg.gpu.memory_gb * 1e9
+        else ""
+    )
+    lines = [
+        f"model       {cfg.model.name}: {plan.parameters:,} parameters, {cfg.model.num_layers} layers, "
+        f"hidden {cfg.model.hidden_size}, seq {cfg.model.seq_length}",
+        f"precision   {cfg.precision.name} (recipe {cfg.precision.recipe.value}"
+        + (f", format {cfg.precision.fp8_format.value}" if cfg.precision.fp8_format else "")
+        + (", emulated" if cfg.precision.emulate else "")
+        + ")"
+        + (_torch_engine_weight_gather(cfg, plan.processes) if cfg.engine == "torch" and plan.processes > 1 else ""),
+        f"gpu         {cfg.gpu.name} ({cfg.gpu.arch}), {plan.processes} process(es) on {cfg.executor.nodes} node(s)"
+        + (" sharding the model (FSDP2)" if plan.processes > 1 and cfg.engine == "torch" else "") + ", "
+        f"executor {describe_executor(cfg)}, engine {cfg.engine.value}",
+        *([f"layout      {describe_layout(cfg)}", f"tuning      {megatron_tuning(cfg)}"]
+          if cfg.engine == "megatron" else []),
+        f"batch       micro {t.micro_batch_size} x {dp} data-parallel x {accumulation} accumulation = "
+        f"global {t.global_batch_size} sequences; {t.max_steps} steps, lr {t.lr} (warm-up {t.warmup_steps}, cosine to {t.min_lr})"
+        + ("; activation checkpointing" if t.activation_checkpointing else "")
+        + ("; gradients reduce-scattered every micro-batch"
+           if t.grad_reduce == GradReduce.per_micro_batch and plan.processes > 1 and accumulation > 1 else ""),
+        f"data        {cfg.data.name} ({cfg.data.kind.value}" + (f", {cfg.data.path}" if cfg.data.path else "") + ")",
+        f"memory/GPU  ~{mem.total / gib:,.1f} GiB{capacity} (weights {mem.weights / gib:,.1f}, grads "
+        f"{mem.gradients / gib:,.1f}, optimizer {mem.optimizer / gib:,.1f}, activations {mem.activations / gib:,.1f}; "
+        f"{mem.activations_full_recompute / gib:,.1f} with full recompute){over}",
+        f"run dir     {cfg.run.dir}",
+        f"command     {' '.join(plan.command)}",
+    ]
+    return "\n".join(lines)

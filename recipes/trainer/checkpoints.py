@@ -1,0 +1,185 @@
+"""Checkpoint folders as both engines keep them, and whether a run may continue from one.
+
+    <checkpoints>/step_00000050/          a complete checkpoint: the file its engine writes last is there
+    <checkpoints>/step_00000150.tmp-<x>/  a save that was killed midway: never read, removed by the next save
+
+An engine writes a checkpoint into a temporary folder (start_save) and publishes it as `step_<N>` with one atomic
+rename (finish_save), so a folder named `step_<N>` is always complete; `prune` keeps the newest ones. A run started
+again in the same run directory continues from the newest, if its config allows (check_resumable), and cuts its
+metrics back to that step (resume_metrics). What a checkpoint holds is each engine's: recipes.engine.checkpoint,
+recipes.megatron.checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+from recipes.config import Config, ConfigError, to_dict
+from recipes.metrics import StepMetrics
+from recipes.run_files import CHECKPOINTS, METRICS
+
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+# Settings a resumed run must share with the run that wrote the checkpoint: the model's shape and maths, the
+# precision recipe, which samples each step reads. Anything else (max_steps, intervals, compile, ...) may change.
+MUST_MATCH = ("model", "precision", "data.kind", "data.path", "trainer.seed", "trainer.global_batch_size")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint this run cannot continue from; the message says why and what to do."""
+
+
+def checkpoint_dir(cfg: Config, run_dir: Path) -> Path:
+    configured = cfg.trainer.checkpoint.dir
+    return run_dir / CHECKPOINTS if configured is None else run_dir / Path(configured).expanduser()
+
+
+def is_due(cfg: Config, step: int) -> bool:
+    interval = cfg.trainer.checkpoint.interval
+    return interval > 0 and (step % interval == 0 or step == cfg.trainer.max_steps)
+
+
+def complete_checkpoints(directory: Path, marker: str) -> list[tuple[int, Path]]:
+    """(step, folder) of every complete checkpoint in `directory`, oldest first; temporary folders are ignored.
+    `marker` is the file an engine writes last into a checkpoint folder."""
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in directory.iterdir():
+        match = _STEP_DIR.fullmatch(entry.name)
+        if match and (entry / marker).is_file():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+# ---- saving ----
+
+
+def start_save(directory: Path, step: int, tag: str) -> Path:
+    """An empty temporary folder for step `step`'s checkpoint, never read as a checkpoint (see prune)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    temporary = directory / f"step_{step:08d}.tmp-{tag}"
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir()
+    return temporary
+
+
+def finish_save(directory: Path, step: int, temporary: Path) -> Path:
+    """Publish a fully written temporary folder as `step_<N>` with one atomic rename."""
+    _fsync_dir(temporary)
+    final = directory / f"step_{step:08d}"
+    replaced = None
+    if final.exists():  # the same step saved again: moved aside (a name that is never read), then replaced
+        replaced = directory / f"{final.name}.tmp-replaced-{os.getpid()}"
+        os.rename(final, replaced)
+    os.rename(temporary, final)
+    _fsync_dir(directory)
+    if replaced:
+        shutil.rmtree(replaced)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def prune(directory: Path, keep_last: int, marker: str) -> None:
+    """Keep the newest `keep_last` checkpoints (all when 0) and remove the leftovers of killed saves."""
+    for entry in directory.glob("step_*.tmp-*"):  # one writer per run: any other is a killed save's
+        shutil.rmtree(entry, ignore_errors=True)
+    complete = complete_checkpoints(directory, marker)
+    if keep_last > 0:
+        for _, path in complete[:-keep_last]:
+            shutil.rmtree(path)
+
+
+# ---- resuming ----
+
+
+def check_resumable(saved: dict, step: int, cfg: Config, path: Path) -> None:
+    """Raise CheckpointError when this run cannot continue from the checkpoint of `step` at `path`."""
+    check_compatible(saved, cfg, path)
+    if step > cfg.trainer.max_steps:
+        raise CheckpointError(
+            f"cannot resume from {path}: it is at step {step}, past trainer.max_steps={cfg.trainer.max_steps}. "
+            f"Set trainer.max_steps >= {step}, or use a new run.dir."
+        )
+
+
+def check_compatible(saved: dict, cfg: Config, path: Path) -> None:
+    """Raise CheckpointError when the checkpoint was written with a different model, precision or data order."""
+    current = to_dict(cfg)
+    differences = [
+        f"{name}={before!r} in the checkpoint, {after!r} now"
+        for key in MUST_MATCH
+        for name, before, after in _walk({key: _get(saved, key)}, {key: _get(current, key)}, "")
+    ]
+    if differences:
+        raise CheckpointError(
+            f"cannot resume from {path}: this run's config differs from the one that wrote it ("
+            + "; ".join(differences)
+            + f"). Use a new run.dir for a different run, or delete {path.parent} to start this one over."
+        )
+
+
+def changed_settings(saved: dict, cfg: Config) -> list[str]:
+    """Settings that differ from the checkpoint's but may (max_steps, intervals, ...), for the resume message."""
+    return [f"{name} {before!r} -> {after!r}" for name, before, after in _walk(saved, to_dict(cfg), "")]
+
+
+def _get(tree: Any, key: str) -> Any:
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
+def _walk(before: dict, after: dict, prefix: str) -> list[tuple[str, Any, Any]]:
+    """(dotted key, before, after) of every leaf that differs."""
+    changes = []
+    for key in sorted(set(before) | set(after)):
+        name = f"{prefix}.{key}" if prefix else key
+        b, a = before.get(key), after.get(key)
+        if isinstance(b, dict) and isinstance(a, dict):
+            changes += _walk(b, a, name)
+        elif b != a:
+            changes.append((name, b, a))
+    return changes
+
+
+def resume_metrics(run_dir: Path, step: int) -> list[StepMetrics]:
+    """Cut `metrics.jsonl` back to the steps <= `step` (a run that crashed after its last checkpoint wrote later
+    steps, which the resumed run writes again) and return what is kept. step 0: a run that starts over."""
+    path = run_dir / METRICS
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    records = [(line, _record(line)) for line in lines]
+    kept = [(line, record) for line, record in records if record is not None and record["step"] <= step]
+    if len(kept) != len(lines):
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_text("".join(line + "\n" for line, _ in kept))
+        os.replace(temporary, path)
+        print(f"{METRICS}: dropped {len(lines) - len(kept)} line(s) after step {step}", flush=True)
+    history = [StepMetrics(**record) for _, record in kept]
+    if [m.step for m in history] != list(range(1, step + 1)):
+        print(f"warning: {path} does not hold exactly steps 1..{step}; summary.json covers those it holds", flush=True)
+    return history
+
+
+def _record(line: str) -> Optional[dict]:
+    """A metrics line parsed, its step an int; None for a line torn by a kill in the middle of its write."""
+    try:
+        record = json.loads(line)
+        record["step"] = int(record["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    return record

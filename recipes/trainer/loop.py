@@ -1,0 +1,121 @@
+"""The training loop both engines run. Each step:
+
+    learning rate      learning_rate(step): linear warm-up, cosine decay
+    the step           the engine's: forward and backward of the step's micro-batches, the optimizer step (under
+                       torch.profiler for trainer.profile_step)
+    metrics            time, throughput, memory (recipes.metrics), written by the logging rank: a line of
+                       metrics.jsonl, TensorBoard scalars, W&B (MetricsWriter)
+    non-finite check   a NaN or inf loss, gradient norm or delayed-scaling amax is written down, and training stops
+                       (NonFiniteError)
+    log                the engine's progress line every trainer.log_interval steps and at the last one
+    checkpoint         the engine's, every trainer.checkpoint.interval steps and at the last one
+
+and at the end summary.json (recipes.trainer.console.finish_run). An engine hands the loop its step, checkpoint
+and log functions (`EngineSteps`); it sets up and restores before, and tears down after.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from recipes.config import Config, TrainerConfig
+from recipes.metrics import MetricsWriter, StepMetrics, step_metrics
+from recipes.profiling import profile_step_if_due
+from recipes.trainer.checkpoints import is_due, resume_metrics
+from recipes.trainer.console import finish_run
+
+
+class NonFiniteError(RuntimeError):
+    """The loss, the gradient norm or an amax recorded by delayed scaling is inf or NaN: training stops (before
+    the step is applied where the engine can). `amaxes` names the layers and roles of such amaxes
+    (recipes.fp8.training.non_finite_amaxes)."""
+
+    def __init__(self, loss: float, grad_norm: float, amaxes: str = "", step: Optional[int] = None):
+        problems = []
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            problems.append(f"loss {loss} / gradient norm {grad_norm} is not finite")
+        if amaxes:
+            problems.append(f"the amax of {amaxes} is inf or NaN (delayed scaling)")
+        super().__init__(("" if step is None else f"step {step}: ") + "; ".join(problems))
+        self.loss, self.grad_norm, self.amaxes = loss, grad_norm, amaxes
+
+
+def learning_rate(step: int, trainer: TrainerConfig) -> float:
+    """Linear warm-up to `lr` over `warmup_steps`, then cosine decay to `min_lr` at `max_steps` (step is 1-based)."""
+    if step <= trainer.warmup_steps:
+        return trainer.lr * step / max(1, trainer.warmup_steps)
+    progress = (step - trainer.warmup_steps) / max(1, trainer.max_steps - trainer.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return trainer.min_lr + (trainer.lr - trainer.min_lr) * cosine
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+@dataclass
+class EngineSteps:
+    """What an engine gives the loop. Every rank calls step and save_checkpoint; the logging rank calls log."""
+
+    # One optimizer step at this learning rate: (loss, gradient norm), the same on every rank. A non-finite step
+    # the engine refuses to apply raises NonFiniteError; one it applied anyway (megatron-core) is returned.
+    step: Callable[[int, float], tuple[float, float]]
+    save_checkpoint: Callable[[int], Optional[Path]]  # the step's checkpoint; its folder on the logging rank
+    # The progress line of the steps since the last one; the run's steps so far come too (the time left).
+    log: Callable[[list[StepMetrics], list[StepMetrics]], None]
+    log_first_step: bool = False  # also log step 1 (where compilation shows)
+
+
+def train_loop(cfg: Config, run_dir: Path, engine: EngineSteps, first_step: int, rank: int, world_size: int,
+               device: torch.device) -> dict:
+    """Steps first_step..trainer.max_steps; returns the summary (on the logging rank, rank 0; {} elsewhere)."""
+    is_logger = rank == 0
+    # The whole run's steps, those of earlier attempts included; metrics.jsonl is cut back to the checkpoint.
+    history: list[StepMetrics] = resume_metrics(run_dir, first_step - 1) if is_logger else []
+    writer = MetricsWriter(run_dir, cfg, first_step) if is_logger else None
+    last_logged = first_step - 1
+    try:
+        for step in range(first_step, cfg.trainer.max_steps + 1):
+            lr = learning_rate(step, cfg.trainer)
+            start = time.perf_counter()
+            try:
+                with profile_step_if_due(step, cfg.trainer.profile_step, run_dir, rank, device):
+                    loss, grad_norm = engine.step(step, lr)
+            except NonFiniteError as error:  # refused before the weights were touched: no step time
+                if writer:
+                    writer.write(step_metrics(cfg, step, error.loss, error.grad_norm, lr, float("nan"), world_size,
+                                              peak_memory_gib(device)))
+                raise NonFiniteError(error.loss, error.grad_norm, error.amaxes, step) from None
+            elapsed = time.perf_counter() - start
+            metrics = step_metrics(cfg, step, loss, grad_norm, lr, elapsed, world_size, peak_memory_gib(device))
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                # Applied already (megatron-core's optimizer steps first); the run stops before any checkpoint of it.
+                if writer:
+                    writer.write(metrics)
+                raise NonFiniteError(loss, grad_norm, step=step)
+            history.append(metrics)
+            if writer:
+                writer.write(metrics)
+                if (step == 1 and engine.log_first_step) or step % cfg.trainer.log_interval == 0 \
+                        or step == cfg.trainer.max_steps:
+                    engine.log([m for m in history if m.step > last_logged], history)
+                    last_logged = step
+            if is_due(cfg, step):
+                saved = engine.save_checkpoint(step)
+                if saved:
+                    print(f"saved checkpoint of step {step} to {saved}", flush=True)
+    finally:
+        if writer:
+            writer.close()
+    if is_logger and history:  # empty only when resumed at max_steps with metrics.jsonl gone
+        return finish_run(cfg, history, world_size, run_dir)
+    return {}
