@@ -253,7 +253,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
-    engine: str = "torch"  # torch (recipes.engine.torch_engine) or megatron (recipes.engine.megatron_engine)
+    engine: str = "torch"  # torch, megatron or nemo: recipes.engine.<engine>_engine
     dryrun: bool = False
 
 

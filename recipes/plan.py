@@ -18,8 +18,12 @@ import torch
 from recipes.config import Config, ConfigError, Fp8Format, GradReduce, ModelConfig, Recipe, Recompute, load_option
 from recipes.fp8.all_gather import FP8_ALL_GATHER_RECIPES, fp8_all_gather_applies
 from recipes.models.transformer import count_parameters
+from recipes.nemo import preflight as nemo_preflight
 
-ENGINE_MODULE = {"torch": "recipes.engine.torch_engine", "megatron": "recipes.engine.megatron_engine"}
+ENGINE_MODULE = {"torch": "recipes.engine.torch_engine", "megatron": "recipes.engine.megatron_engine",
+                 "nemo": "recipes.engine.nemo_engine"}
+# Engines that train megatron-core models with Transformer Engine: megatron-core's layout and FP8 rules apply.
+MEGATRON_CORE_ENGINES = ("megatron", "nemo")
 
 # Substrings of torch.cuda.get_device_name() -> conf/gpu option; "gb200" before "b200" (it contains it).
 KNOWN_GPUS = (("gb200", "gb200"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"))
@@ -87,6 +91,8 @@ def _validate_launch(cfg: Config) -> None:
         if cfg.trainer.fsdp_fp8_all_gather:
             raise ConfigError("trainer.fsdp_fp8_all_gather is the torch engine's (FSDP2); on engine=megatron use "
                               "precision.fp8_param_gather")
+    if cfg.engine == "nemo":
+        nemo_preflight.validate(cfg)
     if cfg.trainer.fsdp_fp8_all_gather and cfg.precision.recipe not in FP8_ALL_GATHER_RECIPES:
         raise ConfigError(f"trainer.fsdp_fp8_all_gather needs a per-tensor FP8 recipe (fp8_current, fp8_delayed), "
                           f"not precision={cfg.precision.name}: block-scaled weights are quantized after the gather")
@@ -132,19 +138,19 @@ def native_archs(recipe: Recipe, megatron: bool = False) -> tuple[str, ...] | No
 
 
 def _validate_precision(cfg: Config) -> None:
-    precision, gpu, megatron = cfg.precision, cfg.gpu, cfg.engine == "megatron"
+    precision, gpu, megatron = cfg.precision, cfg.gpu, cfg.engine in MEGATRON_CORE_ENGINES
     if precision.recipe == Recipe.bf16:
         return
     if precision.fp8_format is None:
         raise ConfigError(f"precision={precision.name}: set precision.fp8_format (hybrid or e4m3)")
     if megatron and precision.emulate:
-        raise ConfigError("precision.emulate=true is the torch engine's (engine=torch): engine=megatron runs "
+        raise ConfigError(f"precision.emulate=true is the torch engine's (engine=torch): engine={cfg.engine} runs "
                           "Transformer Engine's kernels, which are native or absent")
     if precision.recipe == Recipe.mxfp8 and gpu.arch not in native_archs(Recipe.mxfp8) and not precision.emulate:
         raise ConfigError(
             f"precision=mxfp8 runs natively only on Blackwell GPUs (b200, gb200); gpu={gpu.name} is {gpu.arch}. "
             "Choose fp8_current or fp8_blockwise"
-            + (" (engine=megatron cannot emulate)." if megatron else ", or set precision.emulate=true to emulate it (slow; labelled).")
+            + (f" (engine={cfg.engine} cannot emulate)." if megatron else ", or set precision.emulate=true to emulate it (slow; labelled).")
         )
     block_archs = native_archs(Recipe.blockwise, megatron)
     if precision.recipe == Recipe.blockwise and gpu.arch not in block_archs and not precision.emulate:
@@ -178,15 +184,15 @@ def _validate_megatron_fp8(cfg: Config) -> None:
     precision = cfg.precision
     bf16_layers = precision.num_layers_at_start_in_bf16 + precision.num_layers_at_end_in_bf16
     if bf16_layers and precision.recipe == Recipe.delayed:
-        raise ConfigError("engine=megatron: delayed scaling cannot keep first/last layers in BF16 (megatron-core "
+        raise ConfigError(f"engine={cfg.engine}: delayed scaling cannot keep first/last layers in BF16 (megatron-core "
                           "rejects it); set precision.num_layers_at_start_in_bf16=0 precision.num_layers_at_end_in_bf16=0")
     per_stage = cfg.model.num_layers // cfg.parallel.pp
     for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
         if getattr(precision, name) > per_stage:
-            raise ConfigError(f"engine=megatron: precision.{name}={getattr(precision, name)} is more than the "
+            raise ConfigError(f"engine={cfg.engine}: precision.{name}={getattr(precision, name)} is more than the "
                               f"{per_stage} layers of one pipeline stage (model.num_layers / parallel.pp)")
     if _runs_here(cfg) and importlib.util.find_spec("transformer_engine") is None:
-        raise ConfigError(f"precision={precision.name} on engine=megatron needs Transformer Engine, which this "
+        raise ConfigError(f"precision={precision.name} on engine={cfg.engine} needs Transformer Engine, which this "
                           "Python lacks: run it in the NeMo container (executor=slurm), use precision=bf16, or "
                           "engine=torch for its own FP8 recipes")
 
@@ -481,12 +487,13 @@ def describe(plan: Plan) -> str:
     accumulation = t.global_batch_size // (t.micro_batch_size * dp)
     gib = 2**30
     capacity = f" of {cfg.gpu.memory_gb:.0f} GB" if cfg.gpu.memory_gb else ""
-    fixes = ("parallel.recompute=full, a larger parallel.tp or parallel.pp, " if cfg.engine == "megatron"
+    megatron = cfg.engine in MEGATRON_CORE_ENGINES
+    fixes = ("parallel.recompute=full, a larger parallel.tp or parallel.pp, " if megatron
              else "trainer.grad_reduce=per_micro_batch, "
              if plan.processes > 1 and accumulation > 1 and t.grad_reduce == GradReduce.per_step else "")
     over = (
         f"  <- does not fit: use more GPUs (executor.gpus, executor.nodes), {fixes}"
-        f"{'' if cfg.engine == 'megatron' or t.activation_checkpointing else 'trainer.activation_checkpointing=true, '}"
+        f"{'' if megatron or t.activation_checkpointing else 'trainer.activation_checkpointing=true, '}"
         "fewer layers (model.num_layers=N) or a smaller trainer.micro_batch_size"
         if cfg.gpu.memory_gb and mem.total > cfg.gpu.memory_gb * 1e9
         else ""
@@ -502,7 +509,8 @@ def describe(plan: Plan) -> str:
         f"gpu         {cfg.gpu.name} ({cfg.gpu.arch}), {plan.processes} process(es) on {cfg.executor.nodes} node(s)"
         + (" sharding the model (FSDP2)" if plan.processes > 1 and cfg.engine == "torch" else "") + ", "
         f"executor {describe_executor(cfg)}, engine {cfg.engine}",
-        *([f"layout      {describe_layout(cfg)}"] if cfg.engine == "megatron" else []),
+        *([f"layout      {describe_layout(cfg)}"] if megatron else []),
+        *(nemo_preflight.describe(cfg) if cfg.engine == "nemo" else []),
         f"batch       micro {t.micro_batch_size} x {dp} data-parallel x {accumulation} accumulation = "
         f"global {t.global_batch_size} sequences; {t.max_steps} steps, lr {t.lr} (warm-up {t.warmup_steps}, cosine to {t.min_lr})"
         + ("; activation checkpointing" if t.activation_checkpointing else "")
