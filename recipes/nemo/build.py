@@ -84,7 +84,7 @@ def _child(node: Any, part: str, path: str) -> Any:
 
 
 def to_yaml(recipe: run.Partial) -> str:
-    """The recipe as nemo-run's YAML: what ran, readable (and loadable by the same NeMo version)."""
+    """The recipe as nemo-run's YAML: what ran, for people to read."""
     from nemo_run.core.serialization.yaml import YamlSerializer
 
     return YamlSerializer().serialize(recipe)
