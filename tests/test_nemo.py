@@ -8,6 +8,7 @@ performance scripts (scripts/performance/helpers.py), not read back from the map
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -21,7 +22,8 @@ import torch
 from recipes.config import ConfigError, save_config
 from recipes.nemo.mapping import data_module, recipe_fields, tokenizer_vocab_size
 from recipes.nemo.preflight import check_versions
-from recipes.plan import describe, make_plan
+from recipes.models.transformer import count_parameters
+from recipes.plan import describe, estimate_memory, make_plan
 
 REPO = Path(__file__).resolve().parent.parent
 NEMO = ("engine=nemo", "executor=slurm", "gpu=h100", "model=llama3_8b")
@@ -180,6 +182,14 @@ def test_plan_names_the_recipe_the_plugin_and_the_image(hydra_compose, tmp_path)
                              "fp8_recipe=blockwise")
     assert "fp8_param_gather=False" in plugin
     assert any(line.startswith("layout      tp 2 x pp 1 x cp 1 x dp 32") for line in lines)  # H100 nemotron4_15b
+
+
+def test_memory_estimate_counts_nemos_bf16_gradient_buffer(hydra_compose):
+    nemo = hydra_compose(*NEMO, "model=llama3_70b", "layout=published")
+    parameters = count_parameters(nemo.model)
+    megatron = estimate_memory(dataclasses.replace(nemo, engine="megatron"), parameters)
+    assert estimate_memory(nemo, parameters).gradients == pytest.approx(megatron.gradients / 2)  # 2 bytes, not 4
+    assert estimate_memory(nemo, parameters).optimizer == megatron.optimizer
 
 
 def run_without_nemo(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
