@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ import torch
 
 from recipes.config import ConfigError, save_config
 from recipes.nemo.mapping import data_module, recipe_fields, tokenizer_vocab_size
-from recipes.nemo.preflight import check_versions
+from recipes.nemo.preflight import check_versions, source_version
 from recipes.models.transformer import count_parameters
 from recipes.plan import describe, estimate_memory, make_plan
 
@@ -168,6 +169,11 @@ def test_nemo_versions_each_precision_needs(hydra_compose, precision, nemo, mega
     else:
         with pytest.raises(ConfigError, match=re.escape(message)):
             check_versions(cfg, nemo, megatron_core)
+
+
+def test_versions_are_read_from_package_info():
+    assert source_version("megatron.core") == metadata.version("megatron-core")  # its package_info.py, unimported
+    assert source_version("no_such_package") is None
 
 
 def test_plan_names_the_recipe_the_plugin_and_the_image(hydra_compose, tmp_path):

@@ -45,6 +45,7 @@ from recipes.engine.training import NonFiniteError  # noqa: E402
 from recipes.nemo import build  # noqa: E402
 from recipes.nemo.callback import RunMetrics  # noqa: E402
 from recipes.nemo.mapping import precision_fields  # noqa: E402
+from recipes.nemo.preflight import source_version  # noqa: E402
 from recipes.plan import make_plan  # noqa: E402
 from recipes.report.parse import read_log, read_metrics_jsonl  # noqa: E402
 
@@ -256,6 +257,11 @@ def test_metrics_callback_records_a_non_finite_loss_and_stops(hydra_compose, tmp
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and math.isnan(records[-1]["loss"])
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_plan_reads_the_nemo_and_megatron_core_the_job_will_import():
+    assert source_version("nemo") == "2.7.3" and source_version("megatron.core") == "0.16.1"
+    assert build.versions() == ("2.7.3", "0.16.1")  # what the job reads from the imported packages
 
 
 def test_entry_point_with_nemo_but_no_gpu_refuses_in_one_line(hydra_compose, tmp_path, capsys):

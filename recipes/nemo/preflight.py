@@ -11,7 +11,7 @@ import dataclasses
 import importlib.util
 import re
 import sys
-from importlib import metadata
+from pathlib import Path
 from typing import Optional
 
 from recipes.config import Config, ConfigError, GradReduce, ModelConfig, load_option
@@ -73,21 +73,27 @@ def _runs_here(cfg: Config) -> bool:
 
 
 def local_versions(cfg: Config) -> tuple[str, Optional[str]]:
-    """(NeMo, megatron-core) versions of this Python, read from package metadata (importing NeMo takes a minute)."""
-    if importlib.util.find_spec("nemo") is None:
+    """(NeMo, megatron-core) versions of this Python, read from their package_info.py (importing NeMo takes a
+    minute; NeMo's containers install both from source, so package metadata may be missing)."""
+    nemo = source_version("nemo")
+    if nemo is None:
         raise ConfigError(f"engine=nemo with executor=local runs NeMo from this Python ({sys.executable}), which has "
                           "no NeMo: run inside the NeMo container, or use executor=slurm (it runs in "
                           "executor.slurm.container_image, NeMo's container by default)")
-    try:
-        nemo = metadata.version("nemo_toolkit")
-    except metadata.PackageNotFoundError:
-        raise ConfigError("engine=nemo: this Python's nemo package has no nemo_toolkit metadata, so its version is "
-                          "unknown; install nemo_toolkit 2.3 to 2.7, or run inside the NeMo container") from None
-    try:
-        megatron_core = metadata.version("megatron-core")
-    except metadata.PackageNotFoundError:
-        megatron_core = None  # a source checkout (as in NeMo's containers): the job reads megatron.core's own version
-    return nemo, megatron_core
+    return nemo, source_version("megatron.core")
+
+
+def source_version(package: str) -> Optional[str]:
+    """MAJOR.MINOR.PATCH of an installed package that keeps them in its package_info.py, as NeMo and megatron-core
+    do; None when it is not installed."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    info = Path(spec.submodule_search_locations[0]) / "package_info.py"
+    parts = dict(re.findall(r"^(MAJOR|MINOR|PATCH) = (\d+)", info.read_text() if info.is_file() else "", re.M))
+    if len(parts) != 3:
+        raise ConfigError(f"engine=nemo: cannot read {package}'s version from {info}")
+    return f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}"
 
 
 def release(version: str) -> tuple[int, int]:
