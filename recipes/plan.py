@@ -184,8 +184,9 @@ def _validate_megatron_fp8(cfg: Config) -> None:
     precision = cfg.precision
     bf16_layers = precision.num_layers_at_start_in_bf16 + precision.num_layers_at_end_in_bf16
     if bf16_layers and precision.recipe == Recipe.delayed:
-        raise ConfigError(f"engine={cfg.engine}: delayed scaling cannot keep first/last layers in BF16 (megatron-core "
-                          "rejects it); set precision.num_layers_at_start_in_bf16=0 precision.num_layers_at_end_in_bf16=0")
+        raise ConfigError(f"engine={cfg.engine}: delayed scaling cannot keep first/last layers in BF16 "
+                          "(megatron-core rejects it); set precision.num_layers_at_start_in_bf16=0 "
+                          "precision.num_layers_at_end_in_bf16=0")
     per_stage = cfg.model.num_layers // cfg.parallel.pp
     for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
         if getattr(precision, name) > per_stage:

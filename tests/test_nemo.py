@@ -73,12 +73,11 @@ def test_without_checkpoints_nothing_is_saved_and_the_gather_overlaps_the_optimi
     cfg = hydra_compose(*NEMO, "model=llama3_70b", "precision=bf16", "layout=published")
     fields = recipe_fields(cfg, tmp_path)
     # H100 llama3_70b bf16: TP 4, PP 4, CP 2, VP 5 on 64 GPUs -> data parallel 2
-    assert subset(fields, ["log.ckpt", "trainer.enable_checkpointing", f"{OVERLAP}.overlap_param_gather_with_optimizer_step",
-                           "trainer.strategy.context_parallel_size", "optim.config.use_precision_aware_optimizer",
-                           "trainer.plugins.grad_reduce_in_fp32"]) == {
-        "log.ckpt": None, "trainer.enable_checkpointing": False, f"{OVERLAP}.overlap_param_gather_with_optimizer_step": True,
-        "trainer.strategy.context_parallel_size": 2, "optim.config.use_precision_aware_optimizer": True,
-        "trainer.plugins.grad_reduce_in_fp32": False}
+    expected = {
+        "log.ckpt": None, "trainer.enable_checkpointing": False,
+        f"{OVERLAP}.overlap_param_gather_with_optimizer_step": True, "trainer.strategy.context_parallel_size": 2,
+        "optim.config.use_precision_aware_optimizer": True, "trainer.plugins.grad_reduce_in_fp32": False}
+    assert subset(fields, expected) == expected
     assert not [key for key in fields if key.startswith("trainer.plugins.fp8")]  # BF16 sets no FP8 field
     no_vp = recipe_fields(hydra_compose(*NEMO, "executor.nodes=2", "parallel.pp=2", "trainer.global_batch_size=64"),
                           tmp_path)
@@ -89,14 +88,13 @@ def test_without_checkpoints_nothing_is_saved_and_the_gather_overlaps_the_optimi
 def test_megatron_fsdp_layout_sets_what_the_performance_scripts_set(hydra_compose, tmp_path):
     cfg = hydra_compose(*NEMO, "precision=fp8_current", "layout=published")  # H100 llama3_8b fp8: FSDP
     fields = recipe_fields(cfg, tmp_path)
-    assert subset(fields, ["trainer.strategy.fsdp", "trainer.strategy.ddp.data_parallel_sharding_strategy",
-                           "model.config.init_model_with_meta_device", "model.config.gradient_accumulation_fusion",
-                           f"{OVERLAP}.defer_embedding_wgrad_compute", "trainer.strategy.pipeline_dtype",
-                           "trainer.strategy.sequence_parallel", "trainer.plugins.fp8_recipe"]) == {
-        "trainer.strategy.fsdp": "megatron", "trainer.strategy.ddp.data_parallel_sharding_strategy": "optim_grads_params",
+    expected = {
+        "trainer.strategy.fsdp": "megatron",
+        "trainer.strategy.ddp.data_parallel_sharding_strategy": "optim_grads_params",
         "model.config.init_model_with_meta_device": True, "model.config.gradient_accumulation_fusion": False,
         f"{OVERLAP}.defer_embedding_wgrad_compute": False, "trainer.strategy.pipeline_dtype": None,
         "trainer.strategy.sequence_parallel": False, "trainer.plugins.fp8_recipe": "tensorwise"}
+    assert subset(fields, expected) == expected
 
 
 @pytest.mark.parametrize("recompute, expected", [
@@ -115,8 +113,10 @@ def test_mxfp8_reuses_the_gradient_buffer_only_with_fp8_weights(hydra_compose, t
                            f"{OVERLAP}.overlap_param_gather"]) == {
         "trainer.plugins.fp8": "e4m3", "trainer.plugins.reuse_grad_buf_for_mxfp8_param_ag": True,
         f"{OVERLAP}.overlap_param_gather": False}
-    off = recipe_fields(hydra_compose(*NEMO, "gpu=b200", "precision=mxfp8", "precision.fp8_param_gather=false"), tmp_path)
-    assert off["trainer.plugins.reuse_grad_buf_for_mxfp8_param_ag"] is False and f"{OVERLAP}.overlap_param_gather" not in off
+    off = recipe_fields(hydra_compose(*NEMO, "gpu=b200", "precision=mxfp8", "precision.fp8_param_gather=false"),
+                        tmp_path)
+    assert off["trainer.plugins.reuse_grad_buf_for_mxfp8_param_ag"] is False
+    assert f"{OVERLAP}.overlap_param_gather" not in off
 
 
 def test_data_modules_and_the_exact_vocabulary(hydra_compose, tmp_path):
@@ -134,14 +134,16 @@ def test_data_modules_and_the_exact_vocabulary(hydra_compose, tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (("model=tiny_llama",), "NeMo has none for model=tiny_llama: choose llama3_8b"),
     (("model.rope_base=10000",), "keeps NeMo's model class for llama3_8b, which fixes model.rope_base"),
-    (("trainer.activation_checkpointing=true",), "no counterpart in NeMo's recipe on engine=nemo: use parallel.recompute=full"),
+    (("trainer.activation_checkpointing=true",),
+     "no counterpart in NeMo's recipe on engine=nemo: use parallel.recompute=full"),
     (("trainer.compile=true",), "trainer.compile=true has no counterpart"),
     (("trainer.grad_reduce=per_micro_batch",), "trainer.grad_reduce=per_micro_batch has no counterpart"),
     (("trainer.fsdp_fp8_all_gather=true",), "use precision.fp8_param_gather"),
     (("trainer.profile_step=3",), "profile NeMo with nsys"),
     (("trainer.seed=7",), "NeMo seeds the model's weights with 1234"),
     (("gpu=cpu",), "engine=nemo needs CUDA GPUs"),
-    (("precision=mxfp8",), "Blackwell GPUs (b200, gb200); gpu=h100 is hopper. Choose fp8_current or fp8_blockwise (engine=nemo cannot emulate)"),
+    (("precision=mxfp8",), "Blackwell GPUs (b200, gb200); gpu=h100 is hopper. Choose fp8_current or fp8_blockwise "
+                           "(engine=nemo cannot emulate)"),
     (("precision=fp8_blockwise", "precision.emulate=true"), "engine=nemo runs Transformer Engine's kernels"),
     (("precision=fp8_delayed", "precision.num_layers_at_start_in_bf16=1"), "engine=nemo: delayed scaling cannot keep"),
     (("parallel.tp=3", "executor.gpus=6"), "model.num_attention_heads=32 is not divisible by parallel.tp=3"),
@@ -155,7 +157,8 @@ def test_preflight_refuses_what_nemo_cannot_run(hydra_compose, tmp_path, overrid
 @pytest.mark.parametrize("precision, nemo, megatron_core, message", [
     ("bf16", "2.2.1", None, "precision=bf16 on engine=nemo needs NeMo >= 2.3 (bf16_mixed); this NeMo is 2.2.1"),
     ("fp8_current", "2.3.0rc0", "0.12.0", None),
-    ("fp8_blockwise", "2.3.1", "0.13.0", "needs NeMo >= 2.4 (bf16_with_fp8_subchannel_scaling_mixed); this NeMo is 2.3.1"),
+    ("fp8_blockwise", "2.3.1", "0.13.0",
+     "needs NeMo >= 2.4 (bf16_with_fp8_subchannel_scaling_mixed); this NeMo is 2.3.1"),
     ("fp8_blockwise", "2.4.0", "0.12.2", "needs megatron-core >= 0.13; this megatron-core is 0.12.2"),
     ("fp8_blockwise", "2.4.0", "0.13.0+abc", None),
     ("fp8_blockwise", "2.4.0", None, None),  # megatron-core unknown here: the job checks it
@@ -184,8 +187,8 @@ def test_plan_names_the_recipe_the_plugin_and_the_image(hydra_compose, tmp_path)
                       "built in the job by the NeMo of image nvcr.io/nvidia/nemo:25.04; needs NeMo 2.4 to 2.7 with "
                       "megatron-core >= 0.13 (checked there before anything is built)")
     (plugin,) = [line for line in lines if line.startswith("plugin ")]
-    assert plugin.startswith("plugin      bf16_with_fp8_subchannel_scaling_mixed() with grad_reduce_in_fp32=False, fp8=e4m3, "
-                             "fp8_recipe=blockwise")
+    assert plugin.startswith("plugin      bf16_with_fp8_subchannel_scaling_mixed() with grad_reduce_in_fp32=False, "
+                             "fp8=e4m3, fp8_recipe=blockwise")
     assert "fp8_param_gather=False" in plugin
     assert any(line.startswith("layout      tp 2 x pp 1 x cp 1 x dp 32") for line in lines)  # H100 nemotron4_15b
 
