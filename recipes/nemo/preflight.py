@@ -28,7 +28,7 @@ def validate(cfg: Config) -> None:
     _validate_model(cfg)
     _validate_options(cfg)
     if _runs_here(cfg):
-        check_versions(cfg, *local_versions(cfg))
+        check_versions(cfg, *local_versions())
     if cfg.gpu.arch == "cpu" and not cfg.dryrun:
         raise ConfigError("engine=nemo needs CUDA GPUs (NeMo's recipes train on GPUs with Transformer Engine); on this "
                           "machine use engine=torch, or dryrun=true to see the plan")
@@ -72,7 +72,7 @@ def _runs_here(cfg: Config) -> bool:
     return cfg.executor.name == "local" and not cfg.dryrun
 
 
-def local_versions(cfg: Config) -> tuple[str, Optional[str]]:
+def local_versions() -> tuple[str, Optional[str]]:
     """(NeMo, megatron-core) versions of this Python, read from their package_info.py (importing NeMo takes a
     minute; NeMo's containers install both from source, so package metadata may be missing)."""
     nemo = source_version("nemo")
@@ -135,7 +135,7 @@ def describe(cfg: Config) -> list[str]:
               if path.startswith(PLUGIN + ".")}
     slurm = cfg.executor.slurm
     if cfg.executor.name == "local":
-        where = "this Python's NeMo" + (f" {local_versions(cfg)[0]}" if _runs_here(cfg) else "")
+        where = "this Python's NeMo" + (f" {local_versions()[0]}" if _runs_here(cfg) else "")
     elif slurm is not None and slurm.container_image:
         where = f"the NeMo of image {slurm.container_image}"
     else:
