@@ -44,7 +44,7 @@ def build_recipe(cfg: Config, run_dir: Path, data_prefix: Optional[str]) -> run.
     recipe.data = run.Config(getattr(llm, data_class), tokenizer=tokenizer, **data_args)
     recipe.model.tokenizer = tokenizer
     for path in apply_fields(recipe, recipe_fields(cfg, run_dir)):
-        print(f"note: this NeMo ({versions()[0]}) has no {path}; left at megatron-core's default", flush=True)
+        print(f"note: NeMo {versions()[0]} has no {path}, which only saves memory: not set", flush=True)
     recipe.trainer.callbacks.append(run.Config(RunMetrics, config_yaml=dump_config(cfg), run_dir=str(run_dir)))
     return recipe
 
@@ -76,7 +76,7 @@ def _child(node: Any, part: str, path: str) -> Any:
     if not selected:
         return getattr(node, part)
     matches = [item for item in getattr(node, selected["list"]) or []
-               if getattr(item, "__fn_or_cls__", None).__name__ == selected["cls"]]
+               if item.__fn_or_cls__.__name__ == selected["cls"]]
     if len(matches) != 1:
         raise ConfigError(f"engine=nemo: NeMo's recipe has {len(matches)} {selected['cls']} in {selected['list']} "
                           f"(expected one) for {path}")
