@@ -69,6 +69,7 @@ class GradReduce(str, enum.Enum):
 class Engine(str, enum.Enum):
     torch = "torch"  # recipes.engine.torch_engine: PyTorch-native models, the FP8 recipes of recipes/fp8, FSDP2
     megatron = "megatron"  # recipes.megatron.engine: megatron-core's models and parallelism, Transformer Engine's FP8
+    nemo = "nemo"  # recipes.nemo.engine: NeMo 2's own pretraining recipe, built and run in the NeMo container
 
 
 class ExecutorName(str, enum.Enum):

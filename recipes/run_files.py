@@ -11,6 +11,8 @@ back by launch/status.py and the report. Each name is spelled here only.
     sbatch.sh         the job's sbatch script (executor=slurm)                            recipes.slurm
     slurm_job.json    the submitted job's record                                          recipes.slurm
     train.log         the job's newest Slurm log, gathered by launch/status.py            recipes.slurm
+    nemo_recipe.yaml  engine=nemo: NeMo's recipe as the job built it                      recipes.nemo.engine
+    nemo/             engine=nemo: NeMo's own logs (its log.explicit_log_dir)             recipes.nemo.mapping
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ TENSORBOARD = "tensorboard"
 SBATCH_SCRIPT = "sbatch.sh"
 JOB_RECORD = "slurm_job.json"
 TRAIN_LOG = "train.log"
+NEMO_RECIPE = "nemo_recipe.yaml"
+NEMO_LOGS = "nemo"
 
 # nemo-run's srun logs: log-<job name>_<job id>_<restart>.out|.err, one file per start of the job (a requeue
 # starts it again); launch/status.py gathers the newest, the report reads them all.

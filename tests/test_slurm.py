@@ -294,3 +294,49 @@ def test_an_unset_secret_stops_the_submission(monkeypatch):
     monkeypatch.delenv("FP8_TEST_UNSET", raising=False)
     with pytest.raises(ConfigError, match=re.escape("['FP8_TEST_UNSET'] not set here; export them")):
         require_secrets(["FP8_TEST_UNSET"])
+
+
+# ---- engine=nemo ----
+
+
+def test_nemo_engine_script_runs_the_entry_point_in_the_nemo_container(tmp_path):
+    script = dryrun_script(tmp_path, "engine=nemo", "executor=slurm", "gpu=h100", "model=llama3_70b",
+                           "precision=fp8_current", "layout=published", "executor.slurm.account=acct")
+    lines = script.splitlines()
+    assert {"#SBATCH --nodes=8", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8"} <= set(lines)
+    assert f"export PYTHONPATH={REPO}" in lines
+    (srun,) = [line for line in lines if line.startswith("srun ") and "torchrun" in line]
+    assert "--container-image nvcr.io/nvidia/nemo:25.04" in srun  # NeMo's container: its NeMo builds the recipe
+    mounts = srun.split("--container-mounts ", 1)[1].split()[0].split(",")
+    assert {f"{REPO}:{REPO}", f"{tmp_path / 'runs'}:{tmp_path / 'runs'}"} <= set(mounts)  # this repo and run.root
+    assert srun.endswith("--nnodes 8 --nproc-per-node 8 --node-rank $SLURM_NODEID --tee 3 "
+                         f"-m recipes.nemo.engine {tmp_path}/run/config.yaml")
+
+
+def test_nemo_job_reaches_the_queue_with_a_stand_in_entry_point(cluster, hydra_compose, tmp_path, monkeypatch):
+    """engine=nemo's submission on the real test Slurm. The nodes here run neither NeMo nor GPUs, so the plan is
+    made for an H100 and submitted as a CPU job (no --gpus-per-node), and tests/workers/nemo_stand_in.py takes the
+    entry point's place: it reads the config the job was given and prints NeMo's iteration lines."""
+    from recipes.config import Engine, load_option, save_config
+    from recipes.plan import ENGINE_MODULE, make_plan
+    from recipes.report.parse import read_log
+    from recipes.slurm import submit as submit_plan
+
+    monkeypatch.setenv("FP8_RECIPES_RUNS", str(tmp_path / "runs"))
+    run_dir = tmp_path / "runs" / "nemo-job"
+    cfg = hydra_compose("engine=nemo", "executor=slurm", "gpu=h100", "model=llama3_8b", "executor.gpus=1",
+                        "executor.slurm.container_image=null", "data=mock", "trainer.max_steps=3", f"run.dir={run_dir}")
+    plan = make_plan(cfg, run_dir / "config.yaml")
+    plan = dataclasses.replace(plan, cfg=dataclasses.replace(cfg, gpu=load_option("gpu", "cpu")))
+    run_dir.mkdir(parents=True)
+    save_config(plan.cfg, run_dir / "config.yaml")
+    monkeypatch.setitem(ENGINE_MODULE, Engine.nemo, "tests.workers.nemo_stand_in")
+    with open(os.devnull) as no_input:  # nemo-run runs sbatch through invoke, which reads stdin (pytest closes it)
+        monkeypatch.setattr(sys, "stdin", no_input)
+        assert submit_plan(plan, run_dir / "config.yaml", "nemo-job", dryrun=False) == 0
+    record = JobRecord.load(run_dir / JOB_RECORD)
+    assert wait_for(record.job_id, FINISHED) == "COMPLETED"
+    [(job, state, *_)] = status(run_dir, tmp_path)
+    assert (job, state) == (record.job_id, "COMPLETED")
+    read = read_log(run_dir / "train.log", "train.log")  # the job's log, gathered by launch/status.py
+    assert read.format == "nemo2" and [(s.step, s.loss) for s in read.steps] == [(1, 10), (2, 9), (3, 8)]

@@ -21,7 +21,8 @@ from recipes.plan.cluster import Site, check_cluster
 from recipes.plan.memory import MemoryEstimate, estimate_memory
 from recipes.plan.parallel import world_size
 
-ENGINE_MODULE = {Engine.torch: "recipes.engine.torch_engine", Engine.megatron: "recipes.megatron.engine"}
+ENGINE_MODULE = {Engine.torch: "recipes.engine.torch_engine", Engine.megatron: "recipes.megatron.engine",
+                 Engine.nemo: "recipes.nemo.engine"}
 
 
 @dataclass

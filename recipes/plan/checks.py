@@ -9,11 +9,15 @@ import logging
 
 import torch
 
-from recipes.config import Config, ConfigError, Fp8Format, GradReduce, MegatronConfig, ModelConfig, Recipe
+from recipes.config import Config, ConfigError, Engine, Fp8Format, GradReduce, MegatronConfig, ModelConfig, Recipe
 from recipes.fp8.training import FP8_ALL_GATHER_RECIPES
 from recipes.fp8.linear import recipe_from_config
 from recipes.metrics import check_loggers
+from recipes.nemo import preflight as nemo_preflight
 from recipes.plan.parallel import data_parallel_size, model_parallel_size, world_size
+
+# Engines that train megatron-core models with Transformer Engine: megatron-core's layout and FP8 rules apply.
+MEGATRON_CORE_ENGINES = (Engine.megatron, Engine.nemo)
 
 
 def validate(cfg: Config) -> None:
@@ -45,6 +49,8 @@ def _validate_launch(cfg: Config) -> None:
     elif cfg.megatron != MegatronConfig():
         raise ConfigError(f"megatron.* switches are engine=megatron's; engine={cfg.engine.value} does not read them: "
                           "set engine=megatron or leave them at their defaults")
+    if cfg.engine == Engine.nemo:
+        nemo_preflight.validate(cfg)
     if cfg.trainer.fsdp_fp8_all_gather and cfg.precision.recipe not in FP8_ALL_GATHER_RECIPES:
         raise ConfigError(f"trainer.fsdp_fp8_all_gather needs a per-tensor FP8 recipe (fp8_current, fp8_delayed), "
                           f"not precision={cfg.precision.name}: block-scaled weights are quantized after the gather")
@@ -99,20 +105,20 @@ def native_archs(recipe: Recipe, megatron: bool = False) -> tuple[str, ...] | No
 
 
 def _validate_precision(cfg: Config) -> None:
-    precision, gpu, megatron = cfg.precision, cfg.gpu, cfg.engine == "megatron"
+    precision, gpu, megatron = cfg.precision, cfg.gpu, cfg.engine in MEGATRON_CORE_ENGINES
     if precision.recipe == Recipe.bf16:
         return
     if precision.fp8_format is None:
         raise ConfigError(f"precision={precision.name}: set precision.fp8_format (hybrid or e4m3)")
     recipe_from_config(precision)  # refuses what no recipe computes: precision.margin outside delayed scaling
     if megatron and precision.emulate:
-        raise ConfigError("precision.emulate=true is the torch engine's (engine=torch): engine=megatron runs "
-                          "Transformer Engine's kernels, which are native or absent")
+        raise ConfigError(f"precision.emulate=true is the torch engine's (engine=torch): engine={cfg.engine.value} "
+                          "runs Transformer Engine's kernels, which are native or absent")
     if precision.recipe == Recipe.mxfp8 and gpu.arch not in native_archs(Recipe.mxfp8) and not precision.emulate:
         raise ConfigError(
             f"precision=mxfp8 runs natively only on Blackwell GPUs (b200, gb200); gpu={gpu.name} is {gpu.arch}. "
             "Choose fp8_current or fp8_blockwise"
-            + (" (engine=megatron cannot emulate)." if megatron else ", or set precision.emulate=true to emulate it (slow; labelled).")
+            + (f" (engine={cfg.engine.value} cannot emulate)." if megatron else ", or set precision.emulate=true to emulate it (slow; labelled).")
         )
     block_archs = native_archs(Recipe.blockwise, megatron)
     if precision.recipe == Recipe.blockwise and gpu.arch not in block_archs and not precision.emulate:
@@ -146,16 +152,17 @@ def _validate_megatron_fp8(cfg: Config) -> None:
     precision = cfg.precision
     bf16_layers = precision.num_layers_at_start_in_bf16 + precision.num_layers_at_end_in_bf16
     if bf16_layers and precision.recipe == Recipe.delayed:
-        raise ConfigError("engine=megatron: delayed scaling cannot keep first/last layers in BF16 (megatron-core "
-                          "rejects it); set precision.num_layers_at_start_in_bf16=0 precision.num_layers_at_end_in_bf16=0")
+        raise ConfigError(f"engine={cfg.engine.value}: delayed scaling cannot keep first/last layers in BF16 "
+                          "(megatron-core rejects it); set precision.num_layers_at_start_in_bf16=0 "
+                          "precision.num_layers_at_end_in_bf16=0")
     per_stage = cfg.model.num_layers // cfg.parallel.pp
     for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
         if getattr(precision, name) > per_stage:
-            raise ConfigError(f"engine=megatron: precision.{name}={getattr(precision, name)} is more than the "
-                              f"{per_stage} layers of one pipeline stage (model.num_layers / parallel.pp)")
+            raise ConfigError(f"engine={cfg.engine.value}: precision.{name}={getattr(precision, name)} is more than "
+                              f"the {per_stage} layers of one pipeline stage (model.num_layers / parallel.pp)")
     if _runs_here(cfg) and importlib.util.find_spec("transformer_engine") is None:
-        raise ConfigError(f"precision={precision.name} on engine=megatron needs Transformer Engine, which this "
-                          "Python lacks: run it in the NeMo container (executor=slurm), use precision=bf16, or "
+        raise ConfigError(f"precision={precision.name} on engine={cfg.engine.value} needs Transformer Engine, which "
+                          "this Python lacks: run it in the NeMo container (executor=slurm), use precision=bf16, or "
                           "engine=torch for its own FP8 recipes")
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from recipes.config import Config, ExecutorName, GradReduce
+from recipes.config import Config, Engine, ExecutorName, GradReduce
 from recipes.fp8.training import Fp8Training
 from recipes.plan import Plan
-from recipes.plan.checks import megatron_tuning
+from recipes.nemo import preflight as nemo_preflight
+from recipes.plan.checks import MEGATRON_CORE_ENGINES, megatron_tuning
 from recipes.plan.parallel import data_parallel_size
 
 
@@ -44,12 +45,13 @@ def describe(plan: Plan) -> str:
     accumulation = t.global_batch_size // (t.micro_batch_size * dp)
     gib = 2**30
     capacity = f" of {cfg.gpu.memory_gb:.0f} GB" if cfg.gpu.memory_gb else ""
-    fixes = ("parallel.recompute=full, a larger parallel.tp or parallel.pp, " if cfg.engine == "megatron"
+    megatron = cfg.engine in MEGATRON_CORE_ENGINES
+    fixes = ("parallel.recompute=full, a larger parallel.tp or parallel.pp, " if megatron
              else "trainer.grad_reduce=per_micro_batch, "
              if plan.processes > 1 and accumulation > 1 and t.grad_reduce == GradReduce.per_step else "")
     over = (
         f"  <- does not fit: use more GPUs (executor.gpus, executor.nodes), {fixes}"
-        f"{'' if cfg.engine == 'megatron' or t.activation_checkpointing else 'trainer.activation_checkpointing=true, '}"
+        f"{'' if megatron or t.activation_checkpointing else 'trainer.activation_checkpointing=true, '}"
         "fewer layers (model.num_layers=N) or a smaller trainer.micro_batch_size"
         if cfg.gpu.memory_gb and mem.total > cfg.gpu.memory_gb * 1e9
         else ""
@@ -65,8 +67,9 @@ def describe(plan: Plan) -> str:
         f"gpu         {cfg.gpu.name} ({cfg.gpu.arch}), {plan.processes} process(es) on {cfg.executor.nodes} node(s)"
         + (" sharding the model (FSDP2)" if plan.processes > 1 and cfg.engine == "torch" else "") + ", "
         f"executor {describe_executor(cfg)}, engine {cfg.engine.value}",
-        *([f"layout      {describe_layout(cfg)}", f"tuning      {megatron_tuning(cfg)}"]
-          if cfg.engine == "megatron" else []),
+        *([f"layout      {describe_layout(cfg)}"] if megatron else []),
+        *([f"tuning      {megatron_tuning(cfg)}"] if cfg.engine == Engine.megatron else []),
+        *(nemo_preflight.describe(cfg) if cfg.engine == Engine.nemo else []),
         f"batch       micro {t.micro_batch_size} x {dp} data-parallel x {accumulation} accumulation = "
         f"global {t.global_batch_size} sequences; {t.max_steps} steps, lr {t.lr} (warm-up {t.warmup_steps}, cosine to {t.min_lr})"
         + ("; activation checkpointing" if t.activation_checkpointing else "")

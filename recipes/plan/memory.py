@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from recipes.config import Config, GradReduce, Recipe, Recompute
+from recipes.config import Config, Engine, GradReduce, Recipe, Recompute
 from recipes.fp8.training import Fp8Training
 from recipes.plan.parallel import data_parallel_size, world_size
 
@@ -76,6 +76,8 @@ def estimate_memory(cfg: Config, parameters: int) -> MemoryEstimate:
     weight_bytes, grad_bytes, optimizer_bytes = MEGATRON_BYTES
     if cfg.precision.recipe != Recipe.bf16 and cfg.precision.fp8_param_gather:
         weight_bytes = 1.0
+    if cfg.engine == Engine.nemo:
+        grad_bytes = 2.0  # NeMo's gradient buffer is BF16: grad_reduce_in_fp32=False (recipes.nemo.mapping)
     shards = data_parallel_size(cfg) * p.cp  # megatron's data-parallel group for optimizer states includes CP
     if p.fsdp:
         weight_bytes, grad_bytes = weight_bytes / shards, grad_bytes / shards
