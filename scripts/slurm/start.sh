@@ -2,7 +2,7 @@
 # Bring up a real single-node Slurm on this machine (Debian/Ubuntu, as root): the cluster tests/test_slurm.py
 # submits to. Installs slurm-wlm, munge, slurmdbd and MariaDB, writes slurm.conf and slurmdbd.conf for this machine,
 # starts munged, MariaDB, slurmdbd, slurmctld and slurmd, and waits until the node is idle. Idempotent: a cluster
-# that is already up, with its accounting, is left as it is.
+# that is already up, with its accounting, is left as it is; otherwise the daemons restart with no jobs.
 #
 #   sudo scripts/slurm/start.sh          # then: sinfo; python launch/run.py executor=slurm ...
 #   sudo scripts/slurm/stop.sh           # tear it down
@@ -143,7 +143,9 @@ start_daemons() {
     slurmdbd || die "slurmdbd did not start; see $STATE_DIR/log/slurmdbd.log"
     wait_for slurmdbd sacctmgr -n list cluster
     sacctmgr -n list cluster format=Cluster | grep -qw fp8recipes || sacctmgr -i add cluster fp8recipes >/dev/null
-    slurmctld || die "slurmctld did not start; see $STATE_DIR/log/slurmctld.log"
+    # -c: no jobs recovered from an earlier cluster's state (one left 'running' would keep the node allocated); job
+    # ids still continue, and a job process that outlived its slurmd is reported by the new one and killed as orphan.
+    slurmctld -c || die "slurmctld did not start; see $STATE_DIR/log/slurmctld.log"
     slurmd -N "$NODE" || die "slurmd did not start; see $STATE_DIR/log/slurmd.log"
 }
 
