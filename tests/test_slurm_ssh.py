@@ -73,6 +73,8 @@ def sshd(tmp_path_factory) -> Sshd:
     host_key, key, stranger = keypair(folder / "host_key"), keypair(folder / "key"), keypair(folder / "stranger")
     shutil.copy(key.with_suffix(".pub"), folder / "authorized_keys")
     port = free_port()
+    # A second test cluster (scripts/slurm/start.sh's FP8_SLURM_CONF) is the one sbatch reaches over SSH too.
+    slurm_conf = f"SetEnv SLURM_CONF={os.environ['SLURM_CONF']}\n" if "SLURM_CONF" in os.environ else ""
     (folder / "sshd_config").write_text(f"""Port {port}
 ListenAddress 127.0.0.1
 HostKey {host_key}
@@ -85,7 +87,7 @@ PermitRootLogin prohibit-password
 StrictModes no
 UsePAM no
 Subsystem sftp internal-sftp
-""")
+{slurm_conf}""")
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation folder
     server = subprocess.Popen([str(SSHD), "-D", "-e", "-f", str(folder / "sshd_config")],
                               stderr=subprocess.PIPE, text=True)
