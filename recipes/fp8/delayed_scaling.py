@@ -109,6 +109,14 @@ def update_delayed_scaling(
     )
     window[:, :, 0] = 0  # the oldest amax drops out; slot 0 is the open one again
     histories = torch.where(moves[:, :, None], window, histories)
-    torch._foreach_copy_([state.amax_history for state in states], list(histories.unbind(0)))
-    torch._foreach_copy_([state.scale for state in states], list(scales.unbind(0)))
-    torch._foreach_copy_([state.nonfinite for state in states], list(nonfinite.unbind(0)))
+    # Compiled, one copy per tensor: Inductor on CUDA (torch 2.11) lost the _foreach_copy_ into the scales that
+    # the same graph had read (they stayed 1). Eager, one launch per kind for the whole model.
+    copy = _copy_each if torch.compiler.is_compiling() else torch._foreach_copy_
+    copy([state.amax_history for state in states], list(histories.unbind(0)))
+    copy([state.scale for state in states], list(scales.unbind(0)))
+    copy([state.nonfinite for state in states], list(nonfinite.unbind(0)))
+
+
+def _copy_each(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    for target, value in zip(targets, values):
+        target.copy_(value)
