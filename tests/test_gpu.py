@@ -359,3 +359,22 @@ def test_fused_linears_train_like_plain_ones_on_cuda(precision):
     # micro-batch gradients nearly cancel (FP8 gradients take few values); wrong weight gradients agree on ~half.
     agree = (torch.sign(fused) == torch.sign(plain)).double().mean().item()
     assert agree > 0.95, agree
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_compiled_scales_are_correctly_rounded_fp32_quotients_on_cuda(dtype):
+    """Triton compiles an FP32 division to an approximate one; current and delayed scaling's scales, compiled,
+    must still be TE's __fdiv_rn quotient fp8_max / amax (numpy's FP32 division here), over many binades."""
+    import numpy as np
+
+    from recipes.fp8.current_scaling import tensorwise_scale
+    from recipes.fp8.delayed_scaling import delayed_scale
+    from recipes.fp8.formats import fp8_max
+
+    generator = torch.Generator().manual_seed(0)
+    amax = torch.exp2(torch.empty(1 << 16).uniform_(-30, 30, generator=generator)).float()
+    expected = torch.from_numpy(np.float32(fp8_max(dtype)) / amax.numpy())
+    cuda_amax = amax.cuda()
+    current = torch.compile(tensorwise_scale)(cuda_amax, dtype).cpu()
+    delayed = torch.compile(delayed_scale)(cuda_amax, torch.ones_like(cuda_amax), dtype, 0).cpu()
+    assert torch.equal(current, expected) and torch.equal(delayed, expected)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recipes.config import AmaxComputeAlgo
-from recipes.fp8.current_scaling import FP32_MAX, cast_to_fp8
+from recipes.fp8.current_scaling import FP32_MAX, cast_to_fp8, fp32_quotient
 from recipes.fp8.formats import fp8_max
 from recipes.fp8.tensor import Float8Tensor
 
@@ -63,7 +63,7 @@ class DelayedScalingState(nn.Module):
 def delayed_scale(amax: torch.Tensor, previous: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
     """The new scale from the amax of the window (TE delayed_scaling.cu kernel_bulk: scaled_max / amax)."""
     scaled_max = fp8_max(dtype) * 2.0**-margin  # TE: fp8_dtype_max * std::pow(2.f, -margin), exact in FP32
-    scale = torch.full_like(amax, scaled_max) / amax  # FP32 division
+    scale = fp32_quotient(scaled_max, amax)
     scale = torch.where(torch.isfinite(amax) & (amax > 0), scale, previous)
     return torch.where(torch.isinf(scale), torch.full_like(scale, FP32_MAX), scale)
 
