@@ -33,6 +33,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -40,6 +41,7 @@ import torch
 import yaml
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from recipes.config import ConfigError, ModelConfig, TrainerConfig, load_option
 from recipes.engine.training import build_optimizer, compile_blocks, optimizer_step
@@ -222,10 +224,18 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
     }
 
 
+# Our columns' attention: cuDNN's fused kernel first, as PyTorch picks on Hopper by itself and as TE uses; once TE is
+# imported (--peer te) PyTorch's SDPA would otherwise pick its flash kernel for our columns.
+ATTENTION_FIRST_CHOICE = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                          SDPBackend.MATH]
+
+
 def bench_or_report(model_cfg: ModelConfig, variant: Variant, args, device: torch.device) -> dict:
     """A recipe that fails (no kernel, a compile error) is reported in the table, and the study goes on."""
     try:
-        return bench_one(model_cfg, variant, args, device)
+        attention = sdpa_kernel(ATTENTION_FIRST_CHOICE, set_priority=True) if device.type == "cuda" else nullcontext()
+        with attention:
+            return bench_one(model_cfg, variant, args, device)
     except Exception as error:  # noqa: BLE001 - any failure of one recipe is a result to report
         print(f"  {variant.name:>18} FAILED: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
         if device.type == "cuda":

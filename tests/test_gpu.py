@@ -311,7 +311,7 @@ def test_bf16_gemm_into_fp32_main_grad(accumulate):
     out = start.clone()
     mm_into(a.t().contiguous().t(), b, out, accumulate)  # a strided operand, as dy^T arrives
     expected = a.double() @ b.double().t() + (start.double() if accumulate else 0)
-    assert relative_error(out, expected) < 1e-6  # FP32 accumulation; a BF16 output would err ~1e-3
+    assert relative_error(out, expected) < 1e-5  # FP32 accumulation of 4096 products; a BF16 output errs ~2e-3
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8_current", "fp8_delayed", "fp8_blockwise"])
@@ -342,6 +342,7 @@ def test_fused_linears_train_like_plain_ones_on_cuda(precision):
         fp8.convert(model)
         compile_blocks(model.layers)
         optimizer = build_optimizer(model, trainer, torch.device("cuda"))
+        initial = [p.detach().double().clone() for p in model.parameters()]
 
         def loss(micro: int) -> torch.Tensor:
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -349,9 +350,31 @@ def test_fused_linears_train_like_plain_ones_on_cuda(precision):
             return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[micro, :, 1:].flatten())
 
         step_loss, grad_norm = optimizer_step(loss, 3, model, fp8, optimizer, trainer.lr, trainer.grad_clip)
-        results.append((step_loss.item(), grad_norm.item(), [p.detach().double() for p in model.parameters()]))
-    (loss_plain, norm_plain, plain), (loss_fused, norm_fused, fused_params) = results
+        updates = torch.cat([(p.detach().double() - p0).flatten() for p, p0 in zip(model.parameters(), initial)])
+        results.append((step_loss.item(), grad_norm.item(), updates))
+    (loss_plain, norm_plain, plain), (loss_fused, norm_fused, fused) = results
     assert abs(loss_fused - loss_plain) < 1e-3 * loss_plain
     assert abs(norm_fused - norm_plain) < 2e-2 * norm_plain
-    for before, after in zip(plain, fused_params):  # Adam's first step moves each weight by about +-lr
-        assert relative_error(after, before) < 1e-2
+    # Adam's first step moves each weight by about +-lr, the sign of its gradient: the signs agree except where
+    # micro-batch gradients nearly cancel (FP8 gradients take few values); wrong weight gradients agree on ~half.
+    agree = (torch.sign(fused) == torch.sign(plain)).double().mean().item()
+    assert agree > 0.95, agree
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_compiled_scales_are_correctly_rounded_fp32_quotients_on_cuda(dtype):
+    """Triton compiles an FP32 division to an approximate one; current and delayed scaling's scales, compiled,
+    must still be TE's __fdiv_rn quotient fp8_max / amax (numpy's FP32 division here), over many binades."""
+    import numpy as np
+
+    from recipes.fp8.current_scaling import tensorwise_scale
+    from recipes.fp8.delayed_scaling import delayed_scale
+    from recipes.fp8.formats import fp8_max
+
+    generator = torch.Generator().manual_seed(0)
+    amax = torch.exp2(torch.empty(1 << 16).uniform_(-30, 30, generator=generator)).float()
+    expected = torch.from_numpy(np.float32(fp8_max(dtype)) / amax.numpy())
+    cuda_amax = amax.cuda()
+    current = torch.compile(tensorwise_scale)(cuda_amax, dtype).cpu()
+    delayed = torch.compile(delayed_scale)(cuda_amax, torch.ones_like(cuda_amax), dtype, 0).cpu()
+    assert torch.equal(current, expected) and torch.equal(delayed, expected)

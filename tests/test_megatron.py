@@ -458,3 +458,21 @@ def test_fsdp2_fp8_all_gather_option_is_refused_on_megatron(hydra_compose):
                         "dryrun=true")
     with pytest.raises(ConfigError, match="trainer.fsdp_fp8_all_gather is the torch engine's"):
         validate(cfg)
+
+
+@pytest.mark.parametrize("before", [None, "0"])
+def test_resume_trusts_transformer_engines_pickled_extra_state_only_while_loading(monkeypatch, before):
+    """TE 2.20 refuses to unpickle delayed scaling's extra state without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1;
+    load_latest sets it while it loads the run's own checkpoint and leaves the user's setting as it was."""
+    from recipes.megatron.checkpoint import TE_UNSAFE_PICKLE, own_te_extra_state_trusted
+
+    if before is None:
+        monkeypatch.delenv(TE_UNSAFE_PICKLE, raising=False)
+    else:
+        monkeypatch.setenv(TE_UNSAFE_PICKLE, before)
+    with own_te_extra_state_trusted():
+        assert os.environ[TE_UNSAFE_PICKLE] == "1"
+    assert os.environ.get(TE_UNSAFE_PICKLE) == before
+    with pytest.raises(ValueError), own_te_extra_state_trusted():
+        raise ValueError("a failed load")
+    assert os.environ.get(TE_UNSAFE_PICKLE) == before

@@ -27,11 +27,18 @@ def tensorwise_scale(amax: torch.Tensor, dtype: torch.dtype, max_scale: float = 
     A finite but tiny amax overflows the quotient; `max_scale` replaces the inf (TE: FP32's max for current
     scaling, the input dtype's max for blockwise) rather than let inf * 0 make NaN. amax 0 gives scale 1."""
     amax = amax.float()
-    # A true FP32 division (Python-float / tensor would round twice via the reciprocal), as TE's __fdiv_rn.
-    scale = torch.full_like(amax, fp8_max(dtype)) / amax
+    scale = fp32_quotient(fp8_max(dtype), amax)
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, max_scale), scale)
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
     return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+
+
+def fp32_quotient(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
+    """numerator / denominator (FP32) correctly rounded to FP32, as TE's __fdiv_rn: divided in float64, whose one
+    rounding to FP32 is exact for a quotient of FP32 values, eager and compiled alike. (Triton compiles an FP32
+    division to an approximate one, an ulp off for some amaxes; Python-float / tensor rounds twice via the
+    reciprocal.)"""
+    return (torch.full_like(denominator, numerator, dtype=torch.float64) / denominator.double()).float()
 
 
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recipes.config import AmaxComputeAlgo
-from recipes.fp8.current_scaling import FP32_MAX, cast_to_fp8
+from recipes.fp8.current_scaling import FP32_MAX, cast_to_fp8, fp32_quotient
 from recipes.fp8.formats import fp8_max
 from recipes.fp8.tensor import Float8Tensor
 
@@ -63,7 +63,7 @@ class DelayedScalingState(nn.Module):
 def delayed_scale(amax: torch.Tensor, previous: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
     """The new scale from the amax of the window (TE delayed_scaling.cu kernel_bulk: scaled_max / amax)."""
     scaled_max = fp8_max(dtype) * 2.0**-margin  # TE: fp8_dtype_max * std::pow(2.f, -margin), exact in FP32
-    scale = torch.full_like(amax, scaled_max) / amax  # FP32 division
+    scale = fp32_quotient(scaled_max, amax)
     scale = torch.where(torch.isfinite(amax) & (amax > 0), scale, previous)
     return torch.where(torch.isinf(scale), torch.full_like(scale, FP32_MAX), scale)
 
@@ -109,6 +109,14 @@ def update_delayed_scaling(
     )
     window[:, :, 0] = 0  # the oldest amax drops out; slot 0 is the open one again
     histories = torch.where(moves[:, :, None], window, histories)
-    torch._foreach_copy_([state.amax_history for state in states], list(histories.unbind(0)))
-    torch._foreach_copy_([state.scale for state in states], list(scales.unbind(0)))
-    torch._foreach_copy_([state.nonfinite for state in states], list(nonfinite.unbind(0)))
+    # Compiled, one copy per tensor: Inductor on CUDA (torch 2.11) lost the _foreach_copy_ into the scales that
+    # the same graph had read (they stayed 1). Eager, one launch per kind for the whole model.
+    copy = _copy_each if torch.compiler.is_compiling() else torch._foreach_copy_
+    copy([state.amax_history for state in states], list(histories.unbind(0)))
+    copy([state.scale for state in states], list(scales.unbind(0)))
+    copy([state.nonfinite for state in states], list(nonfinite.unbind(0)))
+
+
+def _copy_each(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    for target, value in zip(targets, values):
+        target.copy_(value)

@@ -12,6 +12,8 @@ function of the step (recipes.megatron.data).
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -81,12 +83,33 @@ def load_latest(directory: Path, cfg: Config, model: list, optimizer) -> int:
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.step()
-    state = dist_checkpointing.load(sharded_state_dict(model, optimizer, is_loading=True), str(path))
-    for key, chunk in zip(model_keys(model), model):
-        chunk.load_state_dict(state[key])
+    with own_te_extra_state_trusted():
+        state = dist_checkpointing.load(sharded_state_dict(model, optimizer, is_loading=True), str(path))
+        for key, chunk in zip(model_keys(model), model):
+            chunk.load_state_dict(state[key])
     optimizer.load_state_dict(state["optimizer"])
     _restore_adam_steps(optimizer)
     return step
+
+
+TE_UNSAFE_PICKLE = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+
+
+@contextmanager
+def own_te_extra_state_trusted():
+    """Transformer Engine (2.20) keeps delayed scaling's amax histories and scales as a pickle in each layer's extra
+    state and refuses to unpickle it unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1. load_latest only reads this
+    run's own checkpoints (its checkpoint folder, checked by check_resumable), so it trusts them for the load and
+    puts the setting back after."""
+    before = os.environ.get(TE_UNSAFE_PICKLE)
+    os.environ[TE_UNSAFE_PICKLE] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[TE_UNSAFE_PICKLE]
+        else:
+            os.environ[TE_UNSAFE_PICKLE] = before
 
 
 def _restore_adam_steps(optimizer) -> None:
