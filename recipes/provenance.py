@@ -45,6 +45,7 @@ def versions() -> dict:
         "triton": _version("triton"),
         "megatron-core": _version("megatron-core"),
         "torchao": _version("torchao"),
+        "transformer_engine": _version("transformer_engine"),
     }
     return {name: version for name, version in found.items() if version is not None}
 
