@@ -72,6 +72,15 @@ class Engine(str, enum.Enum):
     nemo = "nemo"  # recipes.nemo.engine: NeMo 2's own pretraining recipe, built and run in the NeMo container
 
 
+class ComputeDtype(str, enum.Enum):
+    """What the engines compute in BF16 on a GPU: every GEMM but the FP8 ones, attention, the residual stream
+    (recipes.compute)."""
+
+    auto = "auto"  # bf16 on GPUs and on CPUs with native BF16 (AVX512 / AMX); fp32 on other CPUs (AVX2 only)
+    bf16 = "bf16"
+    fp32 = "fp32"  # PyTorch's BF16 GEMMs on a CPU without native BF16 are 20-40x slower than its FP32 ones
+
+
 class ExecutorName(str, enum.Enum):
     local = "local"  # nemo-run's LocalExecutor: this machine (torchrun for several processes)
     slurm = "slurm"  # nemo-run's SlurmExecutor: one sbatch job per run (recipes.slurm)
@@ -281,6 +290,7 @@ class TrainerConfig:
     grad_clip: float = 1.0
     seed: int = 1234
     compile: Optional[bool] = None  # None: compile on GPU, not on CPU
+    compute_dtype: ComputeDtype = ComputeDtype.auto  # what GPUs compute in BF16; fp32 is for CPUs (recipes.compute)
     activation_checkpointing: bool = False  # recompute each transformer block in the backward (saves memory)
     grad_reduce: GradReduce = GradReduce.per_step  # FSDP2 with gradient accumulation: see GradReduce
     fsdp_fp8_all_gather: bool = False  # FSDP2 all-gathers per-tensor FP8 recipes' weights in FP8 (recipes.fp8.all_gather)

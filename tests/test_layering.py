@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 LAYERS = {
     "schema": ("recipes.config", "recipes.run_files"),
     "components": ("recipes.fp8", "recipes.models", "recipes.data", "recipes.metrics", "recipes.profiling",
-                   "recipes.provenance", "recipes.layouts"),
+                   "recipes.provenance", "recipes.layouts", "recipes.compute"),
     "trainer": ("recipes.trainer",),
     "engines": ("recipes.engine", "recipes.megatron", "recipes.nemo"),
     "plan": ("recipes.plan",),

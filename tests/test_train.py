@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -24,7 +25,7 @@ SUMMARY_FIELDS = {
     "model", "parameters", "precision", "recipe", "gpu", "engine", "world_size", "nodes", "num_layers", "seq_length",
     "micro_batch_size", "global_batch_size", "steps", "warmup_steps_excluded", "median_step_time_s",
     "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu", "peak_memory_gib", "final_loss", "emulated",
-    "commit", "versions", "device",
+    "commit", "versions", "device", "compute_dtype",
 }
 
 
@@ -74,6 +75,9 @@ def test_training_run_loss_falls(tmp_path, cache_dir, precision):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary) == SUMMARY_FIELDS
     assert summary["precision"] == precision and summary["steps"] == steps
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # auto: BF16 where the CPU has it natively
+    assert summary["compute_dtype"] == ("bf16" if native_bf16 else "fp32")
+    assert "TFLOP/s" not in result.stdout and "MFU" not in result.stdout  # a CPU: tokens/s, no GPU figures
     assert summary["parameters"] == 3_311_872  # tiny_llama, worked out by hand in tests/test_models.py
     assert summary["warmup_steps_excluded"] == warmup_steps(steps)
     steady = sorted(m["step_time_s"] for m in metrics[warmup_steps(steps):])
@@ -206,3 +210,14 @@ def test_progress_line_shows_the_time_left():
                            model_tflops_per_gpu=1.0, mfu=None, peak_memory_gib=1.0) for s, t in enumerate(times, 1)]
     assert step_line(history, max_steps=1005).endswith(" | ETA 0:36:40")  # 1000 steps left x 2.2 s = 2200 s
     assert step_line(history, max_steps=5).endswith(" | ETA 0:00:00")
+    assert " | 100 tokens/s/GPU | 1.00 TFLOP/s/GPU | " in step_line(history, max_steps=5)
+
+
+def test_progress_line_on_a_cpu_shows_the_runs_tokens_per_second_and_no_gpu_figures():
+    from recipes.trainer.console import step_line
+
+    history = [StepMetrics(step=1, loss=3.0, grad_norm=1.0, lr=1e-3, step_time_s=2.0, tokens_per_s_per_gpu=100.0,
+                           model_tflops_per_gpu=0.001, mfu=None, peak_memory_gib=1.0)]
+    line = step_line(history, max_steps=5, cpu_processes=2)
+    assert " | 2.000 s/step | 200 tokens/s | peak mem " in line  # two processes of 100 tokens/s each
+    assert "GPU" not in line and "TFLOP" not in line and "MFU" not in line

@@ -44,11 +44,11 @@ def data_parallel_mesh(device: torch.device, world_size: int) -> DeviceMesh:
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
 
 
-def shard_model(model: Transformer, mesh: DeviceMesh) -> None:
+def shard_model(model: Transformer, mesh: DeviceMesh, compute_dtype: torch.dtype = torch.bfloat16) -> None:
     """Apply FSDP2 in place, bottom-up: each decoder layer, then the root. Call after compiling the layers (the
     order torchtitan uses; Dynamo leaves FSDP's hooks out of the compiled graphs), and after
-    Fp8Training.prepare_for_sharding."""
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    Fp8Training.prepare_for_sharding. Weights are all-gathered in `compute_dtype` (recipes.compute)."""
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     last = len(model.layers) - 1
     for index, layer in enumerate(model.layers):
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=index < last)

@@ -5,7 +5,8 @@
 Reads only the resolved YAML written by `launch/run.py` (no Hydra, no nemo-run); the run directory is the
 folder holding that file, and the metrics are written there. Builds the model from
 conf/model, swaps its block linears for FP8 ones as the precision asks (`recipes.fp8.Fp8Training`), trains with
-AdamW under BF16 autocast in the loop both engines share (`recipes.trainer.loop`), and writes `metrics.jsonl` and
+AdamW under BF16 autocast (FP32 on a CPU without native BF16: `trainer.compute_dtype`, recipes.compute) in the
+loop both engines share (`recipes.trainer.loop`), and writes `metrics.jsonl` and
 `summary.json` into the run directory. Several processes train fully sharded
 data-parallel (FSDP2, `recipes.engine.fsdp`; NCCL on GPUs, Gloo on CPUs), each reading its own slice of every
 global batch. With `trainer.checkpoint.interval` set it checkpoints as it goes, and a start in a run directory
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from recipes.compute import compute_dtype
 from recipes.config import Config, GradReduce
 from recipes.data import make_dataset
 from recipes.engine import checkpoint
@@ -57,8 +59,9 @@ def build_model(cfg: Config, device: torch.device, fp8: Fp8Training, mesh: Devic
     sharded, then materialised: recipes.engine.fsdp.materialize); the same initial weights either way. `fp8`
     converts its blocks' linears."""
     generator = torch.Generator(device).manual_seed(cfg.trainer.seed)
+    dtype = compute_dtype(cfg.trainer.compute_dtype, device.type)
     with torch.device("meta" if mesh is not None else device):
-        model = Transformer(cfg.model)
+        model = Transformer(cfg.model, activation_dtype=dtype)
     if mesh is None:
         model.init_weights(generator)
     fp8.convert(model)
@@ -69,7 +72,7 @@ def build_model(cfg: Config, device: torch.device, fp8: Fp8Training, mesh: Devic
         compile_blocks(model.layers)
     if mesh is not None:
         fp8.prepare_for_sharding(model)
-        shard_model(model, mesh)
+        shard_model(model, mesh, dtype)
         materialize(model, device, generator)
         fp8.materialized(model)
     return model
@@ -110,10 +113,11 @@ def train(cfg: Config, run_dir: Path) -> dict:
             print(f"resuming from step {resumed.step} of {resumed.path}{note}", flush=True)
     fp8.weights_changed(model)  # the initial or restored weights
     batches = MicroBatches(cfg, rank, world_size, device)
+    bf16 = compute_dtype(cfg.trainer.compute_dtype, device.type) == torch.bfloat16
 
     def micro_batch_loss(step: int, micro: int) -> torch.Tensor:
         tokens, labels = batches.get(step, micro)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(tokens)
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
@@ -131,7 +135,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
         return checkpoint.save(checkpoints, step, model, optimizer, cfg, rank, world_size, device)
 
     def log(interval: list[StepMetrics], history: list[StepMetrics]) -> None:
-        print_step(history, cfg.trainer.max_steps)
+        print_step(history, cfg.trainer.max_steps, world_size if device.type == "cpu" else 0)
 
     engine = EngineSteps(train_step, save_checkpoint, log, log_first_step=True)
     summary = train_loop(cfg, run_dir, engine, first_step, rank, world_size, device)

@@ -9,6 +9,7 @@ import logging
 
 import torch
 
+from recipes.compute import check_compute_dtype
 from recipes.config import Config, ConfigError, Engine, Fp8Format, GradReduce, MegatronConfig, ModelConfig, Recipe
 from recipes.fp8.training import FP8_ALL_GATHER_RECIPES
 from recipes.fp8.linear import recipe_from_config
@@ -23,6 +24,7 @@ MEGATRON_CORE_ENGINES = (Engine.megatron, Engine.nemo)
 def validate(cfg: Config) -> None:
     """Raise ConfigError for the first thing that cannot run."""
     _validate_launch(cfg)
+    check_compute_dtype(cfg)
     if cfg.executor.name == "local":  # on Slurm the job's Python (a container's) decides, when the engine starts
         check_loggers(cfg)
     _validate_model(cfg.model)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from recipes.compute import describe_compute
 from recipes.config import Config, Engine, ExecutorName, GradReduce
 from recipes.fp8.training import Fp8Training
 from recipes.plan import Plan
@@ -67,6 +68,7 @@ def describe(plan: Plan) -> str:
         f"gpu         {cfg.gpu.name} ({cfg.gpu.arch}), {plan.processes} process(es) on {cfg.executor.nodes} node(s)"
         + (" sharding the model (FSDP2)" if plan.processes > 1 and cfg.engine == "torch" else "") + ", "
         f"executor {describe_executor(cfg)}, engine {cfg.engine.value}",
+        *([f"compute     {describe_compute(cfg)}"] if cfg.engine != Engine.nemo else []),
         *([f"layout      {describe_layout(cfg)}"] if megatron else []),
         *([f"tuning      {megatron_tuning(cfg)}"] if cfg.engine == Engine.megatron else []),
         *(nemo_preflight.describe(cfg) if cfg.engine == Engine.nemo else []),

@@ -10,7 +10,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from recipes.config import Config
+from recipes.compute import NAMES, run_compute_dtype
+from recipes.config import Config, Engine
 from recipes.metrics import StepMetrics, summarize, write_summary
 from recipes.provenance import provenance
 from recipes.run_files import METRICS, SUMMARY
@@ -25,20 +26,25 @@ def eta(step_times: list[float], steps_left: int) -> str:
     return str(datetime.timedelta(seconds=round(statistics.median(recent) * steps_left if recent else 0)))
 
 
-def step_line(history: list[StepMetrics], max_steps: int) -> str:
-    """The torch engine's progress line for the last step in `history` (the run's steps so far)."""
+def step_line(history: list[StepMetrics], max_steps: int, cpu_processes: int = 0) -> str:
+    """The torch engine's progress line for the last step in `history` (the run's steps so far). On a CPU
+    (`cpu_processes`: the run's processes there, 0 on GPUs) the run's tokens/s, and no TFLOP/s: a CPU has no
+    peak to hold them against."""
     m = history[-1]
-    mfu = f" | MFU {m.mfu:.1%}" if m.mfu is not None else ""
+    if cpu_processes:
+        speed = f"{m.tokens_per_s_per_gpu * cpu_processes:,.0f} tokens/s"
+    else:
+        mfu = f" | MFU {m.mfu:.1%}" if m.mfu is not None else ""
+        speed = f"{m.tokens_per_s_per_gpu:,.0f} tokens/s/GPU | {m.model_tflops_per_gpu:.2f} TFLOP/s/GPU{mfu}"
     return (
         f"step {m.step:>5}/{max_steps} | loss {m.loss:.4f} | grad norm {m.grad_norm:.3f} | lr {m.lr:.2e} | "
-        f"{m.step_time_s:.3f} s/step | {m.tokens_per_s_per_gpu:,.0f} tokens/s/GPU | "
-        f"{m.model_tflops_per_gpu:.2f} TFLOP/s/GPU{mfu} | peak mem {m.peak_memory_gib:.2f} GiB | "
+        f"{m.step_time_s:.3f} s/step | {speed} | peak mem {m.peak_memory_gib:.2f} GiB | "
         f"ETA {eta([h.step_time_s for h in history], max_steps - m.step)}"
     )
 
 
-def print_step(history: list[StepMetrics], max_steps: int) -> None:
-    console.print(step_line(history, max_steps))
+def print_step(history: list[StepMetrics], max_steps: int, cpu_processes: int = 0) -> None:
+    console.print(step_line(history, max_steps, cpu_processes))
 
 
 def megatron_iteration_line(interval: list[StepMetrics], max_steps: int, global_batch_size: int) -> str:
@@ -71,9 +77,18 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     rows = [
         ("steps (warm-up excluded)", f"{summary['steps']} ({summary['warmup_steps_excluded']})"),
         ("median step time", f"{summary['median_step_time_s']:.3f} s"),
-        ("tokens/s/GPU", f"{summary['tokens_per_s_per_gpu']:,.0f}"),
-        ("model TFLOP/s/GPU", f"{summary['model_tflops_per_gpu']:.2f}"),
-        ("MFU (vs BF16 peak)", f"{mfu:.1%}" if mfu is not None else "n/a (no peak for this device)"),
+    ]
+    if summary["gpu"] == "cpu":  # the run's throughput; no TFLOP/s or MFU without a peak to hold them against
+        rows.append(("tokens/s", f"{summary['tokens_per_s_per_gpu'] * summary['world_size']:,.0f}"))
+    else:
+        rows += [
+            ("tokens/s/GPU", f"{summary['tokens_per_s_per_gpu']:,.0f}"),
+            ("model TFLOP/s/GPU", f"{summary['model_tflops_per_gpu']:.2f}"),
+            ("MFU (vs BF16 peak)", f"{mfu:.1%}" if mfu is not None else "n/a (no peak for this device)"),
+        ]
+    if "compute_dtype" in summary:
+        rows.append(("compute (what GPUs run in BF16)", summary["compute_dtype"]))
+    rows += [
         ("peak memory", f"{summary['peak_memory_gib']:.2f} GiB"),
         ("final loss", f"{summary['final_loss']:.4f}"),
     ]
@@ -84,8 +99,10 @@ def print_summary(summary: dict, run_dir: Path) -> None:
 
 
 def finish_run(cfg: Config, history: list[StepMetrics], world_size: int, run_dir: Path) -> dict:
-    """Both engines' last act on the logging rank: summary.json (with provenance) written, and shown."""
-    summary = summarize(cfg, history, world_size, provenance())
+    """Both engines' last act on the logging rank: summary.json (with provenance and, but for NeMo's own BF16,
+    the compute dtype) written, and shown."""
+    compute = {} if cfg.engine == Engine.nemo else {"compute_dtype": NAMES[run_compute_dtype(cfg)]}
+    summary = summarize(cfg, history, world_size, {**provenance(), **compute})
     write_summary(run_dir, summary)
     print_summary(summary, run_dir)
     return summary
