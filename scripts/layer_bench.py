@@ -43,7 +43,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from recipes.config import ConfigError, ModelConfig, TrainerConfig, load_option
+from recipes.compute import compute_dtype
+from recipes.config import ComputeDtype, ConfigError, ModelConfig, TrainerConfig, load_option
 from recipes.engine.training import build_optimizer, compile_blocks, optimizer_step
 from recipes.fp8 import Fp8Training
 from recipes.metrics import flops_per_token
@@ -80,7 +81,8 @@ def squared_output(out: torch.Tensor) -> torch.Tensor:
 
 def ours(name: str, convert: Callable[[nn.Module, int, torch.device], Fp8Training]) -> Variant:
     """Our blocks (recipes.models) converted by `convert` (for steps of so many micro-batches on the device; it
-    returns the FP8 object of the step), then compiled as the torch engine does it in one process; BF16 autocast."""
+    returns the FP8 object of the step), then compiled as the torch engine does it in one process; BF16 autocast
+    (none with --compute-dtype resolving to FP32, as the engine on a CPU without native BF16)."""
 
     def build(model_cfg: ModelConfig, args, device: torch.device) -> Trainee:
         with torch.device(device):
@@ -91,7 +93,7 @@ def ours(name: str, convert: Callable[[nn.Module, int, torch.device], Fp8Trainin
             compile_blocks(stack.layers)
 
         def loss(x: torch.Tensor, micro: int) -> torch.Tensor:
-            with torch.autocast(device.type, dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == torch.bfloat16):
                 return squared_output(stack(x))
 
         return Trainee(stack, loss, fp8)
@@ -174,7 +176,7 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
     optimizer = build_optimizer(stack, trainer, device)
     shape = (1, model_cfg.seq_length, model_cfg.hidden_size)
     # A few distinct inputs, rotated, so no step reuses the previous step's activations.
-    inputs = [torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in range(4)]
+    inputs = [torch.randn(shape, device=device, dtype=args.dtype) for _ in range(4)]
 
     def micro_batch_loss(micro: int) -> torch.Tensor:
         return trainee.loss(inputs[micro % len(inputs)], micro)
@@ -311,6 +313,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="run eagerly")
     parser.add_argument("--profile", action="store_true", help="profile one more step: GEMM / attention / other")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compute-dtype", type=ComputeDtype, choices=list(ComputeDtype), default=ComputeDtype.auto,
+                        help="as trainer.compute_dtype: auto (BF16; FP32 on a CPU without native BF16), bf16, fp32")
     parser.add_argument("--out", type=Path, help="directory for results.csv, results.md, provenance.json")
     args = parser.parse_args(argv)
     args.model = args.model or ["llama3_8b"]
@@ -348,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
+        args.dtype = compute_dtype(args.compute_dtype, device.type)
         variants = [precision_variant(name) for name in args.precisions.split(",")]
         models = [load_option("model", name) for name in args.model]
     except ConfigError as error:

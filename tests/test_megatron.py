@@ -397,6 +397,9 @@ def test_engine_trains_two_pipeline_stages_writes_metrics_and_resumes_exactly(hy
     assert metrics[-1]["loss"] < metrics[0]["loss"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["engine"], summary["world_size"], summary["steps"]) == ("megatron", 2, 4)
+    # BF16 where the CPU has it natively, else FP32 (megatron-core's bf16=False), as the torch engine
+    native_bf16 = torch.backends.mkldnn.enabled and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert summary["compute_dtype"] == ("bf16" if native_bf16 else "fp32")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})

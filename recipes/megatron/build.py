@@ -99,11 +99,13 @@ def initialize_tp_comm_overlap(cfg: Config, config: TransformerConfig) -> None:
                        bootstrap_backend="nccl")
 
 
-def build(cfg: Config, device: torch.device) -> tuple[TransformerConfig, list[GPTModel]]:
-    """The TransformerConfig and this rank's model chunks on `device` (parallel state must be initialized)."""
+def build(cfg: Config, device: torch.device, compute: torch.dtype = torch.bfloat16
+          ) -> tuple[TransformerConfig, list[GPTModel]]:
+    """The TransformerConfig and this rank's model chunks on `device` (parallel state must be initialized),
+    computing in `compute` (recipes.compute)."""
     kernels = available_kernels()
     spec = layer_spec(cfg, kernels.transformer_engine)
-    config = transformer_config(cfg, kernels, use_cpu_initialization=device.type == "cpu")
+    config = transformer_config(cfg, kernels, use_cpu_initialization=device.type == "cpu", compute=compute)
     if config.tp_comm_overlap:
         initialize_tp_comm_overlap(cfg, config)
     chunks = build_model_chunks(cfg, config, spec)

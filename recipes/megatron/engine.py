@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from recipes.compute import run_compute_dtype
 from recipes.config import Config, ConfigError
 from recipes.megatron import parallel_state
 from recipes.megatron import checkpoint as megatron_checkpoint
@@ -125,9 +126,10 @@ def step_loss(losses_reduced: list[dict]) -> torch.Tensor:
 
 def train(cfg: Config, run_dir: Path) -> dict:
     rank, world_size, device = setup_distributed(cfg)
-    config, chunks = build(cfg, device)
+    compute = run_compute_dtype(cfg)  # BF16 on GPUs; FP32 on a CPU without native BF16 (tests/megatron_on_cpu.py)
+    config, chunks = build(cfg, device, compute)
     model = wrap(cfg, config, chunks)
-    optimizer = get_megatron_optimizer(optimizer_config(cfg), model)
+    optimizer = get_megatron_optimizer(optimizer_config(cfg, compute), model)
     checkpoints = checkpoint_dir(cfg, run_dir)
     first_step = megatron_checkpoint.load_latest(checkpoints, cfg, model, optimizer) + 1
     if rank == 0 and first_step > 1:

@@ -271,9 +271,10 @@ def reuse_grad_buf_for_mxfp8(cfg: Config) -> bool:
     return precision.recipe == Recipe.mxfp8 and precision.fp8_param_gather
 
 
-def transformer_config(cfg: Config, kernels: Kernels = NO_KERNELS, *,
-                       use_cpu_initialization: bool = False) -> TransformerConfig:
-    """BF16 parameters and compute (the optimizer keeps FP32 master weights), as NeMo's bf16 mixed precision, with
+def transformer_config(cfg: Config, kernels: Kernels = NO_KERNELS, *, use_cpu_initialization: bool = False,
+                       compute: torch.dtype = torch.bfloat16) -> TransformerConfig:
+    """BF16 parameters and compute (the optimizer keeps FP32 master weights), as NeMo's bf16 mixed precision (FP32
+    with `compute` FP32: recipes.compute, a CPU without native BF16), with
     cfg.megatron's fusions resolved against `kernels` (the default: a Python without Transformer Engine or Apex).
     Gradient-accumulation fusion in Transformer Engine's layers alone is not megatron-core's flag: build sets it."""
     check_overlaps(cfg, kernels)
@@ -284,9 +285,9 @@ def transformer_config(cfg: Config, kernels: Kernels = NO_KERNELS, *,
         **fp8_fields(cfg),
         **parallel_fields(cfg),
         **recompute_fields(cfg),
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
+        bf16=compute == torch.bfloat16,
+        params_dtype=compute,
+        pipeline_dtype=compute,
         gradient_accumulation_fusion=fused.gradient_accumulation_fusion == WgradFusion.all,
         cross_entropy_loss_fusion=fused.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl="te",
@@ -348,7 +349,7 @@ def ddp_config(cfg: Config) -> DistributedDataParallelConfig:
     )
 
 
-def optimizer_config(cfg: Config) -> OptimizerConfig:
+def optimizer_config(cfg: Config, compute: torch.dtype = torch.bfloat16) -> OptimizerConfig:
     t, p, precision = cfg.trainer, cfg.parallel, cfg.precision
     return OptimizerConfig(
         optimizer="adam",
@@ -359,8 +360,8 @@ def optimizer_config(cfg: Config) -> OptimizerConfig:
         adam_beta2=t.adam_beta2,
         adam_eps=t.adam_eps,
         clip_grad=t.grad_clip,
-        bf16=True,
-        params_dtype=torch.bfloat16,
+        bf16=compute == torch.bfloat16,
+        params_dtype=compute,
         use_distributed_optimizer=p.distributed_optimizer or p.fsdp,
         overlap_param_gather=overlap_param_gather(cfg),
         fp8_recipe=precision.recipe.value if precision.recipe != Recipe.bf16 else None,
