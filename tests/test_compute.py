@@ -31,7 +31,8 @@ def test_auto_is_bf16_where_the_cpu_has_native_bf16_and_fp32_elsewhere(monkeypat
 
 
 def test_native_bf16_is_what_pytorch_uses_for_bf16_gemms(monkeypatch):
-    assert compute.cpu_has_native_bf16() == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if torch.backends.mkldnn.enabled:  # as PyTorch starts (a user may have switched it off)
+        assert compute.cpu_has_native_bf16() == torch.ops.mkldnn._is_mkldnn_bf16_supported()
     # oneDNN switched off, PyTorch's BF16 GEMMs take its generic path, as on a CPU without native BF16.
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
     assert not compute.cpu_has_native_bf16()
