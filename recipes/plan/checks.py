@@ -4,12 +4,19 @@ batch sizes."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
+import os
+from pathlib import Path
 
 import torch
 
-from recipes.config import Config, ConfigError, Engine, Fp8Format, GradReduce, MegatronConfig, ModelConfig, Recipe
+from recipes.config import (
+    Config, ConfigError, DataKind, Engine, ExecutorConfig, Fp8Format, GradReduce, MegatronConfig, ModelConfig, Recipe,
+    TrainerConfig,
+)
+from recipes.data.index_check import existing_prefix
 from recipes.fp8.training import FP8_ALL_GATHER_RECIPES
 from recipes.fp8.linear import recipe_from_config
 from recipes.metrics import check_loggers
@@ -22,6 +29,7 @@ MEGATRON_CORE_ENGINES = (Engine.megatron, Engine.nemo)
 
 def validate(cfg: Config) -> None:
     """Raise ConfigError for the first thing that cannot run."""
+    check_values(cfg)
     _validate_launch(cfg)
     if cfg.executor.name == "local":  # on Slurm the job's Python (a container's) decides, when the engine starts
         check_loggers(cfg)
@@ -29,6 +37,56 @@ def validate(cfg: Config) -> None:
     _validate_parallel(cfg)
     _validate_precision(cfg)
     _validate_batch(cfg)
+    if cfg.executor.name == "local":  # on Slurm the path is the compute nodes' (the engine checks it there)
+        _validate_data(cfg)
+
+
+# Numeric settings and the values they may take: (test, what the test says). A value outside is refused by
+# check_values before anything else looks at it (a zero micro-batch would otherwise divide by zero in the checks).
+AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
+NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
+POSITIVE = (lambda v: v > 0, "> 0")
+BETA = (lambda v: 0 <= v < 1, "in [0, 1)")
+DEFAULTS = {"trainer": TrainerConfig(), "executor": ExecutorConfig()}  # the groups whose fields have defaults
+VALUE_RANGES = {
+    **{f"model.{name}": AT_LEAST_1 for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                                                "num_query_groups", "kv_channels", "vocab_size", "seq_length")},
+    "model.norm_eps": POSITIVE, "model.rope_base": POSITIVE, "model.init_std": POSITIVE,
+    "model.rotary_percent": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "precision.amax_history_len": AT_LEAST_1,
+    "precision.num_layers_at_start_in_bf16": NON_NEGATIVE, "precision.num_layers_at_end_in_bf16": NON_NEGATIVE,
+    "trainer.max_steps": AT_LEAST_1, "trainer.micro_batch_size": AT_LEAST_1, "trainer.global_batch_size": AT_LEAST_1,
+    "trainer.lr": NON_NEGATIVE, "trainer.min_lr": NON_NEGATIVE, "trainer.warmup_steps": NON_NEGATIVE,
+    "trainer.weight_decay": NON_NEGATIVE, "trainer.adam_beta1": BETA, "trainer.adam_beta2": BETA,
+    "trainer.adam_eps": POSITIVE, "trainer.grad_clip": POSITIVE, "trainer.log_interval": AT_LEAST_1,
+    "trainer.checkpoint.interval": NON_NEGATIVE, "trainer.checkpoint.keep_last": NON_NEGATIVE,
+    "executor.gpus": AT_LEAST_1, "executor.nodes": AT_LEAST_1,
+}
+
+
+def check_values(cfg: Config) -> None:
+    """Every numeric setting within its range (VALUE_RANGES), min_lr <= lr: one line naming the field and the
+    range, with the default where it is valid. Cheap and needs nothing but the config: the engines call it too."""
+    for name, (allowed, rule) in VALUE_RANGES.items():
+        value = _field(cfg, name)
+        if not allowed(value):
+            group, rest = name.split(".", 1)
+            default = _field(DEFAULTS[group], rest) if group in DEFAULTS else None
+            hint = f"; e.g. {name}={default} (the default)" if default is not None and allowed(default) else ""
+            raise ConfigError(f"{name}={value} is out of range: it must be {rule}{hint}")
+    if cfg.trainer.min_lr > cfg.trainer.lr:
+        raise ConfigError(f"trainer.min_lr={cfg.trainer.min_lr} is above trainer.lr={cfg.trainer.lr}: the learning rate "
+                          "decays from lr to min_lr; set trainer.min_lr <= trainer.lr")
+
+
+def _field(tree, name: str):
+    return functools.reduce(getattr, name.split("."), tree)
+
+
+def _validate_data(cfg: Config) -> None:
+    """An indexed dataset that is missing or damaged, before launch (recipes.data.index_check)."""
+    if cfg.data.kind == DataKind.indexed and cfg.data.path is not None:
+        existing_prefix(cfg.data.path)
 
 
 def _validate_launch(cfg: Config) -> None:
@@ -54,8 +112,6 @@ def _validate_launch(cfg: Config) -> None:
     if cfg.trainer.fsdp_fp8_all_gather and cfg.precision.recipe not in FP8_ALL_GATHER_RECIPES:
         raise ConfigError(f"trainer.fsdp_fp8_all_gather needs a per-tensor FP8 recipe (fp8_current, fp8_delayed), "
                           f"not precision={cfg.precision.name}: block-scaled weights are quantized after the gather")
-    if cfg.executor.gpus < 1:
-        raise ConfigError(f"executor.gpus must be at least 1 (got {cfg.executor.gpus})")
     if cfg.executor.name == "local" and cfg.gpu.arch != "cpu" and not cfg.dryrun:
         available = torch.cuda.device_count()
         if cfg.executor.gpus > available:
@@ -89,8 +145,6 @@ def _validate_model(model: ModelConfig) -> None:
     rotary_dim = model.kv_channels * model.rotary_percent
     if rotary_dim != int(rotary_dim) or int(rotary_dim) % 2:
         raise ConfigError(f"model.kv_channels * model.rotary_percent = {rotary_dim} must be an even integer")
-    if model.num_layers < 1:
-        raise ConfigError(f"model.num_layers must be at least 1 (got {model.num_layers})")
 
 
 def native_archs(recipe: Recipe, megatron: bool = False) -> tuple[str, ...] | None:
@@ -102,6 +156,12 @@ def native_archs(recipe: Recipe, megatron: bool = False) -> tuple[str, ...] | No
     if recipe == Recipe.blockwise:
         return ("hopper", "blackwell") if megatron else ("hopper",)
     return None
+
+
+def _native_fp8_options(arch: str, megatron: bool) -> list[str]:
+    """The conf/precision options with native kernels on `arch`: what to suggest instead of one without."""
+    options = ["fp8_current", "fp8_delayed"]
+    return options + (["fp8_blockwise"] if arch in native_archs(Recipe.blockwise, megatron) else [])
 
 
 def _validate_precision(cfg: Config) -> None:
@@ -117,7 +177,7 @@ def _validate_precision(cfg: Config) -> None:
     if precision.recipe == Recipe.mxfp8 and gpu.arch not in native_archs(Recipe.mxfp8) and not precision.emulate:
         raise ConfigError(
             f"precision=mxfp8 runs natively only on Blackwell GPUs (b200, gb200); gpu={gpu.name} is {gpu.arch}. "
-            "Choose fp8_current or fp8_blockwise"
+            f"Choose {' or '.join(_native_fp8_options(gpu.arch, megatron))}"
             + (f" (engine={cfg.engine.value} cannot emulate)." if megatron else ", or set precision.emulate=true to emulate it (slow; labelled).")
         )
     block_archs = native_archs(Recipe.blockwise, megatron)
@@ -259,9 +319,34 @@ def _validate_batch(cfg: Config) -> None:
             f"data-parallel size = {trainer.micro_batch_size} x {dp} = {per_step}; "
             f"e.g. trainer.global_batch_size={fixed}"
         )
-    if trainer.max_steps < 1:
-        raise ConfigError(f"trainer.max_steps must be at least 1 (got {trainer.max_steps})")
     if trainer.profile_step is not None and not 1 <= trainer.profile_step <= trainer.max_steps:
         raise ConfigError(f"trainer.profile_step={trainer.profile_step} is not a step of this run (1 to "
                           f"trainer.max_steps={trainer.max_steps}); a step after compilation and warm-up, such as "
                           f"{min(trainer.max_steps, 5)}, shows the steady state")
+
+
+def check_host_memory(cfg: Config, per_process_bytes: float, processes: int) -> None:
+    """A CPU run on this machine whose memory estimate (recipes.plan.memory, per process) exceeds the machine's
+    memory would allocate until the kernel kills it: refused before launch. A dry run only plans."""
+    if not (cfg.executor.name == "local" and cfg.gpu.arch == "cpu" and not cfg.dryrun):
+        return
+    needed, available = per_process_bytes * processes, host_memory_bytes()
+    if needed > available:
+        gib = 2**30
+        raise ConfigError(
+            f"model={cfg.model.name} on this CPU needs about {needed / gib:,.1f} GiB ({processes} process(es) x "
+            f"{per_process_bytes / gib:,.1f} GiB: the plan's estimate of weights, gradients, optimizer states and "
+            f"activations), more than this machine's {available / gib:,.1f} GiB; train a smaller proxy "
+            f"(model.num_layers=N, a smaller trainer.micro_batch_size, trainer.activation_checkpointing=true, or "
+            f"model=tiny_llama), or see the plan with dryrun=true"
+        )
+
+
+def host_memory_bytes() -> int:
+    """This machine's memory: physical RAM, or the cgroup's limit (a container's) where that is lower."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return physical
+    return min(physical, int(limit)) if limit.isdigit() else physical
