@@ -49,7 +49,7 @@ def csv_by_run(out: Path) -> dict[str, dict[str, str]]:
 
 
 def read_one(path: Path, labels=()):
-    sources = find_sources([str(path)], REPO)
+    sources, _ = find_sources([str(path)], REPO)
     assert len(sources) == 1
     return read_source(sources[0], [metadata.parse_label(label) for label in labels], REPO)
 
@@ -108,7 +108,7 @@ def test_metrics_jsonl_requeue_keeps_last_occurrence():
 
 
 def test_slurm_requeue_newest_restart_wins():
-    sources = find_sources([str(FIXTURES / "megatron")], REPO)
+    sources, _ = find_sources([str(FIXTURES / "megatron")], REPO)
     fp8 = next(s for s in sources if "fp8cs" in s.name)
     assert [p.name for p in fp8.paths] == [
         "log-nemotron4_15b_h100_8nodes_fp8cs_3001_0.out",
@@ -524,11 +524,29 @@ def test_cli_usage_errors(tmp_path):
     assert cli.main([run_dir, "--out", str(tmp_path), "--label", f"{run_dir}:colour=red"]) == 2
     assert cli.main([run_dir, "--out", str(tmp_path), "--label", "nothing/here:gpu=h100"]) == 2
     assert cli.main([run_dir, "--out", str(tmp_path), "--gemm", "missing.csv"]) == 2
-    assert cli.main([str(FIXTURES / "broken/empty.log"), "--out", str(tmp_path)]) == 2  # nothing usable
-    assert "empty file" in (tmp_path / "report.md").read_text()
     with pytest.raises(SystemExit) as exit_info:
         cli.main([run_dir])  # no --out
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("kind", ["empty file", "binary file", "empty folder"])
+def test_nothing_usable_exits_2_and_writes_no_report(tmp_path, kind):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    given = inputs if kind == "empty folder" else inputs / "x.log"
+    if kind == "empty file":
+        given.write_text("")
+    elif kind == "binary file":
+        given.write_bytes(bytes(range(256)) * 64)
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, str(SCRIPT), str(given), "--out", str(out)], capture_output=True,
+                            text=True)
+    assert result.returncode == 2, result.stderr
+    assert "no usable run" in result.stderr and "no report written" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not out.exists()
+    if kind == "empty file":
+        assert "empty file" in result.stderr  # the reason, printed since no report holds it
 
 
 # ---- outputs ----
