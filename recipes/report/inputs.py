@@ -10,8 +10,10 @@
   restart) order and for a step logged more than once the newest file wins.
 - A nemo-run task keeps its command in `<task>/configs/<task>_config.yaml`; when an argument of that command is a
   resolved config.yaml with a metrics.jsonl beside it (this project's engines), that folder is the task's run
-  directory, read instead of the task's console logs. A run directory outside the folder given (run.dir=/elsewhere)
-  is not read, nor are its task's logs: a folder's report covers what is in it (noted; give it as an input).
+  directory, read instead of the task's console logs. Given a folder that holds nemo-run's home (runs/, which holds
+  runs/nemo-run), a run directory outside that folder (run.dir=/elsewhere) is not read, nor are its task's logs:
+  the folder's report covers what is in it (noted; give it as an input). Given nemo-run's home or a folder inside
+  it, its records lead wherever their run directories are.
 - stdout.log and stderr.log of one folder (nemo-run's local executor) are one run, named after its folders; where
   the folder also holds combined.log (both streams), only that is read.
 """
@@ -75,7 +77,8 @@ def find_sources(inputs: list[str], base: Path) -> tuple[list[Source], list[str]
                 log_files += [(folder_path / f, path) for f in sorted(files) if Path(f).suffix in LOG_SUFFIXES]
                 if folder_path.name == "configs":
                     found = _nemo_run_run_dirs(folder_path, files)
-                    inside = [run_dir for run_dir in found if path in run_dir.parents]
+                    inside = [run_dir for run_dir in found
+                              if path in run_dir.parents or _inside_nemo_run_home(path, folder_path)]
                     run_dirs += [(run_dir, run_dir) for run_dir in inside]
                     notes += [f"{display_path(folder_path.parent, base)}: its run directory {run_dir} is outside "
                               f"{given}: not read (give it as an input)" for run_dir in found if run_dir not in inside]
@@ -104,6 +107,13 @@ def find_sources(inputs: list[str], base: Path) -> tuple[list[Source], list[str]
             seen.add(path)
             unique_logs.append((path, root))
     return sources + _group_logs(unique_logs), notes
+
+
+def _inside_nemo_run_home(given: Path, configs: Path) -> bool:
+    """The folder given is nemo-run's own (its home, experiments/, an experiment or a task of this record): its
+    records are what was asked for, wherever their run directories are."""
+    home = next((folder.parent for folder in configs.parents if folder.name == "experiments"), None)
+    return home is not None and (given == home or home in given.parents)
 
 
 def _nemo_run_run_dirs(configs: Path, files: list[str]) -> list[Path]:
