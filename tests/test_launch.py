@@ -34,11 +34,12 @@ from recipes.config import (
     ExecutorConfig,
     RunConfig,
     TrainerConfig,
+    VALUE_RANGES,
+    check_values,
     load_config,
     load_option,
 )
 from recipes.plan import make_plan
-from recipes.plan.checks import VALUE_RANGES, check_values
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_PY = REPO / "launch" / "run.py"

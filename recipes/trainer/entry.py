@@ -6,8 +6,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from recipes.config import Config, ConfigError, load_config
-from recipes.plan.checks import check_values
+from recipes.config import Config, ConfigError, check_values, load_config
 from recipes.trainer.loop import NonFiniteError
 
 
