@@ -11,8 +11,10 @@ Groups (conf/): model, precision, gpu, executor, data. `--cfg job` prints the co
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 import hydra
@@ -59,6 +61,30 @@ def check_command_line(argv: list[str]) -> None:
     if args.multirun and "run.dir" in overridden_keys(args.overrides):
         raise ConfigError("run.dir with -m: each point gets its own folder under hydra.sweep.dir; give "
                           "hydra.sweep.dir=DIR instead")
+    if not (args.cfg or args.help or args.hydra_help or args.info):
+        check_output_folder(args.overrides, args.multirun)
+
+
+def check_output_folder(overrides: list[str], multirun: bool) -> None:
+    """The folder a run's files will go to can be made and written: Hydra makes it before anything of ours runs,
+    and an existing file or a read-only filesystem there would end in its traceback. The folder is the first given
+    of (hydra.sweep.dir with -m | hydra.run.dir, run.dir), run.root, $FP8_RECIPES_RUNS, ./runs; a value with an
+    interpolation is left to Hydra."""
+    given = dict(override.split("=", 1) for override in overrides if "=" in override and override[0] not in "+~")
+    keys = ("hydra.sweep.dir",) if multirun else ("hydra.run.dir", "run.dir")
+    key, value = next(((k, given[k]) for k in (*keys, "run.root") if k in given),
+                      ("FP8_RECIPES_RUNS", os.environ.get("FP8_RECIPES_RUNS", "runs")))
+    if "${" in value:
+        return
+    folder = Path(value).expanduser().absolute()
+    existing = next(path for path in (folder, *folder.parents) if path.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{key}={value}: {existing} is a file, not a folder; choose another {key}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=existing))  # os.access says yes to root on /sys
+    except OSError as error:
+        raise ConfigError(f"{key}={value}: cannot write into {existing} ({error.strerror}); choose a folder on a "
+                          "writable filesystem") from None
 
 
 def save_overrides(hydra_cfg, path: Path) -> None:

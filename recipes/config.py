@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import os
 import re
 import types
@@ -337,6 +338,51 @@ class Config:
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the fix."""
+
+
+# ---- the range of each numeric setting ----
+
+
+# Numeric settings and the values they may take: (test, what the test says). A value outside is refused by
+# check_values before anything else looks at it (a zero micro-batch would otherwise divide by zero in the checks).
+AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
+NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
+POSITIVE = (lambda v: v > 0, "> 0")
+BETA = (lambda v: 0 <= v < 1, "in [0, 1)")
+DEFAULTS = {"trainer": TrainerConfig(), "executor": ExecutorConfig()}  # the groups whose fields have defaults
+VALUE_RANGES = {
+    **{f"model.{name}": AT_LEAST_1 for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                                                "num_query_groups", "kv_channels", "vocab_size", "seq_length")},
+    "model.norm_eps": POSITIVE, "model.rope_base": POSITIVE, "model.init_std": POSITIVE,
+    "model.rotary_percent": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "precision.amax_history_len": AT_LEAST_1,
+    "precision.num_layers_at_start_in_bf16": NON_NEGATIVE, "precision.num_layers_at_end_in_bf16": NON_NEGATIVE,
+    "trainer.max_steps": AT_LEAST_1, "trainer.micro_batch_size": AT_LEAST_1, "trainer.global_batch_size": AT_LEAST_1,
+    "trainer.lr": NON_NEGATIVE, "trainer.min_lr": NON_NEGATIVE, "trainer.warmup_steps": NON_NEGATIVE,
+    "trainer.weight_decay": NON_NEGATIVE, "trainer.adam_beta1": BETA, "trainer.adam_beta2": BETA,
+    "trainer.adam_eps": POSITIVE, "trainer.grad_clip": POSITIVE, "trainer.log_interval": AT_LEAST_1,
+    "trainer.checkpoint.interval": NON_NEGATIVE, "trainer.checkpoint.keep_last": NON_NEGATIVE,
+    "executor.gpus": AT_LEAST_1, "executor.nodes": AT_LEAST_1,
+}
+
+
+def check_values(cfg: Config) -> None:
+    """Every numeric setting within its range (VALUE_RANGES), min_lr <= lr: one line naming the field and the
+    range, with the default where it is valid. Cheap and needs nothing but the config: the plan calls it first, the engines on the config.yaml they read."""
+    for name, (allowed, rule) in VALUE_RANGES.items():
+        value = _field(cfg, name)
+        if not allowed(value):
+            group, rest = name.split(".", 1)
+            default = _field(DEFAULTS[group], rest) if group in DEFAULTS else None
+            hint = f"; e.g. {name}={default} (the default)" if default is not None and allowed(default) else ""
+            raise ConfigError(f"{name}={value} is out of range: it must be {rule}{hint}")
+    if cfg.trainer.min_lr > cfg.trainer.lr:
+        raise ConfigError(f"trainer.min_lr={cfg.trainer.min_lr} is above trainer.lr={cfg.trainer.lr}: the learning rate "
+                          "decays from lr to min_lr; set trainer.min_lr <= trainer.lr")
+
+
+def _field(tree, name: str):
+    return functools.reduce(getattr, name.split("."), tree)
 
 
 # ---- reading and writing the resolved config (plain YAML, no Hydra) ----

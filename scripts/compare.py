@@ -40,7 +40,7 @@ def report_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="FILE:key=value,...",
         help="metadata for inputs matching FILE (a path, a name or a glob): model, precision, gpu, "
-        "engine, nodes, gpus, world_size, tp, pp, cp, vp, dp, mbs, gbs, seq, seed, params, name; "
+        "engine, nodes, gpus, world_size, tp, pp, cp, vp, dp, mbs, gbs, seq, seed, steps, params, name; "
         "wins over every other source",
     )
     parser.add_argument("--gemm", metavar="CSV", help="the GEMM benchmark's CSV, for the GEMM figure")

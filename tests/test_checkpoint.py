@@ -9,6 +9,7 @@ the CPU (deterministic: compile is off), and a constant learning rate, so that a
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import random
 import shutil
@@ -203,6 +204,81 @@ def test_a_checkpoint_of_another_model_is_refused_with_a_clear_message(tmp_path,
 
     assert torch_engine.main([str(make_config(run_dir, max_steps=1, interval=2))]) == 1
     assert "past trainer.max_steps=1" in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_the_launcher_writes_anything(tmp_path):
+    run_dir = tmp_path / "run"
+    config_path = make_config(run_dir, max_steps=2, interval=2)
+    run(config_path)
+    saved_config = config_path.read_text()
+    result = launch(tmp_path, tmp_path / "cache", "model.seq_length=64", "data=mock", "model.num_layers=2",
+                    "trainer.max_steps=4", f"run.dir={run_dir}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "cannot resume from" in result.stderr and "model.num_layers=4 in the checkpoint, 2 now" in result.stderr
+    assert config_path.read_text() == saved_config  # the run's config.yaml is still the checkpoint's
+    assert not (run_dir / "overrides.yaml").exists() and not (tmp_path / "runs" / "nemo-run").exists()
+
+
+def test_a_checkpoint_has_a_manifest_of_its_files_sizes_and_checksums(tmp_path):
+    run(make_config(tmp_path / "run", max_steps=2, interval=2))
+    folder = tmp_path / "run" / "checkpoints" / "step_00000002"
+    files = json.loads((folder / "manifest.json").read_text())["files"]
+    assert sorted(files) == sorted(p.name for p in folder.iterdir() if p.name != "manifest.json")
+    assert {"checkpoint.pt", ".metadata", "__0_0.distcp"} <= set(files)
+    for name, entry in files.items():
+        data = (folder / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _truncate_shard(folder: Path) -> None:
+    shard = folder / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+
+
+def _garbage_state(folder: Path) -> None:
+    (folder / "checkpoint.pt").write_bytes(b"not a checkpoint at all" * 10)
+
+
+def _flipped_byte(folder: Path) -> None:
+    """Same size, one byte changed: only the checksum tells."""
+    shard = folder / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (_truncate_shard, "__0_0.distcp is 1000 bytes"),
+    (_garbage_state, "checkpoint.pt is"),
+    (_flipped_byte, "__0_0.distcp does not match its checksum"),
+])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, capsys, reference, damage,
+                                                                       problem):
+    run_dir = tmp_path / "run"
+    run(make_config(run_dir, max_steps=4, interval=2, keep_last=0))
+    checkpoints = run_dir / "checkpoints"
+    damage(checkpoints / "step_00000004")
+    capsys.readouterr()
+    run(make_config(run_dir, max_steps=STEPS, interval=2, keep_last=1))
+    out, err = capsys.readouterr()
+    assert f"checkpoint {checkpoints / 'step_00000004'} is damaged ({problem}" in out, out
+    assert f"falling back to the newest intact checkpoint, {checkpoints / 'step_00000002'}" in out
+    assert "resuming from step 2 of" in out and "Traceback" not in out + err
+    assert losses(run_dir) == reference  # steps 3 and 4 trained again, exactly
+    # The damaged one is kept aside, never read or pruned; keep_last counts intact ones only.
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000004.damaged", "step_00000006"]
+
+
+def test_when_no_checkpoint_is_intact_the_run_is_refused_in_one_line(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run(make_config(run_dir, max_steps=2, interval=2))
+    _garbage_state(run_dir / "checkpoints" / "step_00000002")
+    capsys.readouterr()
+    assert torch_engine.main([str(make_config(run_dir, max_steps=4, interval=2))]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: no intact checkpoint in") and err.count("\n") == 1, err
+    assert "UnpicklingError" not in err and "weights_only" not in err
+    assert (run_dir / "checkpoints" / "step_00000002").is_dir()  # nothing moved or deleted
 
 
 def test_delayed_scaling_state_travels_in_the_checkpoint(tmp_path):

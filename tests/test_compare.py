@@ -49,7 +49,7 @@ def csv_by_run(out: Path) -> dict[str, dict[str, str]]:
 
 
 def read_one(path: Path, labels=()):
-    sources = find_sources([str(path)], REPO)
+    sources, _ = find_sources([str(path)], REPO)
     assert len(sources) == 1
     return read_source(sources[0], [metadata.parse_label(label) for label in labels], REPO)
 
@@ -108,7 +108,7 @@ def test_metrics_jsonl_requeue_keeps_last_occurrence():
 
 
 def test_slurm_requeue_newest_restart_wins():
-    sources = find_sources([str(FIXTURES / "megatron")], REPO)
+    sources, _ = find_sources([str(FIXTURES / "megatron")], REPO)
     fp8 = next(s for s in sources if "fp8cs" in s.name)
     assert [p.name for p in fp8.paths] == [
         "log-nemotron4_15b_h100_8nodes_fp8cs_3001_0.out",
@@ -524,11 +524,87 @@ def test_cli_usage_errors(tmp_path):
     assert cli.main([run_dir, "--out", str(tmp_path), "--label", f"{run_dir}:colour=red"]) == 2
     assert cli.main([run_dir, "--out", str(tmp_path), "--label", "nothing/here:gpu=h100"]) == 2
     assert cli.main([run_dir, "--out", str(tmp_path), "--gemm", "missing.csv"]) == 2
-    assert cli.main([str(FIXTURES / "broken/empty.log"), "--out", str(tmp_path)]) == 2  # nothing usable
-    assert "empty file" in (tmp_path / "report.md").read_text()
     with pytest.raises(SystemExit) as exit_info:
         cli.main([run_dir])  # no --out
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("kind", ["empty file", "binary file", "empty folder"])
+def test_nothing_usable_exits_2_and_writes_no_report(tmp_path, kind):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    given = inputs if kind == "empty folder" else inputs / "x.log"
+    if kind == "empty file":
+        given.write_text("")
+    elif kind == "binary file":
+        given.write_bytes(bytes(range(256)) * 64)
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, str(SCRIPT), str(given), "--out", str(out)], capture_output=True,
+                            text=True)
+    assert result.returncode == 2, result.stderr
+    assert "no usable run" in result.stderr and "no report written" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not out.exists()
+    if kind == "empty file":
+        assert "empty file" in result.stderr  # the reason, printed since no report holds it
+
+
+def copy_run(source: str, target: Path, max_steps: int | None = None, steps: int | None = None) -> Path:
+    """A fixture run directory copied to `target`, its config's trainer.max_steps and its metrics cut to `steps`."""
+    shutil.copytree(FIXTURES / "rundirs" / source, target)
+    if max_steps is not None:
+        config = target / "config.yaml"
+        config.write_text(config.read_text().replace("max_steps: 20", f"max_steps: {max_steps}"))
+    if steps is not None:
+        metrics = target / "metrics.jsonl"
+        metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:steps]))
+    return target
+
+
+def test_a_folder_report_reads_only_the_run_directories_inside_it(tmp_path):
+    """nemo-run's record of a run whose run.dir lies outside the folder given points at it: not read, noted."""
+    runs, elsewhere = tmp_path / "runs", tmp_path / "elsewhere"
+    copy_run("llama3_8b-bf16", runs / "a-bf16")
+    outside = copy_run("llama3_8b-fp8_current", elsewhere / "b-fp8")
+    task = runs / "nemo-run" / "experiments" / "b" / "b_1" / "main"
+    (task / "configs").mkdir(parents=True)
+    (task / "configs" / "main_config.yaml").write_text(yaml_dump({"args": [str(outside / "config.yaml")]}))
+    (task / "log-main.out").write_text("iteration 1/ 20 | lm loss: 2.0 |\n")
+    logs: list[str] = []
+    status, results = build_report([str(runs)], tmp_path / "out", base=tmp_path, log=logs.append)
+    assert [r.run.paths for r in results] == [[runs / "a-bf16"]]
+    assert "outside" in (tmp_path / "out" / "report.md").read_text()
+
+
+def yaml_dump(data) -> str:
+    import yaml
+
+    return yaml.safe_dump(data)
+
+
+def test_a_run_is_paired_only_with_a_bf16_run_of_the_same_planned_length(tmp_path):
+    copy_run("llama3_8b-bf16", tmp_path / "bf16-short", max_steps=5, steps=5)
+    copy_run("llama3_8b-fp8_current", tmp_path / "fp8-long")
+    results = {r.run.name: r for r in build_report([str(tmp_path)], tmp_path / "out", base=tmp_path, log=quiet)[1]}
+    assert results["fp8-long"].baseline is None
+    assert "steps 20 here, 5 on BF16 run bf16-short" in results["fp8-long"].note
+    copy_run("llama3_8b-bf16", tmp_path / "bf16-long")
+    results = {r.run.name: r for r in build_report([str(tmp_path)], tmp_path / "out", base=tmp_path, log=quiet)[1]}
+    assert results["fp8-long"].baseline.run.name == "bf16-long"
+
+
+def test_loss_curve_legend_has_no_two_entries_alike(tmp_path):
+    from recipes.report import plots
+
+    copy_run("llama3_8b-bf16", tmp_path / "in" / "bf16")
+    for n in range(3):
+        copy_run("llama3_8b-fp8_current", tmp_path / "in" / f"fp8-{n}")
+    results = build_report([str(tmp_path / "in")], tmp_path / "out", base=tmp_path, log=quiet)[1]
+    baseline = next(r for r in results if r.is_bf16)
+    others = [r for r in results if r.baseline is baseline]
+    assert len(others) == 3
+    labels = plots._legend_labels(others)
+    assert sorted(labels.values()) == [f"fp8_current (fp8-{n})" for n in range(3)]
 
 
 # ---- outputs ----

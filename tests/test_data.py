@@ -211,6 +211,46 @@ def test_missing_dataset_names_the_expected_files(tmp_path):
     assert f"the prefix without the extension: {prefix}." in str(error.value)
 
 
+def _truncate_bin(prefix: str) -> None:
+    bin_path = Path(f"{prefix}.bin")
+    bin_path.write_bytes(bin_path.read_bytes()[: bin_path.stat().st_size // 2])
+
+
+def _random_idx(prefix: str) -> None:
+    Path(f"{prefix}.idx").write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+
+
+def _negative_lengths(prefix: str) -> None:
+    """A valid header and the right size, but the sequence lengths (int32s right after the 34-byte header)
+    overwritten with negative numbers: megatron-core reads it and a run trained on it."""
+    idx_path = Path(f"{prefix}.idx")
+    data = bytearray(idx_path.read_bytes())
+    data[34:34 + 4 * 10] = np.full(10, -7, dtype=np.int32).tobytes()
+    idx_path.write_bytes(bytes(data))
+
+
+def _truncated_idx(prefix: str) -> None:
+    idx_path = Path(f"{prefix}.idx")
+    idx_path.write_bytes(idx_path.read_bytes()[:-8])
+
+
+@pytest.mark.parametrize("damage, file, what", [
+    (_truncate_bin, "idx", "points past the end of"),
+    (_random_idx, "idx", "is not a Megatron index"),
+    (_negative_lengths, "idx", "negative sequence length"),
+    (_truncated_idx, "idx", "truncated or damaged"),
+])
+def test_a_damaged_dataset_is_refused_naming_the_file(handmade, damage, file, what):
+    cfg, _, _ = handmade
+    make_dataset(cfg, seq_length=8, vocab_size=1000, seed=0)  # intact: opens
+    damage(cfg.path)
+    with pytest.raises(ConfigError) as error:
+        make_dataset(cfg, seq_length=8, vocab_size=1000, seed=0)
+    message = str(error.value)
+    assert f"{cfg.path}.{file}" in message and what in message and "\n" not in message, message
+    assert "rebuild the dataset" in message
+
+
 def test_a_dataset_shorter_than_one_sample_fails(handmade):
     cfg, stream, _ = handmade
     with pytest.raises(ConfigError, match="fewer than one sample"):

@@ -11,6 +11,7 @@ fast on a two-core machine.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import re
@@ -20,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -32,9 +34,12 @@ from recipes.config import (
     ExecutorConfig,
     RunConfig,
     TrainerConfig,
+    VALUE_RANGES,
+    check_values,
     load_config,
     load_option,
 )
+from recipes.plan import make_plan
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_PY = REPO / "launch" / "run.py"
@@ -388,6 +393,21 @@ ERROR_CASES = {
                        ("divisible by 128", "num_query_groups * kv_channels = 64")),
     "mxfp8_hopper": (("model=llama3_70b", "precision=mxfp8", "gpu=h100", "dryrun=true"),
                      ("precision=mxfp8", "Blackwell", "gpu=h100", "fp8_current", "precision.emulate=true")),
+    # values out of range, refused at plan time naming the field (issue 19's "Bad input" table)
+    "negative_lr": (("trainer.lr=-1",), ("trainer.lr=-1.0 is out of range", ">= 0", "trainer.lr=0.001")),
+    "beta_out_of_range": (("trainer.adam_beta2=1.0",), ("trainer.adam_beta2=1.0", "in [0, 1)")),
+    "zero_micro_batch": (("trainer.micro_batch_size=0",), ("trainer.micro_batch_size=0", "at least 1")),
+    "zero_log_interval": (("trainer.log_interval=0",), ("trainer.log_interval=0", "at least 1")),
+    "missing_data": (("data.path=/nonexistent/prefix",), ("data.path = '/nonexistent/prefix'",
+                                                         "/nonexistent/prefix.bin", "bundled corpus")),
+    "run_dir_is_a_file": (("run.dir=/proc/version",), ("run.dir=/proc/version", "is a file, not a folder")),
+    "run_dir_read_only": (("run.dir=/sys/fp8-run",), ("run.dir=/sys/fp8-run: cannot write into /sys",
+                                                      "writable filesystem")),
+    "mxfp8_cpu": (("precision=mxfp8", "gpu=cpu"), ("precision=mxfp8", "fp8_current or fp8_delayed",
+                                                   "precision.emulate=true")),
+    # no dry run: the estimate (about 1.1 TB for weights, gradients and Adam alone) is over any CI machine's memory
+    "memory_cpu": (("model=llama3_70b", "gpu=cpu"), ("model=llama3_70b on this CPU needs about",
+                                                     "more than this machine's", "dryrun=true")),
     # Transformer Engine's Float8CurrentScaling has no margin: refused, not ignored
     "margin_current": (("precision=fp8_current", "precision.margin=1", "dryrun=true"),
                        ("precision.margin=1", "precision=fp8_current", "precision=fp8_delayed")),
@@ -407,6 +427,65 @@ def error_launches(tmp_path_factory) -> dict[str, Launch]:
 def test_error_is_clear_and_launches_nothing(error_launches, case):
     result = error_launches[case]
     assert_clean_failure(result, *ERROR_CASES[case][1])
+
+
+def test_mxfp8_on_a_cpu_suggests_only_what_runs_there(error_launches, hydra_compose, tmp_path):
+    assert "fp8_blockwise" not in error_launches["mxfp8_cpu"].output  # refused on a CPU as well
+    for suggested in ("fp8_current", "fp8_delayed"):
+        make_plan(hydra_compose(f"precision={suggested}", "gpu=cpu"), tmp_path / "config.yaml")
+
+
+def test_every_value_range_refuses_its_bad_value(hydra_compose):
+    """Each numeric setting of VALUE_RANGES refused just outside its range, in one line naming it; min_lr > lr."""
+    outside = {"at least 1": 0, ">= 0": -1, "> 0": 0, "in [0, 1)": 1, "in (0, 1]": 0}
+    cfg = hydra_compose()
+    for name, (_, rule) in VALUE_RANGES.items():
+        group, field = name.rsplit(".", 1)
+        bad = dataclasses.replace(functools.reduce(getattr, group.split("."), cfg), **{field: outside[rule]})
+        with pytest.raises(ConfigError) as error:
+            check_values(_with(cfg, group, bad))
+        assert str(error.value).startswith(f"{name}={outside[rule]} is out of range: it must be {rule}")
+    with pytest.raises(ConfigError, match="trainer.min_lr=0.01 is above trainer.lr=0.001"):
+        check_values(hydra_compose("trainer.min_lr=0.01", "trainer.lr=0.001"))
+    check_values(cfg)  # the defaults pass
+
+
+def _with(cfg, dotted: str, value):
+    head, *rest = dotted.split(".")
+    return dataclasses.replace(cfg, **{head: _with(getattr(cfg, head), ".".join(rest), value) if rest else value})
+
+
+def test_a_damaged_dataset_is_refused_before_launch(tmp_path):
+    from recipes.data.megatron_indexed import IndexedDatasetBuilder
+
+    prefix = tmp_path / "tokens"
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    for length in (300, 200):
+        builder.add_document(np.arange(length, dtype=np.int32) % 250, lengths=[length])
+    builder.finalize(f"{prefix}.idx")
+    idx = bytearray(Path(f"{prefix}.idx").read_bytes())
+    idx[34:42] = np.array([-50, -50], dtype=np.int32).tobytes()  # the two sequence lengths, after the header
+    Path(f"{prefix}.idx").write_bytes(bytes(idx))
+    result = launch(tmp_path / "launch", f"data.path={prefix}")
+    assert_clean_failure(result, f"{prefix}.idx has 2 negative sequence length(s)", "rebuild the dataset")
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
+def readme_dry_runs() -> list[str]:
+    """Every `python launch/run.py ... dryrun=true` line of the README's bash blocks (continuation lines joined)."""
+    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    lines = [line.split("#")[0].strip() for block in blocks for line in re.sub(r"\\\n\s*", " ", block).splitlines()]
+    return [line for line in lines if line.startswith("python launch/run.py") and "dryrun=true" in line]
+
+
+def test_the_readme_dry_run_examples_plan_as_written(tmp_path):
+    commands = readme_dry_runs()
+    assert any("executor=slurm" in command for command in commands)  # the Slurm example is among them
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda item: launch(tmp_path / str(item[0]), *item[1].split()[2:]),
+                                enumerate(commands)))
+    for result in results:
+        assert result.returncode == 0 and TRACEBACK not in result.output, str(result)
 
 
 def test_global_batch_suggestion_is_valid(error_launches):

@@ -16,7 +16,8 @@ import numpy as np
 from recipes.config import ConfigError, DataConfig, DataKind
 from recipes.data import tokenizer
 from recipes.data.corpus import build_corpus
-from recipes.data.megatron_indexed import IndexedDataset, get_bin_path, get_idx_path
+from recipes.data.index_check import existing_prefix
+from recipes.data.megatron_indexed import IndexedDataset
 
 
 class SequenceDataset(Protocol):
@@ -115,20 +116,6 @@ class MockSequences:
         _check_index(i)
         rng = np.random.default_rng((self._seed, int(i)))
         return rng.integers(0, self._vocab_size, size=self._length, dtype=np.int64)
-
-
-def existing_prefix(path: str) -> str:
-    prefix = str(Path(path).expanduser())
-    if IndexedDataset.exists(prefix):
-        return prefix
-    expected = f"{get_bin_path(prefix)} and {get_idx_path(prefix)}"
-    hint = ""
-    if prefix.endswith((".bin", ".idx")):
-        hint = f"; data.path is the prefix without the extension: {prefix[:-4]}"
-    raise ConfigError(
-        f"data.path = {path!r}: no Megatron indexed dataset there (expected {expected}){hint}. "
-        "Leave data.path unset to use the bundled corpus."
-    )
 
 
 def _check_vocab(max_token: int, vocab_size: int, source: str) -> None:

@@ -101,7 +101,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
     model = build_model(cfg, device, fp8, mesh)
     optimizer = build_optimizer(model, cfg.trainer, device)
     checkpoints = checkpoint_dir(cfg, run_dir)
-    resumed = checkpoint.load_latest(checkpoints, cfg, device)
+    resumed = checkpoint.load_latest(checkpoints, cfg)
     first_step = 1
     if resumed:
         checkpoint.restore(resumed, model, optimizer)

@@ -52,7 +52,7 @@ def data_prefix(cfg: Config) -> str | None:
     if cfg.data.kind == DataKind.mock:
         return None
     from recipes.data import build_corpus  # megatron-core's indexed dataset: imported once NeMo is known to be here
-    from recipes.data.dataset import existing_prefix
+    from recipes.data.index_check import existing_prefix
 
     return existing_prefix(cfg.data.path) if cfg.data.path else build_corpus(cfg.data.cache_dir)
 

@@ -16,10 +16,11 @@ from typing import Optional
 
 from recipes.config import Config, Engine, ExecutorName
 from recipes.metrics import count_parameters
-from recipes.plan.checks import validate
+from recipes.plan.checks import check_host_memory, validate
 from recipes.plan.cluster import Site, check_cluster
 from recipes.plan.memory import MemoryEstimate, estimate_memory
 from recipes.plan.parallel import world_size
+from recipes.trainer.checkpoints import check_before_launch
 
 ENGINE_MODULE = {Engine.torch: "recipes.engine.torch_engine", Engine.megatron: "recipes.megatron.engine",
                  Engine.nemo: "recipes.nemo.engine"}
@@ -52,9 +53,27 @@ def launch_command(cfg: Config, config_path: Path) -> list[str]:
     return ["torchrun", f"--nproc-per-node={cfg.executor.gpus}", f"--nnodes={cfg.executor.nodes}", *module_and_config]
 
 
+def _checkpoint_marker(engine: Engine) -> Optional[str]:
+    """The file that holds an engine's checkpoint config (None: engine=nemo keeps NeMo's own checkpoints)."""
+    if engine == Engine.torch:
+        from recipes.engine.checkpoint import FILE
+
+        return FILE
+    if engine == Engine.megatron:
+        from recipes.megatron.checkpoint import MARKER
+
+        return MARKER
+    return None
+
+
 def make_plan(cfg: Config, config_path: Path) -> Plan:
     """Every check, Slurm's and SSH's included, then what will run: raises ConfigError before anything launches."""
     validate(cfg)
+    marker = _checkpoint_marker(cfg.engine)
+    if marker:  # before the launcher overwrites the run directory's config.yaml
+        check_before_launch(cfg, config_path.parent, marker)
     site = check_cluster(cfg, config_path.parent) if cfg.executor.name == ExecutorName.slurm else None
     parameters = count_parameters(cfg.model)
-    return Plan(cfg, parameters, estimate_memory(cfg, parameters), launch_command(cfg, config_path), site)
+    memory = estimate_memory(cfg, parameters)
+    check_host_memory(cfg, memory.total, world_size(cfg))
+    return Plan(cfg, parameters, memory, launch_command(cfg, config_path), site)

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+from pathlib import Path
 
 import torch
 
 from recipes.compute import check_compute_dtype
-from recipes.config import Config, ConfigError, Engine, Fp8Format, GradReduce, MegatronConfig, ModelConfig, Recipe
+from recipes.config import (
+    Config, ConfigError, DataKind, Engine, Fp8Format, GradReduce, MegatronConfig, ModelConfig, Recipe, check_values,
+)
+from recipes.data.index_check import existing_prefix
 from recipes.fp8.training import FP8_ALL_GATHER_RECIPES
 from recipes.fp8.linear import recipe_from_config
 from recipes.metrics import check_loggers
@@ -23,6 +28,7 @@ MEGATRON_CORE_ENGINES = (Engine.megatron, Engine.nemo)
 
 def validate(cfg: Config) -> None:
     """Raise ConfigError for the first thing that cannot run."""
+    check_values(cfg)
     _validate_launch(cfg)
     check_compute_dtype(cfg)
     if cfg.executor.name == "local":  # on Slurm the job's Python (a container's) decides, when the engine starts
@@ -31,6 +37,14 @@ def validate(cfg: Config) -> None:
     _validate_parallel(cfg)
     _validate_precision(cfg)
     _validate_batch(cfg)
+    if cfg.executor.name == "local":  # on Slurm the path is the compute nodes' (the engine checks it there)
+        _validate_data(cfg)
+
+
+def _validate_data(cfg: Config) -> None:
+    """An indexed dataset that is missing or damaged, before launch (recipes.data.index_check)."""
+    if cfg.data.kind == DataKind.indexed and cfg.data.path is not None:
+        existing_prefix(cfg.data.path)
 
 
 def _validate_launch(cfg: Config) -> None:
@@ -56,8 +70,6 @@ def _validate_launch(cfg: Config) -> None:
     if cfg.trainer.fsdp_fp8_all_gather and cfg.precision.recipe not in FP8_ALL_GATHER_RECIPES:
         raise ConfigError(f"trainer.fsdp_fp8_all_gather needs a per-tensor FP8 recipe (fp8_current, fp8_delayed), "
                           f"not precision={cfg.precision.name}: block-scaled weights are quantized after the gather")
-    if cfg.executor.gpus < 1:
-        raise ConfigError(f"executor.gpus must be at least 1 (got {cfg.executor.gpus})")
     if cfg.executor.name == "local" and cfg.gpu.arch != "cpu" and not cfg.dryrun:
         available = torch.cuda.device_count()
         if cfg.executor.gpus > available:
@@ -91,8 +103,6 @@ def _validate_model(model: ModelConfig) -> None:
     rotary_dim = model.kv_channels * model.rotary_percent
     if rotary_dim != int(rotary_dim) or int(rotary_dim) % 2:
         raise ConfigError(f"model.kv_channels * model.rotary_percent = {rotary_dim} must be an even integer")
-    if model.num_layers < 1:
-        raise ConfigError(f"model.num_layers must be at least 1 (got {model.num_layers})")
 
 
 def native_archs(recipe: Recipe, megatron: bool = False) -> tuple[str, ...] | None:
@@ -104,6 +114,12 @@ def native_archs(recipe: Recipe, megatron: bool = False) -> tuple[str, ...] | No
     if recipe == Recipe.blockwise:
         return ("hopper", "blackwell") if megatron else ("hopper",)
     return None
+
+
+def _native_fp8_options(arch: str, megatron: bool) -> list[str]:
+    """The conf/precision options with native kernels on `arch`: what to suggest instead of one without."""
+    options = ["fp8_current", "fp8_delayed"]
+    return options + (["fp8_blockwise"] if arch in native_archs(Recipe.blockwise, megatron) else [])
 
 
 def _validate_precision(cfg: Config) -> None:
@@ -119,7 +135,7 @@ def _validate_precision(cfg: Config) -> None:
     if precision.recipe == Recipe.mxfp8 and gpu.arch not in native_archs(Recipe.mxfp8) and not precision.emulate:
         raise ConfigError(
             f"precision=mxfp8 runs natively only on Blackwell GPUs (b200, gb200); gpu={gpu.name} is {gpu.arch}. "
-            "Choose fp8_current or fp8_blockwise"
+            f"Choose {' or '.join(_native_fp8_options(gpu.arch, megatron))}"
             + (f" (engine={cfg.engine.value} cannot emulate)." if megatron else ", or set precision.emulate=true to emulate it (slow; labelled).")
         )
     block_archs = native_archs(Recipe.blockwise, megatron)
@@ -261,9 +277,34 @@ def _validate_batch(cfg: Config) -> None:
             f"data-parallel size = {trainer.micro_batch_size} x {dp} = {per_step}; "
             f"e.g. trainer.global_batch_size={fixed}"
         )
-    if trainer.max_steps < 1:
-        raise ConfigError(f"trainer.max_steps must be at least 1 (got {trainer.max_steps})")
     if trainer.profile_step is not None and not 1 <= trainer.profile_step <= trainer.max_steps:
         raise ConfigError(f"trainer.profile_step={trainer.profile_step} is not a step of this run (1 to "
                           f"trainer.max_steps={trainer.max_steps}); a step after compilation and warm-up, such as "
                           f"{min(trainer.max_steps, 5)}, shows the steady state")
+
+
+def check_host_memory(cfg: Config, per_process_bytes: float, processes: int) -> None:
+    """A CPU run on this machine whose memory estimate (recipes.plan.memory, per process) exceeds the machine's
+    memory would allocate until the kernel kills it: refused before launch. A dry run only plans."""
+    if not (cfg.executor.name == "local" and cfg.gpu.arch == "cpu" and not cfg.dryrun):
+        return
+    needed, available = per_process_bytes * processes, host_memory_bytes()
+    if needed > available:
+        gib = 2**30
+        raise ConfigError(
+            f"model={cfg.model.name} on this CPU needs about {needed / gib:,.1f} GiB ({processes} process(es) x "
+            f"{per_process_bytes / gib:,.1f} GiB: the plan's estimate of weights, gradients, optimizer states and "
+            f"activations), more than this machine's {available / gib:,.1f} GiB; train a smaller proxy "
+            f"(model.num_layers=N, a smaller trainer.micro_batch_size, trainer.activation_checkpointing=true, or "
+            f"model=tiny_llama), or see the plan with dryrun=true"
+        )
+
+
+def host_memory_bytes() -> int:
+    """This machine's memory: physical RAM, or the cgroup's limit (a container's) where that is lower."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return physical
+    return min(physical, int(limit)) if limit.isdigit() else physical

@@ -10,7 +10,10 @@
   restart) order and for a step logged more than once the newest file wins.
 - A nemo-run task keeps its command in `<task>/configs/<task>_config.yaml`; when an argument of that command is a
   resolved config.yaml with a metrics.jsonl beside it (this project's engines), that folder is the task's run
-  directory, read instead of the task's console logs.
+  directory, read instead of the task's console logs. Given a folder that holds nemo-run's home (runs/, which holds
+  runs/nemo-run), a run directory outside that folder (run.dir=/elsewhere) is not read, nor are its task's logs:
+  the folder's report covers what is in it (noted; give it as an input). Given nemo-run's home or a folder inside
+  it, its records lead wherever their run directories are.
 - stdout.log and stderr.log of one folder (nemo-run's local executor) are one run, named after its folders; where
   the folder also holds combined.log (both streams), only that is read.
 """
@@ -49,12 +52,14 @@ class Source:
     root: Path  # a log's resolved config is searched for from its folder up to here
 
 
-def find_sources(inputs: list[str], base: Path) -> list[Source]:
-    """Inputs (paths relative to base, or absolute) -> sources. Raises InputError."""
+def find_sources(inputs: list[str], base: Path) -> tuple[list[Source], list[str]]:
+    """Inputs (paths relative to base, or absolute) -> sources, and notes on what was left out. Raises
+    InputError."""
     run_dirs: list[tuple[Path, Path]] = []  # (folder, root)
     jsonl_files: list[Path] = []
     log_files: list[tuple[Path, Path]] = []
     tasks_with_run_dirs: set[Path] = set()
+    notes: list[str] = []
     for given in inputs:
         path = (base / given).resolve() if not os.path.isabs(given) else Path(given).resolve()
         if not path.exists():
@@ -72,7 +77,11 @@ def find_sources(inputs: list[str], base: Path) -> list[Source]:
                 log_files += [(folder_path / f, path) for f in sorted(files) if Path(f).suffix in LOG_SUFFIXES]
                 if folder_path.name == "configs":
                     found = _nemo_run_run_dirs(folder_path, files)
-                    run_dirs += [(run_dir, run_dir) for run_dir in found]
+                    inside = [run_dir for run_dir in found
+                              if path in run_dir.parents or _inside_nemo_run_home(path, folder_path)]
+                    run_dirs += [(run_dir, run_dir) for run_dir in inside]
+                    notes += [f"{display_path(folder_path.parent, base)}: its run directory {run_dir} is outside "
+                              f"{given}: not read (give it as an input)" for run_dir in found if run_dir not in inside]
                     if found:
                         tasks_with_run_dirs.add(folder_path.parent)
         elif path.suffix == ".jsonl":
@@ -97,7 +106,14 @@ def find_sources(inputs: list[str], base: Path) -> list[Source]:
         if path not in seen and not tasks_with_run_dirs.intersection(path.parents):
             seen.add(path)
             unique_logs.append((path, root))
-    return sources + _group_logs(unique_logs)
+    return sources + _group_logs(unique_logs), notes
+
+
+def _inside_nemo_run_home(given: Path, configs: Path) -> bool:
+    """The folder given is nemo-run's own (its home, experiments/, an experiment or a task of this record): its
+    records are what was asked for, wherever their run directories are."""
+    home = next((folder.parent for folder in configs.parents if folder.name == "experiments"), None)
+    return home is not None and (given == home or home in given.parents)
 
 
 def _nemo_run_run_dirs(configs: Path, files: list[str]) -> list[Path]:

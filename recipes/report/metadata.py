@@ -60,7 +60,7 @@ SHORT_PRECISIONS = {
 PRECISION_ORDER = ["bf16", "fp8_delayed", "fp8_current", "fp8_blockwise", "mxfp8", "fp8"]
 
 
-INT_KEYS = ["nodes", "gpus_per_node", "world_size", "tp", "pp", "cp", "vp", "dp", "mbs", "gbs", "seq", "seed"]
+INT_KEYS = ["nodes", "gpus_per_node", "world_size", "tp", "pp", "cp", "vp", "dp", "mbs", "gbs", "seq", "seed", "steps"]
 FLOAT_KEYS = ["params", "peak_tflops_bf16"]
 TEXT_KEYS = ["name", "model", "precision", "gpu", "engine"]
 KEYS = TEXT_KEYS + ["recipe", "emulated"] + INT_KEYS + FLOAT_KEYS
@@ -136,6 +136,7 @@ def from_config(config: dict, summary: dict) -> dict[str, Any]:
         "gbs": trainer.get("global_batch_size", summary.get("global_batch_size")),
         "seq": model.get("seq_length", summary.get("seq_length")),
         "seed": trainer.get("seed"),
+        "steps": trainer.get("max_steps"),  # the planned length, which the learning-rate schedule depends on
     }
     for key in ("tp", "pp", "cp", "vp", "dp"):
         meta[key] = parallel.get(key)
@@ -160,7 +161,7 @@ def from_header(header: dict[str, Any], batch_sizes: list[int]) -> tuple[dict[st
     FP8 only when the log says it is on (`fp8: hybrid|e4m3`, `--fp8-format`, a Bridge preset naming FP8): a
     recipe name alone (`fp8_recipe: delayed` is Transformer Engine's default, printed by BF16 runs too) is not.
     """
-    keys = ("tp", "pp", "cp", "vp", "dp", "world_size", "nodes", "gpus_per_node", "mbs", "gbs", "seq", "seed")
+    keys = ("tp", "pp", "cp", "vp", "dp", "world_size", "nodes", "gpus_per_node", "mbs", "gbs", "seq", "seed", "steps")
     meta = {key: header.get(key) for key in keys}
     notes: list[str] = []
     if header.get("data_seq"):

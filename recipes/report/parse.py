@@ -317,6 +317,7 @@ HEADER_KEYS = {
     "encoder_seq_length": "seq",  # NeMo 1
     "sequence_length": "data_seq",  # Bridge's dataset: the tokens per sample actually trained
     "seed": "seed",
+    "train_iters": "steps",
     "fp8": "fp8",  # hybrid / e4m3 (Megatron), true / false (NeMo 1), None / null: off
     "fp8_format": "fp8",  # --fp8-format on a command line
     "fp8_recipe": "fp8_recipe",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -121,10 +122,11 @@ def loss_curves(curves: list[Curve], path: Path, tolerance: float) -> Path:
     baseline = curves[0]
     top.plot(baseline.steps, baseline.values, color="black", linewidth=1.2, label=precision_label(baseline.run.meta))
     extra: dict[str, str] = {}
+    labels = _legend_labels([curve.run for curve in curves[1:]])
     for curve in curves[1:]:
         other = curve.run
-        color = _color(other.meta.get("precision", ""), extra)
-        label = precision_label(other.meta)
+        label = labels[id(other)]
+        color = _color(other.meta.get("precision", "") if label == precision_label(other.meta) else label, extra)
         if curve.panel != "loss":
             bottom.plot(curve.steps, [100 * d for d in curve.values], color=color, linewidth=1.0, label=label)
             continue
@@ -148,6 +150,14 @@ def loss_curves(curves: list[Curve], path: Path, tolerance: float) -> Path:
     m = baseline.run.meta
     top.set_title(f"{m.get('model', 'unknown')} on {m.get('gpu', 'unknown')}, {describe_layout(m)}: loss vs BF16")
     return _save(fig, path)
+
+
+def _legend_labels(results: list[Result]) -> dict[int, str]:
+    """Each run's legend entry: its precision, and its run name where another run of the figure has the same
+    precision (one entry per line, never two alike)."""
+    counts = Counter(precision_label(r.meta) for r in {id(r): r for r in results}.values())
+    return {id(r): precision_label(r.meta) + (f" ({r.run.name})" if counts[precision_label(r.meta)] > 1 else "")
+            for r in results}
 
 
 def write_curve_csv(curves: list[Curve], path: Path) -> Path:

@@ -38,7 +38,7 @@ def build_report(
     base = (base or Path.cwd()).resolve()
     try:
         parsed_labels = [parse_label(text) for text in labels]
-        sources = find_sources(list(inputs), base)
+        sources, source_notes = find_sources(list(inputs), base)
     except (LabelError, InputError) as error:
         raise UsageError(str(error)) from None
     for pattern, _ in parsed_labels:
@@ -51,6 +51,12 @@ def build_report(
         raise UsageError(f"--loss-tol {loss_tolerance}: must be > 0")
 
     runs, notes = _read_runs(sources, parsed_labels, base, log)
+    notes = source_notes + notes
+    if not runs:  # nothing to report: no report (an empty one would pass for a result)
+        for note in notes:
+            log(note)
+        log(f"no usable run in the inputs ({len(sources)} file(s) or folder(s) found): no report written")
+        return EXIT_USAGE, []
     results = table.compare(runs, loss_tolerance)
     out.mkdir(parents=True, exist_ok=True)
     for pattern in FIGURE_PATTERNS:
@@ -86,9 +92,6 @@ def build_report(
     (out / "report.html").write_text(render.html_page(report))
     render.write_csv(out / "results.csv", table.CSV_HEADERS, table.csv_rows(results, lambda p: display_path(p, base)))
     log(f"wrote {out}/: report.md, report.html, results.csv and {len(figures)} figure(s) (with their data as CSV)")
-    if not runs:
-        log("no usable run in the inputs (see the notes in report.md)")
-        return EXIT_USAGE, results
     for flag in flags:
         log(f"FLAGGED {flag}")
     return (EXIT_FLAGGED if flags else EXIT_OK), results

@@ -14,7 +14,7 @@ from recipes.report.metadata import PRECISION_ORDER, describe_layout
 from recipes.report.records import Run, Step
 from recipes.report.render import Table
 
-MATCH_KEYS = ("model", "gpu", "engine", "nodes", "world_size", "tp", "pp", "cp", "vp", "mbs", "gbs", "seq")
+MATCH_KEYS = ("model", "gpu", "engine", "nodes", "world_size", "tp", "pp", "cp", "vp", "mbs", "gbs", "seq", "steps")
 REQUIRED_KEYS = ("model", "gpu")  # must be known to match at all
 DEFAULT_LOSS_TOLERANCE = 0.05
 
@@ -60,7 +60,8 @@ def rules(tolerance: float) -> list[str]:
         "MFU: model TFLOP/s/GPU divided by the GPU's dense BF16 peak, for every recipe (so MFU ratios equal "
         "speedups); where the peak is unknown, the run's own logged MFU.",
         "Speedup: BF16 median step time / the recipe's, against the BF16 run with the same model, GPU, engine, "
-        "nodes, GPUs, TP/PP/CP/VP, micro/global batch and sequence length (model and GPU known; another field "
+        "nodes, GPUs, TP/PP/CP/VP, micro/global batch, sequence length and planned steps (trainer.max_steps, "
+        "Megatron's --train-iters: the learning-rate schedule depends on them) (model and GPU known; another field "
         "unknown matches only unknown); where several do, the one with the same seed (trainer.seed, Megatron's "
         "--seed); 'missing' when there is no such run, or more than one: never guessed.",
         "Final loss: mean over the last max(1, N // 10) steps. Loss gap: relative difference to BF16 over the last "

@@ -2,28 +2,37 @@
 
     <checkpoints>/step_00000050/          a complete checkpoint: the file its engine writes last is there
     <checkpoints>/step_00000150.tmp-<x>/  a save that was killed midway: never read, removed by the next save
+    <checkpoints>/step_00000100.damaged/  a checkpoint whose files no longer match its manifest: never read, kept
 
 An engine writes a checkpoint into a temporary folder (start_save) and publishes it as `step_<N>` with one atomic
-rename (finish_save), so a folder named `step_<N>` is always complete; `prune` keeps the newest ones. A run started
-again in the same run directory continues from the newest, if its config allows (check_resumable), and cuts its
-metrics back to that step (resume_metrics). What a checkpoint holds is each engine's: recipes.engine.checkpoint,
+rename (finish_save), so a folder named `step_<N>` is always complete; `prune` keeps the newest ones. A manifest
+(manifest.json: each file's size and SHA-256, written before the rename) lets a resume check the files before it
+reads them (verify_files) and fall back to an older checkpoint when one was damaged since. A run started again in
+the same run directory continues from the newest intact one, if its config allows (check_resumable; the launcher
+checks it before it writes anything: check_before_launch), and cuts its metrics back to that step
+(resume_metrics). What a checkpoint holds is each engine's: recipes.engine.checkpoint,
 recipes.megatron.checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
 from typing import Any, Optional
+
+import torch
 
 from recipes.config import Config, ConfigError, to_dict
 from recipes.metrics import StepMetrics
 from recipes.run_files import CHECKPOINTS, METRICS
 
 _STEP_DIR = re.compile(r"step_(\d+)")
+MANIFEST = "manifest.json"
 
 # Settings a resumed run must share with the run that wrote the checkpoint: the model's shape and maths, the
 # precision recipe, which samples each step reads. Anything else (max_steps, intervals, compile, ...) may change.
@@ -84,6 +93,78 @@ def finish_save(directory: Path, step: int, temporary: Path) -> Path:
     return final
 
 
+def file_digests(folder: Path, names: list[str]) -> dict[str, dict]:
+    """Size and SHA-256 of each named file of `folder`, for the manifest (each process digests its own share)."""
+    return {name: _digest(folder / name) for name in names}
+
+
+def _digest(path: Path) -> dict:
+    sha256 = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 24):
+            sha256.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": sha256.hexdigest()}
+
+
+def write_manifest(folder: Path, digests: dict[str, dict]) -> None:
+    """manifest.json: every file of the checkpoint with its size and checksum (written last, fsynced)."""
+    with open(folder / MANIFEST, "w") as file:
+        json.dump({"files": dict(sorted(digests.items()))}, file, indent=1)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def read_manifest(folder: Path) -> Optional[dict[str, dict]]:
+    """The files a checkpoint's manifest lists; None when it has none (an older engine's checkpoint). A manifest
+    that cannot be read is itself damage: CheckpointDamaged."""
+    path = folder / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        files = json.loads(path.read_text())["files"]
+        return {str(name): {"bytes": int(entry["bytes"]), "sha256": str(entry["sha256"])} for name, entry in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointDamaged(f"{path} cannot be read ({type(error).__name__})") from None
+
+
+def verify_files(folder: Path, files: dict[str, dict], rank: int = 0, world_size: int = 1) -> list[str]:
+    """What is wrong with this process's share of the files a manifest lists (sizes first: cheap)."""
+    problems = []
+    for name in sorted(files)[rank::world_size]:
+        path, expected = folder / name, files[name]
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != expected["bytes"]:
+            problems.append(f"{name} is {path.stat().st_size} bytes, {expected['bytes']} when saved")
+        elif _digest(path)["sha256"] != expected["sha256"]:
+            problems.append(f"{name} does not match its checksum")
+    return problems
+
+
+class CheckpointDamaged(Exception):
+    """A checkpoint's files are not what was saved: the resume falls back to an older one."""
+
+
+def move_aside(path: Path) -> Path:
+    """A damaged checkpoint renamed out of the way (never read, never pruned), not deleted: nothing is lost."""
+    target = path.with_name(f"{path.name}.damaged")
+    if target.exists():  # the same step damaged before
+        target = path.with_name(f"{path.name}.damaged-{os.getpid()}")
+    os.rename(path, target)
+    return target
+
+
+def read_marker(path: Path) -> dict:
+    """A checkpoint's small torch.save file (step, config, ...), or CheckpointDamaged when it cannot be read."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, OSError, AttributeError) as error:
+        raise CheckpointDamaged(f"{path.name} cannot be read ({type(error).__name__})") from None
+    if not isinstance(state, dict) or "config" not in state:
+        raise CheckpointDamaged(f"{path.name} holds no checkpoint state")
+    return state
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -103,6 +184,19 @@ def prune(directory: Path, keep_last: int, marker: str) -> None:
 
 
 # ---- resuming ----
+
+
+def check_before_launch(cfg: Config, run_dir: Path, marker: str) -> None:
+    """Refuse, before the launcher writes anything into `run_dir`, a run that could not continue from the newest
+    readable checkpoint there (another model, precision, data, ...), as the engine would after overwriting
+    config.yaml. Reads only the marker files (step and config), never the shards."""
+    for step, path in reversed(complete_checkpoints(checkpoint_dir(cfg, run_dir), marker)):
+        try:
+            saved = read_marker(path / marker)
+        except CheckpointDamaged:
+            continue  # the engine falls back past it
+        check_resumable(saved["config"], step, cfg, path)
+        return
 
 
 def check_resumable(saved: dict, step: int, cfg: Config, path: Path) -> None:

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from recipes.config import Config, ConfigError, load_config
+from recipes.config import Config, ConfigError, check_values, load_config
 from recipes.trainer.loop import NonFiniteError
 
 
@@ -18,8 +18,9 @@ def engine_main(module: str, train: Callable[[Config, Path], dict], argv: list[s
         print(f"usage: python -m {module} RUN_DIR/config.yaml", file=sys.stderr)
         return 2
     config_path = Path(args[0])
-    cfg = load_config(config_path)
     try:
+        cfg = load_config(config_path)
+        check_values(cfg)  # a config.yaml edited by hand, or written by another tool
         train(cfg, run_dir=config_path.parent)
     except NonFiniteError as error:
         print(f"error: training stopped: {error} (precision={cfg.precision.name})", file=sys.stderr)
