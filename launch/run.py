@@ -30,7 +30,7 @@ from recipes.plan import make_plan
 from recipes.plan.describe import describe
 from recipes.plan.gpu import resolve
 from recipes.run_files import CONFIG, OVERRIDES
-from recipes.run_lock import check_free
+from recipes.trainer.run_lock import check_free
 
 
 

@@ -45,22 +45,24 @@ def run_local(plan: Plan, config_path: Path, experiment: str) -> int:
 
     cfg = plan.cfg
     home = use_nemo_run_home(cfg.executor.nemo_run_home)
+    torchrun = plan.processes > 1
     executor = run.LocalExecutor(
         ntasks_per_node=cfg.executor.gpus,
-        launcher="torchrun" if plan.processes > 1 else None,
+        launcher="torchrun" if torchrun else None,
         env_vars={"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                   "LOGLEVEL": "WARNING", "PYTHONUNBUFFERED": "1", LAUNCHER_PID: str(os.getpid())},
     )
     python, _, module, config = engine_command(cfg, config_path)
     task = run.Script(path=module, m=True, entrypoint=python, args=[config])
     title = slug(experiment)
+    experiment_run = run.Experiment(title, executor=executor, base_dir=str(home), log_level="WARN",
+                                    enable_goodbye_message=False)
     # The handlers outlive the experiment's block, whose end waits for the job.
-    with forwarded_signals(torchrun=plan.processes > 1) as received, run.Experiment(title, executor=executor, base_dir=str(home),
-                                                         log_level="WARN", enable_goodbye_message=False) as exp:
+    with forwarded_signals(torchrun) as received, experiment_run as exp:
         exp.add(task, name=TASK)
         exp.run(sequential=True, tail_logs=True, detach=False)
         if received:  # came while the job was starting
-            forward(signal.SIGTERM, torchrun=plan.processes > 1)
+            forward(signal.SIGTERM, torchrun)
     if received:  # the engine said where it stopped and how to resume
         return 128 + received[0]
     print(cli_commands(home, title, exp._id), flush=True)

@@ -1,6 +1,6 @@
 """Stopping a run with real signals to real processes: Ctrl-C and SIGTERM to launch/run.py, the launcher's death,
-SIGTERM and a repeated Ctrl-C to the engine itself, and the run directory's lock (recipes.run_lock). The same on
-the real Slurm (scancel --signal=TERM, scontrol requeue) is in tests/test_slurm.py.
+SIGTERM and a repeated Ctrl-C to the engine itself, and the run directory's lock (recipes.trainer.run_lock). The
+same on the real Slurm (scancel --signal=TERM, scontrol requeue) is in tests/test_slurm.py.
 
 Every run is tiny_llama with 64-token sequences on random tokens on the CPU; a run meant to be stopped has far
 more steps than it will take, and every wait is bounded.

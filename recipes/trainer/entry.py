@@ -9,16 +9,16 @@ from pathlib import Path
 from typing import Callable
 
 from recipes.config import Config, ConfigError, load_config
-from recipes.run_lock import locked
+from recipes.trainer.run_lock import locked
 from recipes.trainer.loop import NonFiniteError
 from recipes.trainer.stopping import Stopped, stop_signals, stopped_line, watch_launcher
 
 
 def engine_main(module: str, train: Callable[[Config, Path], dict], argv: list[str] | None = None) -> int:
     """Run `train` on the config file given; the run directory is the file's folder, locked by the logging rank
-    while it trains (recipes.run_lock). Exit status 0 done, 1 stopped (non-finite loss, a refused checkpoint or
-    setting, a run directory in use), 2 usage, 128 + N stopped by signal N (recipes.trainer.stopping; 0 under
-    torchrun)."""
+    while it trains (recipes.trainer.run_lock). Exit status 0 done, 1 stopped (non-finite loss, a refused
+    checkpoint or setting, a run directory in use), 2 usage, 128 + N stopped by signal N
+    (recipes.trainer.stopping; 0 under torchrun)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print(f"usage: python -m {module} RUN_DIR/config.yaml", file=sys.stderr)
