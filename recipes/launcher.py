@@ -18,7 +18,7 @@ from recipes.config import REPO_ROOT, ExecutorName
 from recipes.nemo_run_home import cli_commands, use_nemo_run_home
 from recipes.plan import Plan, engine_command
 from recipes.slurm import TASK, slug
-from recipes.trainer.stopping import LAUNCHER_PID, SIGNALS
+from recipes.trainer.stopping import LAUNCHER_PID, handle_stop_signals
 
 
 def launch(plan: Plan, config_path: Path, experiment: str) -> int:
@@ -87,7 +87,7 @@ def forwarded_signals(torchrun: bool) -> Iterator[list[int]]:
         received.append(signum)
         forward(signal.SIGINT if signum == signal.SIGINT and len(received) > 1 else signal.SIGTERM, torchrun)
 
-    previous = {signum: signal.signal(signum, handle) for signum in SIGNALS}
+    previous = handle_stop_signals(handle)
     try:
         yield received
     finally:
@@ -102,7 +102,8 @@ def forward(signum: int, torchrun: bool) -> None:
 
     for child in psutil.Process().children():
         try:
-            for process in child.children() if torchrun else [child]:
+            # torchrun itself until it has started its workers: a stop with a traceback beats none
+            for process in (child.children() if torchrun else []) or [child]:
                 os.kill(process.pid, signum)
         except (ProcessLookupError, psutil.NoSuchProcess):  # ended meanwhile
             pass

@@ -58,7 +58,7 @@ class StopSignals:
     def installed(self) -> Iterator[None]:
         """The handlers, for the block (an engine may run inside another program: the tests)."""
         self.received = None
-        previous = {signum: signal.signal(signum, self._handle) for signum in SIGNALS}
+        previous = handle_stop_signals(self._handle)
         try:
             yield
         finally:
@@ -83,6 +83,13 @@ class StopSignals:
 
 
 stop_signals = StopSignals()  # the one of this process; engine_main installs its handlers
+
+
+def handle_stop_signals(handler) -> dict:
+    """Install `handler` for the stop signals this process does not ignore (`nohup` ignores SIGHUP, a shell's `&`
+    SIGINT, for the launcher and the engine alike); returns the handlers it replaced."""
+    return {signum: signal.signal(signum, handler) for signum in SIGNALS
+            if signal.getsignal(signum) is not signal.SIG_IGN}
 
 
 def watch_launcher() -> None:
