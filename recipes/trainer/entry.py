@@ -14,11 +14,13 @@ from recipes.trainer.loop import NonFiniteError
 from recipes.trainer.stopping import Stopped, stop_signals, stopped_line, watch_launcher
 
 
-def engine_main(module: str, train: Callable[[Config, Path], dict], argv: list[str] | None = None) -> int:
+def engine_main(module: str, train: Callable[[Config, Path], dict], argv: list[str] | None = None,
+                stops_on_signals: bool = True) -> int:
     """Run `train` on the config file given; the run directory is the file's folder, locked by the logging rank
     while it trains (recipes.trainer.run_lock). Exit status 0 done, 1 stopped (non-finite loss, a refused
     checkpoint or setting, a run directory in use), 2 usage, 128 + N stopped by signal N
-    (recipes.trainer.stopping; 0 under torchrun)."""
+    (recipes.trainer.stopping; 0 under torchrun). An engine whose steps run in another trainer than
+    recipes.trainer.loop (NeMo's) leaves the signals to it: `stops_on_signals` False."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print(f"usage: python -m {module} RUN_DIR/config.yaml", file=sys.stderr)
@@ -27,9 +29,11 @@ def engine_main(module: str, train: Callable[[Config, Path], dict], argv: list[s
     run_dir = config_path.parent
     logging_rank = int(os.environ.get("RANK", 0)) == 0
     cfg = load_config(config_path)
+    stopping = stop_signals.installed() if stops_on_signals else nullcontext()
     try:
-        with stop_signals.installed(), locked(run_dir) if logging_rank else nullcontext():
-            watch_launcher()
+        with stopping, locked(run_dir) if logging_rank else nullcontext():
+            if stops_on_signals:
+                watch_launcher()
             train(cfg, run_dir=run_dir)
     except Stopped as stopped:
         if logging_rank:
