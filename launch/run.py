@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -31,6 +32,7 @@ from recipes.plan import make_plan
 from recipes.plan.describe import describe
 from recipes.plan.gpu import resolve
 from recipes.run_files import CONFIG, OVERRIDES
+from recipes.trainer.run_lock import check_free
 
 
 
@@ -111,6 +113,7 @@ def main(dict_cfg: DictConfig) -> None:
         dict_cfg.run.dir = str(run_dir(dict_cfg))
         cfg: Config = resolve(to_config(dict_cfg))
         plan = make_plan(cfg, config_path)
+        check_free(directory)  # before this run's config replaces that of a run in progress
     except ConfigError as error:
         if directory.is_dir() and not any(directory.iterdir()):
             directory.rmdir()  # Hydra made it before the job ran; a rejected run leaves nothing behind
@@ -133,4 +136,8 @@ if __name__ == "__main__":
         check_command_line(sys.argv[1:])
     except ConfigError as error:
         sys.exit(f"error: {error}")
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C before the launch (after it, recipes.launcher forwards it to the job)
+        print("interrupted: nothing was launched", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)

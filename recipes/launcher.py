@@ -8,13 +8,17 @@ that file, so no user value is ever spliced into a command line.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from recipes.config import REPO_ROOT, ExecutorName
 from recipes.nemo_run_home import cli_commands, use_nemo_run_home
 from recipes.plan import Plan, engine_command
 from recipes.slurm import TASK, slug
+from recipes.trainer.stopping import LAUNCHER_PID, handle_stop_signals
 
 
 def launch(plan: Plan, config_path: Path, experiment: str) -> int:
@@ -41,19 +45,26 @@ def run_local(plan: Plan, config_path: Path, experiment: str) -> int:
 
     cfg = plan.cfg
     home = use_nemo_run_home(cfg.executor.nemo_run_home)
+    torchrun = plan.processes > 1
     executor = run.LocalExecutor(
         ntasks_per_node=cfg.executor.gpus,
-        launcher="torchrun" if plan.processes > 1 else None,
+        launcher="torchrun" if torchrun else None,
         env_vars={"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-                  "LOGLEVEL": "WARNING", "PYTHONUNBUFFERED": "1"},
+                  "LOGLEVEL": "WARNING", "PYTHONUNBUFFERED": "1", LAUNCHER_PID: str(os.getpid())},
     )
     python, _, module, config = engine_command(cfg, config_path)
     task = run.Script(path=module, m=True, entrypoint=python, args=[config])
     title = slug(experiment)
-    with run.Experiment(title, executor=executor, base_dir=str(home), log_level="WARN",
-                        enable_goodbye_message=False) as exp:
+    experiment_run = run.Experiment(title, executor=executor, base_dir=str(home), log_level="WARN",
+                                    enable_goodbye_message=False)
+    # The handlers outlive the experiment's block, whose end waits for the job.
+    with forwarded_signals(torchrun) as received, experiment_run as exp:
         exp.add(task, name=TASK)
         exp.run(sequential=True, tail_logs=True, detach=False)
+        if received:  # came while the job was starting
+            forward(signal.SIGTERM, torchrun)
+    if received:  # the engine said where it stopped and how to resume
+        return 128 + received[0]
     print(cli_commands(home, title, exp._id), flush=True)
     status = exp.status(return_dict=True) or {}
     states = {name: str(job.get("status")) for name, job in status.items()}
@@ -62,3 +73,37 @@ def run_local(plan: Plan, config_path: Path, experiment: str) -> int:
         print(f"error: job(s) did not succeed: {failed}; logs under {exp._exp_dir}", file=sys.stderr)
         return 1
     return 0
+
+
+@contextmanager
+def forwarded_signals(torchrun: bool) -> Iterator[list[int]]:
+    """While the job runs, a stop signal to this process (Ctrl-C, kill, a closing terminal) goes to the engine,
+    which nemo-run starts in a session of its own, out of the terminal's reach: SIGTERM (a graceful stop after the
+    step in progress), and a second Ctrl-C as SIGINT (the step is abandoned). This process waits for the job to end.
+    Yields the signals received, in order."""
+    received: list[int] = []
+
+    def handle(signum: int, frame) -> None:
+        received.append(signum)
+        forward(signal.SIGINT if signum == signal.SIGINT and len(received) > 1 else signal.SIGTERM, torchrun)
+
+    previous = handle_stop_signals(handle)
+    try:
+        yield received
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def forward(signum: int, torchrun: bool) -> None:
+    """Send `signum` to the engine processes: this process's child, or with torchrun its workers (a signal to
+    torchrun itself ends in its traceback, and so does a worker's non-zero exit: recipes.trainer.entry)."""
+    import psutil
+
+    for child in psutil.Process().children():
+        try:
+            # torchrun itself until it has started its workers: a stop with a traceback beats none
+            for process in (child.children() if torchrun else []) or [child]:
+                os.kill(process.pid, signum)
+        except (ProcessLookupError, psutil.NoSuchProcess):  # ended meanwhile
+            pass

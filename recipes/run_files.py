@@ -6,6 +6,7 @@ back by launch/status.py and the report. Each name is spelled here only.
     metrics.jsonl     one line per optimizer step                                         recipes.metrics
     summary.json      steady-state medians, the parameter count, provenance               recipes.metrics
     checkpoints/      the default trainer.checkpoint.dir                                  the engines
+    trainer.lock      locked while a trainer runs; names its PID and host                 recipes.trainer.run_lock
     profile/          trainer.profile_step's trace and time split                         recipes.profiling
     tensorboard/      every step's metrics as TensorBoard scalars (trainer.tensorboard)   recipes.metrics
     sbatch.sh         the job's sbatch script (executor=slurm)                            recipes.slurm
@@ -24,6 +25,7 @@ OVERRIDES = "overrides.yaml"
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 CHECKPOINTS = "checkpoints"
+LOCK = "trainer.lock"
 PROFILE = "profile"
 TENSORBOARD = "tensorboard"
 SBATCH_SCRIPT = "sbatch.sh"

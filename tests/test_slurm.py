@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recipes.config import ConfigError, SlurmConfig, TrainerConfig
+from recipes.config import ConfigError, SlurmConfig
 from recipes.plan.cluster import check_slurm_settings, require_secrets
 from recipes.slurm import JOB_RECORD, JobRecord, job_state
 
@@ -220,23 +220,50 @@ def wait_for_steps(run_dir: Path, count: int, timeout_s: float = JOB_WAIT_S) -> 
     raise AssertionError(f"fewer than {count} steps in {run_dir / 'metrics.jsonl'} after {timeout_s}s")
 
 
-@pytest.mark.skipif("checkpoint" not in {f.name for f in dataclasses.fields(TrainerConfig)},
-                    reason="the engine has no trainer.checkpoint yet")
-def test_requeued_job_resumes_from_its_checkpoint_with_every_step_once(cluster, tmp_path):
+def first_start_log(record: JobRecord) -> str:
+    return (Path(record.log_dir) / f"log-{record.job_name}_{record.job_id}_0.out").read_text()
+
+
+def stopped_at(log: str, max_steps: int) -> tuple[int, str]:
+    """(step, checkpoint) of the engine's stop line in a job's log (recipes.trainer.stopping)."""
+    stopped = re.search(rf"stopped by SIGTERM after step (\d+)/{max_steps}; its checkpoint is (\S+);", log)
+    assert stopped, log[-3000:]
+    return int(stopped[1]), stopped[2]
+
+
+def test_requeued_job_checkpoints_on_sigterm_and_resumes_with_every_step_once(cluster, tmp_path):
     run_dir = tmp_path / "run"
-    record = submit(tmp_path, "trainer.max_steps=40", "trainer.checkpoint.interval=5")
-    wait_for_steps(run_dir, 12)
-    subprocess.run(["scontrol", "requeue", record.job_id], check=True)
+    # No checkpoint falls due before the last step: the one the requeued job resumes from is the SIGTERM's.
+    record = submit(tmp_path, "trainer.max_steps=10", "trainer.checkpoint.interval=1000")
+    wait_for_steps(run_dir, 3)
+    subprocess.run(["scontrol", "requeue", record.job_id], check=True)  # SIGTERM, KillWait, SIGKILL, pending
     wait_for(record.job_id, {"PENDING"}, timeout_s=60)
+    step, checkpoint = stopped_at(first_start_log(record), 10)
+    assert step >= 3 and Path(checkpoint) == run_dir / "checkpoints" / f"step_{step:08d}"
     # Slurm holds a requeued job back for a couple of minutes (its BeginTime); let it start now.
     subprocess.run(["scontrol", "update", f"JobId={record.job_id}", "StartTime=now"], check=True)
     assert wait_for(record.job_id, FINISHED) == "COMPLETED"
     [(job, state, restarts, last_step, _)] = status(run_dir, tmp_path)
-    assert (job, state, restarts, last_step) == (record.job_id, "COMPLETED", "1", "40")
-    assert steps(run_dir) == list(range(1, 41))  # gap-free: the resumed job cut back to its checkpoint
+    assert (job, state, restarts, last_step) == (record.job_id, "COMPLETED", "1", "10")
+    assert steps(run_dir) == list(range(1, 11))  # gap-free: nothing lost, nothing done twice
     logs = sorted(p.name for p in Path(record.log_dir).glob(f"log-*_{record.job_id}_*.out"))
     assert logs == [f"log-{record.job_name}_{record.job_id}_{n}.out" for n in (0, 1)]
-    assert "resuming from step" in (run_dir / "train.log").read_text()  # the gathered log is the newest restart's
+    assert f"resuming from step {step} of {checkpoint}" in (run_dir / "train.log").read_text()  # the newest start
+
+
+def test_sigterm_to_a_job_saves_its_step_and_the_same_command_continues(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    record = submit(tmp_path, "trainer.max_steps=10000", "trainer.checkpoint.interval=1000")
+    wait_for_steps(run_dir, 2)
+    subprocess.run(["scancel", "--signal=TERM", record.job_id], check=True)  # what a preemption notice sends
+    assert wait_for(record.job_id, FINISHED) == "FAILED"  # the engine exits 143: the run did not complete
+    step, checkpoint = stopped_at(first_start_log(record), 10000)
+    assert steps(run_dir) == list(range(1, step + 1))
+    again = submit(tmp_path, f"trainer.max_steps={step + 2}", "trainer.checkpoint.interval=1000")
+    assert wait_for(again.job_id, FINISHED) == "COMPLETED"
+    status(run_dir, tmp_path)  # gathers the log
+    assert f"resuming from step {step} of {checkpoint}" in (run_dir / "train.log").read_text()
+    assert steps(run_dir) == list(range(1, step + 3))
 
 
 def job_fields(job_id: str) -> dict[str, str]:

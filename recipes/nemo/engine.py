@@ -58,7 +58,7 @@ def data_prefix(cfg: Config) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return engine_main("recipes.nemo.engine", train, argv)
+    return engine_main("recipes.nemo.engine", train, argv, stops_on_signals=False)  # Lightning's and NeMo's own
 
 
 if __name__ == "__main__":

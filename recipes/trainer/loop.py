@@ -9,6 +9,7 @@
                        (NonFiniteError)
     log                the engine's progress line every trainer.log_interval steps and at the last one
     checkpoint         the engine's, every trainer.checkpoint.interval steps and at the last one
+    stop               on a signal, after the step: its checkpoint, and out (recipes.trainer.stopping)
 
 and at the end summary.json (recipes.trainer.console.finish_run). An engine hands the loop its step, checkpoint
 and log functions (`EngineSteps`); it sets up and restores before, and tears down after.
@@ -30,6 +31,7 @@ from recipes.metrics import MetricsWriter, StepMetrics, step_metrics
 from recipes.profiling import profile_step_if_due
 from recipes.trainer.checkpoints import is_due, resume_metrics
 from recipes.trainer.console import finish_run
+from recipes.trainer.stopping import Stopped, stop_signals
 
 
 class NonFiniteError(RuntimeError):
@@ -83,8 +85,10 @@ def train_loop(cfg: Config, run_dir: Path, engine: EngineSteps, first_step: int,
     history: list[StepMetrics] = resume_metrics(run_dir, first_step - 1) if is_logger else []
     writer = MetricsWriter(run_dir, cfg, first_step) if is_logger else None
     last_logged = first_step - 1
+    stop_signals.graceful = True  # from here a signal stops the run after the step in progress
     try:
         for step in range(first_step, cfg.trainer.max_steps + 1):
+            stop_signals.step_in_progress = step
             lr = learning_rate(step, cfg.trainer)
             start = time.perf_counter()
             try:
@@ -109,11 +113,16 @@ def train_loop(cfg: Config, run_dir: Path, engine: EngineSteps, first_step: int,
                         or step == cfg.trainer.max_steps:
                     engine.log([m for m in history if m.step > last_logged], history)
                     last_logged = step
-            if is_due(cfg, step):
-                saved = engine.save_checkpoint(step)
-                if saved:
-                    print(f"saved checkpoint of step {step} to {saved}", flush=True)
+            saved = engine.save_checkpoint(step) if is_due(cfg, step) else None
+            if saved:
+                print(f"saved checkpoint of step {step} to {saved}", flush=True)
+            signum = stop_signals.agreed(device)
+            if signum and step < cfg.trainer.max_steps:
+                if cfg.trainer.checkpoint.interval > 0 and not is_due(cfg, step):
+                    saved = engine.save_checkpoint(step)
+                raise Stopped(signum, step, saved)
     finally:
+        stop_signals.graceful, stop_signals.step_in_progress = False, None
         if writer:
             writer.close()
     if is_logger and history:  # empty only when resumed at max_steps with metrics.jsonl gone

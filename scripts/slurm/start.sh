@@ -10,6 +10,9 @@
 # Accounting (slurmdbd over MariaDB) is on because nemo-run reads its jobs' state with sacct: without it, `nemo
 # experiment status` shows UNKNOWN and `nemo experiment logs` finds no job, as on a cluster without accounting.
 #
+# KillWait is Slurm's default grace period, 30 s between a job's SIGTERM (scancel, requeue, preemption) and its
+# SIGKILL: the engine finishes its step and saves a checkpoint in it (tests/test_slurm.py requeues a job).
+#
 # State, logs, pid files and the database go to $FP8_SLURM_DIR (default /tmp/fp8-recipes-slurm). A second cluster
 # beside the first (e.g. to try a change of this script) takes its own FP8_SLURM_DIR, FP8_SLURM_CONF (its slurm.conf;
 # clients then need SLURM_CONF set to it), FP8_SLURM_PORT (first of four ports: slurmctld, slurmd, slurmdbd, MariaDB)
@@ -73,7 +76,7 @@ SelectTypeParameters=CR_CPU
 ReturnToService=2
 JobRequeue=1
 MinJobAge=3600
-KillWait=5
+KillWait=30
 StateSaveLocation=$STATE_DIR/ctld
 SlurmdSpoolDir=$STATE_DIR/spool
 SlurmctldPidFile=$STATE_DIR/slurmctld.pid
