@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from recipes.config import ConfigError, PrecisionConfig, load_option
-from recipes.data import make_dataset
+from recipes.data.dataset import make_dataset
 from recipes.fp8.convert import convert_to_fp8
 from recipes.fp8.linear import Fp8Linear
 from recipes.models.transformer import Transformer

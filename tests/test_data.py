@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from recipes.config import ConfigError, DataConfig, DataKind, load_option
-from recipes.data import build_corpus, corpus, make_dataset
+from recipes.data import corpus
+from recipes.data.corpus import build_corpus
+from recipes.data.dataset import make_dataset
 from recipes.data.corpus import EXCLUDED_DIRS, stdlib_sources
 from recipes.data.megatron_indexed import IndexedDataset, IndexedDatasetBuilder, get_bin_path, get_idx_path
 from recipes.data.tokenizer import EOD, EOD_TEXT, VOCAB_SIZE, decode, encode

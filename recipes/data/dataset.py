@@ -8,7 +8,6 @@ is a function of (seed, epoch) alone.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from recipes.compute import compute_dtype
 from recipes.config import Config, GradReduce
-from recipes.data import make_dataset
+from recipes.data.dataset import make_dataset
 from recipes.engine import checkpoint
 from recipes.engine.fsdp import data_parallel_mesh, materialize, shard_model
 from recipes.engine.training import build_optimizer, checkpoint_blocks, compile_blocks, optimizer_step

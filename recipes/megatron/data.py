@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from recipes.config import Config, ConfigError, DataKind
-from recipes.data import build_corpus, tokenizer
+from recipes.data import tokenizer
+from recipes.data.corpus import build_corpus
 from recipes.data.index_check import existing_prefix
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
