@@ -27,13 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from recipes.config import CONF_DIR, Config, ConfigError, save_config
 from recipes.hydra_schema import check_override_keys, register_schema, to_config
-from recipes.launcher import launch
-from recipes.plan import make_plan
-from recipes.plan.describe import describe
-from recipes.plan.gpu import resolve
 from recipes.run_files import CONFIG, OVERRIDES
 from recipes.trainer.run_lock import check_free
-
 
 
 def run_dir(cfg: DictConfig) -> Path:
@@ -60,9 +55,15 @@ def check_command_line(argv: list[str]) -> None:
     if args.shell_completion:
         return
     check_override_keys(args.overrides)
-    if args.multirun and "run.dir" in overridden_keys(args.overrides):
+    keys = overridden_keys(args.overrides)
+    if args.multirun and "run.dir" in keys:
         raise ConfigError("run.dir with -m: each point gets its own folder under hydra.sweep.dir; give "
                           "hydra.sweep.dir=DIR instead")
+    if args.multirun and "hydra.run.dir" in keys:
+        raise ConfigError("hydra.run.dir with -m: each point gets its own folder under hydra.sweep.dir; give "
+                          "hydra.sweep.dir=DIR instead")
+    if not args.multirun and "hydra.sweep.dir" in keys:
+        raise ConfigError("hydra.sweep.dir is the folder of a -m sweep; one run goes to run.dir=DIR (or add -m)")
     if not (args.cfg or args.help or args.hydra_help or args.info):
         check_output_folder(args.overrides, args.multirun)
 
@@ -107,6 +108,13 @@ def experiment_name(cfg: Config) -> str:
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(dict_cfg: DictConfig) -> None:
+    # The plan and the launcher import torch, which takes seconds: --help, --cfg and a command line that Hydra
+    # or the schema refuses are answered before that.
+    from recipes.launcher import launch
+    from recipes.plan import make_plan
+    from recipes.plan.describe import describe
+    from recipes.plan.gpu import resolve
+
     directory = Path(HydraConfig.get().runtime.output_dir).resolve()
     config_path = directory / CONFIG
     try:

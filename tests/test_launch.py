@@ -382,6 +382,10 @@ ERROR_CASES = {
                      ("run.dir=fp8_runs/z and hydra.run.dir=fp8_runs/y name two folders; give one of them (run.dir)",)),
     "run_dir_with_multirun": (("-m", "run.dir=fp8_runs/w", "precision=bf16,fp8_current", "dryrun=true"),
                               ("run.dir with -m", "hydra.sweep.dir=DIR")),
+    "hydra_run_dir_with_multirun": (("-m", "hydra.run.dir=fp8_runs/w", "precision=bf16,fp8_current", "dryrun=true"),
+                                    ("hydra.run.dir with -m", "hydra.sweep.dir=DIR")),
+    "sweep_dir_without_multirun": (("hydra.sweep.dir=fp8_runs/s", "dryrun=true"),
+                                   ("hydra.sweep.dir is the folder of a -m sweep", "run.dir=DIR")),
     # hidden 200 keeps heads % groups and the even rotary dimension valid; only the FP8 check rejects it
     "fp8_dims": (("model.hidden_size=200", "dryrun=true"), ("divisible by 16", "hidden_size = 200")),
     "gpu_count": (_gpu_count_case(), (f"executor.gpus={max(2, torch.cuda.device_count() + 1)}",
