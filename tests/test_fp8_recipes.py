@@ -23,7 +23,7 @@ from torch import nn
 from recipes.config import AmaxComputeAlgo, Fp8Format, ModelConfig, PrecisionConfig, Recipe
 from recipes.fp8.convert import convert_to_fp8
 from recipes.fp8.blockwise import quantize_blockwise
-from recipes.fp8.current_scaling import quantize_tensorwise, tensorwise_scale
+from recipes.fp8.current_scaling import quantize_tensorwise
 from recipes.fp8.delayed_scaling import DelayedScalingState, quantize_delayed, update_delayed_scaling
 from recipes.fp8.formats import E4M3, E5M2
 from recipes.fp8.gemm import fp8_gemm

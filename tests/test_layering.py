@@ -3,8 +3,8 @@ counts, those inside functions and under TYPE_CHECKING included.
 
 - A module imports only from its own layer and the layers below it.
 - The report reads run directories and logs: it imports no engine, Slurm or model code.
-- An engine uses FP8 through the FP8 object alone (`from recipes.fp8 import Fp8Training`), as scripts/layer_bench.py
-  does; the engines do not import each other.
+- An engine and the plan use FP8 through the FP8 object alone (`from recipes.fp8 import Fp8Training`), as
+  scripts/layer_bench.py does; the engines do not import each other.
 - No import cycle, between modules or within a package.
 """
 
@@ -116,9 +116,9 @@ def test_report_reads_files_without_engine_slurm_or_model_code():
             assert not foreign, f"{module} imports {foreign}"
 
 
-def test_engines_use_fp8_through_the_fp8_object_only_and_not_each_other():
+def test_engines_and_the_plan_use_fp8_through_the_fp8_object_only_and_engines_not_each_other():
     layer_bench = REPO / "scripts" / "layer_bench.py"
-    users = {m: GRAPH[m] for m in MODULES if any(within(m, engine) for engine in ENGINES)}
+    users = {m: GRAPH[m] for m in MODULES if any(within(m, user) for user in (*ENGINES, "recipes.plan"))}
     users["scripts.layer_bench"] = imports(layer_bench, "scripts")
     for module, names in users.items():
         fp8 = {n for n in names if within(n, "recipes.fp8")}

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recipes.config import Config, PrecisionConfig, Recipe
+from recipes.config import Config, ConfigError, PrecisionConfig, Recipe
 from recipes.fp8.all_gather import Fp8GatheredWeight, Fp8ShardedWeight, local_shard, shard_amax
 from recipes.fp8.convert import convert_to_fp8
 from recipes.fp8.current_scaling import tensorwise_scale
@@ -40,7 +40,7 @@ from recipes.fp8.delayed_scaling import NUM_ROLES, ROLE_NAMES, update_delayed_sc
 from recipes.fp8.formats import E4M3
 from recipes.fp8.linear import (
     CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, GRAD, WEIGHT, CachedWeightLinear, DelayedScaling, Fp8Linear,
-    TensorwiseScaling,
+    TensorwiseScaling, recipe_from_config,
 )
 
 FP8_ALL_GATHER_RECIPES = (Recipe.tensorwise, Recipe.delayed)
@@ -75,6 +75,16 @@ class Fp8Training:
     @classmethod
     def for_one_process(cls, precision: PrecisionConfig, micro_batches: int, device: torch.device) -> "Fp8Training":
         return cls(precision, micro_batches, fused_linears=fused_linears_apply(precision, device, processes=1))
+
+    @staticmethod
+    def check(cfg: Config) -> None:
+        """ConfigError, before launch, for FP8 that `cfg` asks for and no recipe computes (recipe_from_config: a
+        margin outside delayed scaling, no FP8 format), or an FP8 all-gather of weights that are not per-tensor."""
+        if cfg.trainer.fsdp_fp8_all_gather and cfg.precision.recipe not in FP8_ALL_GATHER_RECIPES:
+            raise ConfigError(f"trainer.fsdp_fp8_all_gather needs a per-tensor FP8 recipe (fp8_current, fp8_delayed), "
+                              f"not precision={cfg.precision.name}: block-scaled weights are quantized after the gather")
+        if cfg.precision.recipe != Recipe.bf16:
+            recipe_from_config(cfg.precision)
 
     def convert(self, model: nn.Module) -> None:
         convert_to_fp8(model.layers, self.precision, bf16_linears=self.fused_linears)

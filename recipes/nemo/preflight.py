@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from recipes.config import Config, ConfigError, GradReduce, ModelConfig, load_option
+from recipes.config import Config, ConfigError, ExecutorName, GradReduce, ModelConfig, load_option
 from recipes.nemo.mapping import (
     ENGINE_NEMO, NEMO_WITHOUT_LLM, PLUGIN, PRESETS, RECIPE_MODULES, SHAPE_FIELDS, precision_fields, recipe_name,
 )
@@ -69,7 +69,7 @@ def _validate_options(cfg: Config) -> None:
 
 
 def _runs_here(cfg: Config) -> bool:
-    return cfg.executor.name == "local" and not cfg.dryrun
+    return cfg.executor.name == ExecutorName.local and not cfg.dryrun
 
 
 def local_versions() -> tuple[str, Optional[str]]:
@@ -134,7 +134,7 @@ def describe(cfg: Config) -> list[str]:
     plugin = {path[len(PLUGIN) + 1:]: value for path, value in precision_fields(cfg).items()
               if path.startswith(PLUGIN + ".")}
     slurm = cfg.executor.slurm
-    if cfg.executor.name == "local":
+    if cfg.executor.name == ExecutorName.local:
         where = "this Python's NeMo" + (f" {local_versions()[0]}" if _runs_here(cfg) else "")
     elif slurm is not None and slurm.container_image:
         where = f"the NeMo of image {slurm.container_image}"

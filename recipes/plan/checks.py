@@ -13,11 +13,11 @@ import torch
 
 from recipes.compute import check_compute_dtype
 from recipes.config import (
-    Config, ConfigError, DataKind, Engine, Fp8Format, GradReduce, MegatronConfig, ModelConfig, Recipe, check_values,
+    Config, ConfigError, DataKind, Engine, ExecutorName, Fp8Format, GradReduce, MegatronConfig, ModelConfig, Recipe,
+    check_values,
 )
 from recipes.data.index_check import existing_prefix
-from recipes.fp8.training import FP8_ALL_GATHER_RECIPES
-from recipes.fp8.linear import recipe_from_config
+from recipes.fp8 import Fp8Training
 from recipes.metrics import check_loggers
 from recipes.nemo import preflight as nemo_preflight
 from recipes.plan.parallel import data_parallel_size, model_parallel_size, world_size
@@ -31,13 +31,13 @@ def validate(cfg: Config) -> None:
     check_values(cfg)
     _validate_launch(cfg)
     check_compute_dtype(cfg)
-    if cfg.executor.name == "local":  # on Slurm the job's Python (a container's) decides, when the engine starts
+    if cfg.executor.name == ExecutorName.local:  # on Slurm the job's Python (a container's) decides, when the engine starts
         check_loggers(cfg)
     _validate_model(cfg.model)
     _validate_parallel(cfg)
     _validate_precision(cfg)
     _validate_batch(cfg)
-    if cfg.executor.name == "local":  # on Slurm the path is the compute nodes' (the engine checks it there)
+    if cfg.executor.name == ExecutorName.local:  # on Slurm the path is the compute nodes' (the engine checks it there)
         _validate_data(cfg)
 
 
@@ -48,12 +48,12 @@ def _validate_data(cfg: Config) -> None:
 
 
 def _validate_launch(cfg: Config) -> None:
-    if cfg.executor.name == "local" and cfg.executor.nodes != 1:
+    if cfg.executor.name == ExecutorName.local and cfg.executor.nodes != 1:
         raise ConfigError(f"executor=local runs on this machine only: set executor.nodes=1 (got {cfg.executor.nodes})")
-    if cfg.executor.name == "slurm" and cfg.executor.slurm is None:
+    if cfg.executor.name == ExecutorName.slurm and cfg.executor.slurm is None:
         raise ConfigError("executor.slurm is missing: choose executor=slurm (conf/executor/slurm.yaml) rather than "
                           "executor.name=slurm")
-    if cfg.engine == "megatron":
+    if cfg.engine == Engine.megatron:
         _validate_megatron_runtime(cfg)
         megatron_tuning(cfg)
         if cfg.trainer.grad_reduce != GradReduce.per_step:
@@ -67,10 +67,7 @@ def _validate_launch(cfg: Config) -> None:
                           "set engine=megatron or leave them at their defaults")
     if cfg.engine == Engine.nemo:
         nemo_preflight.validate(cfg)
-    if cfg.trainer.fsdp_fp8_all_gather and cfg.precision.recipe not in FP8_ALL_GATHER_RECIPES:
-        raise ConfigError(f"trainer.fsdp_fp8_all_gather needs a per-tensor FP8 recipe (fp8_current, fp8_delayed), "
-                          f"not precision={cfg.precision.name}: block-scaled weights are quantized after the gather")
-    if cfg.executor.name == "local" and cfg.gpu.arch != "cpu" and not cfg.dryrun:
+    if cfg.executor.name == ExecutorName.local and cfg.gpu.arch != "cpu" and not cfg.dryrun:
         available = torch.cuda.device_count()
         if cfg.executor.gpus > available:
             raise ConfigError(f"executor.gpus={cfg.executor.gpus} but this machine has {available} GPU(s)")
@@ -124,11 +121,9 @@ def _native_fp8_options(arch: str, megatron: bool) -> list[str]:
 
 def _validate_precision(cfg: Config) -> None:
     precision, gpu, megatron = cfg.precision, cfg.gpu, cfg.engine in MEGATRON_CORE_ENGINES
+    Fp8Training.check(cfg)  # what no recipe computes (a margin outside delayed scaling), an FP8 all-gather it cannot
     if precision.recipe == Recipe.bf16:
         return
-    if precision.fp8_format is None:
-        raise ConfigError(f"precision={precision.name}: set precision.fp8_format (hybrid or e4m3)")
-    recipe_from_config(precision)  # refuses what no recipe computes: precision.margin outside delayed scaling
     if megatron and precision.emulate:
         raise ConfigError(f"precision.emulate=true is the torch engine's (engine=torch): engine={cfg.engine.value} "
                           "runs Transformer Engine's kernels, which are native or absent")
@@ -186,7 +181,7 @@ def _validate_megatron_fp8(cfg: Config) -> None:
 
 def _runs_here(cfg: Config) -> bool:
     """The job will run on this machine's GPUs: what this Python can do is what the job can do."""
-    return cfg.executor.name == "local" and cfg.gpu.arch != "cpu" and not cfg.dryrun
+    return cfg.executor.name == ExecutorName.local and cfg.gpu.arch != "cpu" and not cfg.dryrun
 
 
 def _require_cuda(major: int, minor: int, what: str) -> None:
@@ -221,7 +216,7 @@ def _validate_parallel(cfg: Config) -> None:
     """The parallel layout: what the torch engine cannot split, and what megatron-core cannot divide."""
     p, m = cfg.parallel, cfg.model
     sizes = {"tp": p.tp, "pp": p.pp, "vp": p.vp, "cp": p.cp}
-    if cfg.engine == "torch":
+    if cfg.engine == Engine.torch:
         split = [f"parallel.{name}={size}" for name, size in sizes.items() if size != 1] + (["parallel.fsdp=true"] if p.fsdp else [])
         if split:
             raise ConfigError(f"engine=torch runs data-parallel only; {', '.join(split)} needs engine=megatron "
@@ -286,7 +281,7 @@ def _validate_batch(cfg: Config) -> None:
 def check_host_memory(cfg: Config, per_process_bytes: float, processes: int) -> None:
     """A CPU run on this machine whose memory estimate (recipes.plan.memory, per process) exceeds the machine's
     memory would allocate until the kernel kills it: refused before launch. A dry run only plans."""
-    if not (cfg.executor.name == "local" and cfg.gpu.arch == "cpu" and not cfg.dryrun):
+    if not (cfg.executor.name == ExecutorName.local and cfg.gpu.arch == "cpu" and not cfg.dryrun):
         return
     needed, available = per_process_bytes * processes, host_memory_bytes()
     if needed > available:

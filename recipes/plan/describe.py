@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from recipes.compute import describe_compute
 from recipes.config import Config, Engine, ExecutorName, GradReduce
-from recipes.fp8.training import Fp8Training
+from recipes.fp8 import Fp8Training
 from recipes.plan import Plan
 from recipes.nemo import preflight as nemo_preflight
 from recipes.plan.checks import MEGATRON_CORE_ENGINES, megatron_tuning
@@ -64,9 +64,9 @@ def describe(plan: Plan) -> str:
         + (f", format {cfg.precision.fp8_format.value}" if cfg.precision.fp8_format else "")
         + (", emulated" if cfg.precision.emulate else "")
         + ")"
-        + (_torch_engine_weight_gather(cfg, plan.processes) if cfg.engine == "torch" and plan.processes > 1 else ""),
+        + (_torch_engine_weight_gather(cfg, plan.processes) if cfg.engine == Engine.torch and plan.processes > 1 else ""),
         f"gpu         {cfg.gpu.name} ({cfg.gpu.arch}), {plan.processes} process(es) on {cfg.executor.nodes} node(s)"
-        + (" sharding the model (FSDP2)" if plan.processes > 1 and cfg.engine == "torch" else "") + ", "
+        + (" sharding the model (FSDP2)" if plan.processes > 1 and cfg.engine == Engine.torch else "") + ", "
         f"executor {describe_executor(cfg)}, engine {cfg.engine.value}",
         *([f"compute     {describe_compute(cfg)}"] if cfg.engine != Engine.nemo else []),
         *([f"layout      {describe_layout(cfg)}"] if megatron else []),

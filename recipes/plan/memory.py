@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from recipes.config import Config, Engine, GradReduce, Recipe, Recompute
-from recipes.fp8.training import Fp8Training
+from recipes.fp8 import Fp8Training
 from recipes.plan.parallel import data_parallel_size, world_size
 
 
@@ -50,7 +50,7 @@ def activation_bytes_per_token_layer(cfg: Config) -> tuple[float, float]:
     attention_core = 0 if cfg.parallel.recompute == Recompute.selective else 2 * q
     norms_and_residual = 2.0 * 3 * m.hidden_size
     split = 2.0 * (q + 2 * kv + attention_core + fc1 + m.ffn_hidden_size)
-    if cfg.precision.recipe != Recipe.bf16 and cfg.engine == "torch":
+    if cfg.precision.recipe != Recipe.bf16 and cfg.engine == Engine.torch:
         norms_and_residual += 2 * m.hidden_size
         split += q + m.ffn_hidden_size
     return norms_and_residual, split
@@ -66,7 +66,7 @@ def estimate_memory(cfg: Config, parameters: int) -> MemoryEstimate:
     for the loss: 6 bytes per vocabulary entry, split over TP) live on the last stage and are added as an
     upper bound.
     """
-    if cfg.engine == "torch":
+    if cfg.engine == Engine.torch:
         return _torch_engine_memory(cfg, parameters)
     m, p = cfg.model, cfg.parallel
     embedding = m.vocab_size * m.hidden_size
