@@ -96,7 +96,8 @@ def make_executor(plan: Plan, site: Site, job_name_prefix: str, after: Optional[
         tunnel = ssh_tunnel(site.ssh, job_dir=site.job_root)
     mounts = list(slurm.container_mounts)
     if slurm.container_image:  # the job imports this repo in place and writes into the run's storage
-        mounts += [f"{site.repo}:{site.repo}", f"{site.storage}:{site.storage}"]
+        folders = [site.repo, site.storage] + ([] if _inside(site.run_dir, site.storage) else [site.run_dir])
+        mounts += [f"{folder}:{folder}" for folder in folders]
     env = {"PYTHONPATH": site.repo, "PYTHONUNBUFFERED": "1", "LOGLEVEL": "WARNING",
            **slurm.gpu_env.get(cfg.gpu.name, {}), **slurm.env_vars}
     sbatch_args = {**({"export": "ALL"} if slurm.secret_env else {}), **slurm.sbatch_args}
@@ -128,12 +129,16 @@ def make_executor(plan: Plan, site: Site, job_name_prefix: str, after: Optional[
     )
 
 
+def _inside(path: str, folder: str) -> bool:
+    return posixpath.commonpath([path, folder]) == folder
+
+
 def _task(plan: Plan, site: Site):
     import nemo_run as run
 
     from recipes.plan import engine_command
 
-    python, _, module, config = engine_command(plan.cfg, posixpath.join(site.run_dir, CONFIG), site.python)
+    python, _, module, config = engine_command(plan.cfg, site)
     return run.Script(path=module, m=True, entrypoint=shlex.quote(python), args=[shlex.quote(config)])
 
 

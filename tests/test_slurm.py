@@ -335,7 +335,9 @@ def test_nemo_engine_script_runs_the_entry_point_in_the_nemo_container(tmp_path)
     (srun,) = [line for line in lines if line.startswith("srun ") and "torchrun" in line]
     assert "--container-image nvcr.io/nvidia/nemo:25.04" in srun  # NeMo's container: its NeMo builds the recipe
     mounts = srun.split("--container-mounts ", 1)[1].split()[0].split(",")
-    assert {f"{REPO}:{REPO}", f"{tmp_path / 'runs'}:{tmp_path / 'runs'}"} <= set(mounts)  # this repo and run.root
+    # this repo, run.root, and the run directory, which is outside run.root here: the container sees the config
+    run_dir = tmp_path / "run"
+    assert {f"{REPO}:{REPO}", f"{tmp_path / 'runs'}:{tmp_path / 'runs'}", f"{run_dir}:{run_dir}"} <= set(mounts)
     assert srun.endswith("--nnodes 8 --nproc-per-node 8 --node-rank $SLURM_NODEID --tee 3 "
                          f"-m recipes.nemo.engine {tmp_path}/run/config.yaml")
 

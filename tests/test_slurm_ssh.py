@@ -127,6 +127,9 @@ def test_dryrun_renders_the_script_as_it_runs_on_the_cluster_without_connecting(
     (srun,) = [line for line in lines if line.startswith("srun ") and "torch_engine" in line]
     assert "--container-mounts /lustre/me/fp8-recipes:/lustre/me/fp8-recipes,/lustre/me/fp8:/lustre/me/fp8," in srun
     assert srun.endswith(" -m recipes.engine.torch_engine /lustre/me/fp8/runs/run/config.yaml")
+    # the plan prints the command the job runs there: the cluster's Python and config, not this machine's
+    assert [line.split(None, 1)[1] for line in result.stdout.splitlines() if line.startswith("command ")] == [
+        "torchrun --nproc-per-node=8 --nnodes=1 -m recipes.engine.torch_engine /lustre/me/fp8/runs/run/config.yaml"]
 
 
 def settings(sshd: Sshd, tmp_path: Path, **changes) -> SshTunnelConfig:

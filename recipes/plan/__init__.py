@@ -8,10 +8,10 @@ stack trace from inside an engine, and a recipe is never silently replaced by an
 
 from __future__ import annotations
 
+import posixpath
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import Optional
 
 from recipes.config import Config, Engine, ExecutorName
@@ -20,6 +20,7 @@ from recipes.plan.checks import check_host_memory, validate
 from recipes.plan.cluster import Site, check_cluster
 from recipes.plan.memory import MemoryEstimate, estimate_memory
 from recipes.plan.parallel import world_size
+from recipes.run_files import CONFIG
 from recipes.trainer.checkpoints import check_before_launch
 
 ENGINE_MODULE = {Engine.torch: "recipes.engine.torch_engine", Engine.megatron: "recipes.megatron.engine",
@@ -39,15 +40,19 @@ class Plan:
         return world_size(self.cfg)
 
 
-def engine_command(cfg: Config, config_path: Path | str, python: str = sys.executable) -> list[str]:
+def engine_command(cfg: Config, where: Path | Site) -> list[str]:
     """`python -m <engine module> CONFIG`, what every process of the run executes: nemo-run's task, on this machine
-    (recipes.launcher) and in the sbatch script (recipes.slurm), and what the plan prints (launch_command)."""
-    return [python, "-m", ENGINE_MODULE[cfg.engine], str(config_path)]
+    (recipes.launcher) and in the sbatch script (recipes.slurm), and what the plan prints (launch_command). `where`
+    is the config file for this machine's Python, or the Site of an executor=slurm job: its Python and its run
+    directory's config, which over SSH or in a container are not this machine's."""
+    if isinstance(where, Site):
+        return [where.python, "-m", ENGINE_MODULE[cfg.engine], posixpath.join(where.run_dir, CONFIG)]
+    return [sys.executable, "-m", ENGINE_MODULE[cfg.engine], str(where)]
 
 
-def launch_command(cfg: Config, config_path: Path) -> list[str]:
+def launch_command(cfg: Config, config_path: Path, site: Optional[Site] = None) -> list[str]:
     """engine_command as a shell would start the run: under torchrun for several processes, as nemo-run does."""
-    python, *module_and_config = engine_command(cfg, config_path)
+    python, *module_and_config = engine_command(cfg, site or config_path)
     if world_size(cfg) == 1:
         return [python, *module_and_config]
     return ["torchrun", f"--nproc-per-node={cfg.executor.gpus}", f"--nnodes={cfg.executor.nodes}", *module_and_config]
@@ -76,4 +81,4 @@ def make_plan(cfg: Config, config_path: Path) -> Plan:
     parameters = count_parameters(cfg.model)
     memory = estimate_memory(cfg, parameters)
     check_host_memory(cfg, memory.total, world_size(cfg))
-    return Plan(cfg, parameters, memory, launch_command(cfg, config_path), site)
+    return Plan(cfg, parameters, memory, launch_command(cfg, config_path, site), site)
