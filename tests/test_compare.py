@@ -191,7 +191,8 @@ def test_megatron_deepspeed_golden_numbers(tmp_path):
     # 100 steps: warm-up 10 and the first interval; intervals 20..100: five at 1000 ms, four at 1024 ms
     assert row["steps_measured"] == "90"
     approx(row["median_step_time_s"], 1.0)
-    approx(row["tokens_per_s_per_gpu"], 256 * 2048 / 8 / 1.0)  # its own tokens per GPU per second
+    # its own tokens per GPU per second, of 2000-token sequences: not 256 * 2048 / 8 from the arguments
+    approx(row["tokens_per_s_per_gpu"], 256 * 2000 / 8 / 1.0)
     assert row["tflops_per_gpu"] == ""  # its "TFLOPs" counts recomputation: not model FLOPs, not read
     approx(row["final_loss"], 9.0 - 0.04 * 100)
 

@@ -251,10 +251,12 @@ class StepTimePairs:
 
 
 def _record(fmt: LineFormat, iteration: int, values: dict[str, float]) -> Step:
+    step = iteration + 1 if fmt.zero_based else iteration
     if "global_step" in values and math.isfinite(values["global_step"]):
-        step = int(values["global_step"]) + 1  # NeMo's global_step is 0-based like its iteration
-    else:
-        step = iteration + 1 if fmt.zero_based else iteration
+        # NeMo's global_step is 0-based like its iteration. A NeMo 1 bar is drawn once more after the last step's
+        # validation with the trainer's global step by then (the count of finished steps): the count caps it.
+        from_global = int(values["global_step"]) + 1
+        step = min(from_global, step) if fmt.redrawn else from_global
     gbs = values.get("global_batch_size")
     nan_its = values.get("nan_iterations")
     return Step(
