@@ -112,10 +112,10 @@ def check_loggers(cfg: Config) -> None:
 
 
 class MetricsWriter:
-    """Every step's metrics, written by the logging process: a JSON line in `<run dir>/metrics.jsonl` (flushed, so a
-    crash loses nothing written), TensorBoard scalars in `<run dir>/tensorboard/` and a W&B run, as the config asks.
-    `first_step` > 1 is a resumed run: TensorBoard hides what a crashed attempt logged from that step on, as
-    metrics.jsonl drops it."""
+    """Every step's metrics, written by the logging process: a JSON line in `<run dir>/metrics.jsonl` and
+    TensorBoard scalars in `<run dir>/tensorboard/` (both flushed, so a crash loses nothing written), and a W&B
+    run, as the config asks. `first_step` > 1 is a resumed run: TensorBoard hides what a crashed attempt logged
+    from that step on, as metrics.jsonl drops it."""
 
     def __init__(self, run_dir: Path, cfg: Config, first_step: int = 1):
         check_loggers(cfg)
@@ -137,6 +137,7 @@ class MetricsWriter:
         if self._tensorboard is not None:
             for tag, value in scalars.items():
                 self._tensorboard.add_scalar(tag, value, metrics.step)
+            self._tensorboard.flush()  # on disk every step, as metrics.jsonl: a killed run keeps what it logged
         if self._wandb is not None:
             self._wandb.log(scalars, step=metrics.step)
 

@@ -13,17 +13,20 @@ import hashlib
 import json
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from recipes.config import CheckpointConfig, Config, TrainerConfig, load_option, save_config
 from recipes.engine import checkpoint, torch_engine
 from recipes.trainer.checkpoints import complete_checkpoints
 
-from test_train import launch, read_metrics
+from test_train import REPO, launch, read_metrics
 
 STEPS = 6
 
@@ -122,8 +125,31 @@ def test_resume_after_a_kill_is_exact_and_metrics_have_no_gap_or_duplicate(tmp_p
 
     assert losses(run_dir) == reference  # bit-identical, every step once, in order
     assert killed[4] == uninterrupted[4] and resumed[4] == uninterrupted[4] and resumed[6] == uninterrupted[6]
+    # TensorBoard too: the resumed writer purges the killed run's steps after the checkpoint (step 4), and the
+    # steps before it were on disk by the checkpoint
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (step, pytest.approx(loss, rel=1e-6)) for step, loss, *_ in reference]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["final_loss"] == reference[-1][1]
+
+
+def test_a_killed_run_keeps_every_step_it_logged_in_tensorboard(tmp_path):
+    """SIGKILL right after three steps: their TensorBoard scalars are on disk (TensorBoard's writer flushes every
+    two minutes unless told), as their lines of metrics.jsonl are."""
+    run_dir = tmp_path / "run"
+    config_path = make_config(run_dir)
+    fields = "grad_norm=1.0, lr=1e-3, step_time_s=1.0, tokens_per_s_per_gpu=1.0, model_tflops_per_gpu=1.0, mfu=None"
+    code = (f"import os; from pathlib import Path; from recipes.config import load_config; "
+            f"from recipes.metrics import MetricsWriter, StepMetrics; "
+            f"writer = MetricsWriter(Path({str(run_dir)!r}), load_config({str(config_path)!r})); "
+            f"[writer.write(StepMetrics(step=s, loss=float(s), {fields}, peak_memory_gib=1.0)) for s in (1, 2, 3)]; "
+            f"os.kill(os.getpid(), 9)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == -9
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 3.0)]
 
 
 def test_a_finished_run_extended_with_more_steps_matches_an_uninterrupted_one(tmp_path, capsys, reference):

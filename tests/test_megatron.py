@@ -327,13 +327,17 @@ def test_iteration_line_is_megatrons_and_the_report_reads_it(tmp_path):
     from recipes.metrics import StepMetrics
     from recipes.report.parse import read_log
 
-    steps = [StepMetrics(step=s, loss=2.0 + s, grad_norm=0.5, lr=1e-4, step_time_s=1.0 + s / 10,
-                         tokens_per_s_per_gpu=1000.0, model_tflops_per_gpu=400.0 + s, mfu=0.4,
-                         peak_memory_gib=10.0) for s in (9, 10)]
-    line = megatron_iteration_line(steps, max_steps=100, global_batch_size=128)
+    history = [StepMetrics(step=s, loss=2.0 + s, grad_norm=0.5, lr=1e-4, step_time_s=30.0 if s == 1 else 1.0 + s / 10,
+                           tokens_per_s_per_gpu=1000.0, model_tflops_per_gpu=400.0 + s, mfu=0.4,
+                           peak_memory_gib=10.0) for s in range(1, 11)]
+    line = megatron_iteration_line(history[-2:], max_steps=100, global_batch_size=128, history=history)
     assert "] iteration       10/     100 | consumed samples:         1280 | elapsed time per iteration (ms): 1950.0 |" in line
     assert "| lm loss: 1.150000E+01 | loss scale: 1.0 | grad norm: 0.500 |" in line
-    assert line.endswith(" ETA: 0:02:56 |")  # the median of 1.9 s and 2.0 s x 90 steps left = 175.5 s
+    # the median of the run's ten step times (30 s for the first, compiled one; 1.2 .. 2.0 s after it) is 1.65 s,
+    # not the interval's 1.95 s: 1.65 s x 90 steps left = 148.5 s
+    assert line.endswith(" ETA: 0:02:28 |")
+    single = megatron_iteration_line(history[:1], max_steps=100, global_batch_size=128, history=history[:1])
+    assert single.endswith(" ETA: 0:49:30 |")  # only the first step is known: 30 s x 99
     log = tmp_path / "train.log"
     log.write_text(line + "\n")
     (record,) = read_log(log, "train.log").steps
@@ -404,9 +408,10 @@ def test_engine_trains_two_pipeline_stages_writes_metrics_and_resumes_exactly(hy
 
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()  # the logging rank's TensorBoard scalars, as for the torch engine
-    for field in ("loss", "lr", "grad_norm", "model_tflops_per_gpu"):
+    for field in sorted({f.name for f in dataclasses.fields(StepMetrics)} - {"step", "mfu"}):
         assert [(e.step, e.value) for e in events.Scalars(f"train/{field}")] == [
-            (m["step"], pytest.approx(m[field], rel=1e-6)) for m in metrics]
+            (m["step"], pytest.approx(m[field], rel=1e-6)) for m in metrics], field
+    assert "train/mfu" not in events.Tags()["scalars"]  # null on a CPU (no published peak): not logged
     log = tmp_path / "stdout.log"
     log.write_text(result.stdout)
     logged = read_log(log, "stdout").steps

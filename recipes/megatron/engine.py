@@ -166,7 +166,8 @@ def train(cfg: Config, run_dir: Path) -> dict:
         return megatron_checkpoint.save(checkpoints, step, model, optimizer, cfg)
 
     def log(interval: list[StepMetrics], history: list[StepMetrics]) -> None:
-        print(megatron_iteration_line(interval, cfg.trainer.max_steps, cfg.trainer.global_batch_size), flush=True)
+        print(megatron_iteration_line(interval, cfg.trainer.max_steps, cfg.trainer.global_batch_size, history),
+              flush=True)
 
     summary = train_loop(cfg, run_dir, EngineSteps(train_step, save_checkpoint, log), first_step, rank, world_size,
                          device)

@@ -47,10 +47,12 @@ def print_step(history: list[StepMetrics], max_steps: int, cpu_processes: int = 
     console.print(step_line(history, max_steps, cpu_processes))
 
 
-def megatron_iteration_line(interval: list[StepMetrics], max_steps: int, global_batch_size: int) -> str:
-    """Megatron-LM's iteration line (training.py training_log) for the steps since the last one: time, throughput
-    and loss averaged over them, learning rate and gradient norm of the last. BF16 has no loss scaling (1.0).
-    Megatron prints no time left; `ETA` at the end is ours (a field that readers of this line skip)."""
+def megatron_iteration_line(interval: list[StepMetrics], max_steps: int, global_batch_size: int,
+                            history: list[StepMetrics]) -> str:
+    """Megatron-LM's iteration line (training.py training_log) for the steps since the last one (`interval`, the
+    end of `history`, the run's steps so far): time, throughput and loss averaged over them, learning rate and
+    gradient norm of the last. BF16 has no loss scaling (1.0). Megatron prints no time left; `ETA` at the end is
+    ours (a field that readers of this line skip), from the run's recent steps as the torch engine's line."""
     last = interval[-1]
     nan = sum(1 for m in interval if m.loss != m.loss or m.grad_norm != m.grad_norm)
     return (
@@ -65,7 +67,7 @@ def megatron_iteration_line(interval: list[StepMetrics], max_steps: int, global_
         f" grad norm: {last.grad_norm:.3f} |"
         f" number of skipped iterations: {0:3d} |"
         f" number of nan iterations: {nan:3d} |"
-        f" ETA: {eta([m.step_time_s for m in interval], max_steps - last.step)} |"
+        f" ETA: {eta([m.step_time_s for m in history], max_steps - last.step)} |"
     )
 
 
