@@ -219,6 +219,18 @@ def test_a_loss_under_another_name_is_reported_not_guessed(tmp_path):
         in run.notes
 
 
+def test_a_step_time_missing_from_some_records_is_reported(tmp_path):
+    log = tmp_path / "untimed.log"
+    log.write_text(" iteration       10/     100 | elapsed time per iteration (ms): 1000.0 | lm loss: 2.0 |\n"
+                   " iteration       20/     100 | elapsed time per iteration (ms): n/a | lm loss: 1.9 |\n"
+                   " iteration       30/     100 | lm loss: 1.8 |\n")
+    run, _ = read_one(log)
+    # a value that is no number drops its line, saying so; a record without the field is kept, and noted
+    assert [(s.step, s.time_s) for s in run.steps] == [(10, 1.0), (30, None)]
+    assert any(note.endswith("skipped 1 line (2): unreadable step time") for note in run.notes), run.notes
+    assert "untimed: no step time read from 1 of the 2 record(s)" in run.notes
+
+
 def test_nemo1_progress_bars(tmp_path):
     read = read_log(FIXTURES / "nemo1/log-nemo-megatron-nemotron4_15b_bf16_7001.out", "bf16.out")
     assert read.format == "nemo1" and read.notes == []
