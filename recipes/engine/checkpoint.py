@@ -116,21 +116,10 @@ def save(
     temporary = _temporary_dir(directory, step, rank, world_size)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary, no_dist=world_size == 1)
-    # dcp.save returns once every rank's shards and the metadata are written; each rank digests its share of them.
-    digests = [checkpoints.file_digests(temporary, sorted(os.listdir(temporary))[rank::world_size])]
-    if world_size > 1:
-        gathered_digests: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered_digests, digests[0])
-        digests = gathered_digests
+    # dcp.save returns once every rank's shards and the metadata are written
+    checkpoints.seal(temporary, FILE, {"step": step, "rng": rng, "config": to_dict(cfg)}, rank, world_size)
     final = None
     if rank == 0:
-        state = {"step": step, "rng": rng, "config": to_dict(cfg)}
-        with open(temporary / FILE, "wb") as file:
-            torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
-        manifest = {name: digest for share in digests for name, digest in share.items()}
-        checkpoints.write_manifest(temporary, manifest | checkpoints.file_digests(temporary, [FILE]))
         final = checkpoints.finish_save(directory, step, temporary)
         checkpoints.prune(directory, cfg.trainer.checkpoint.keep_last, FILE)
     if world_size > 1:
@@ -150,52 +139,14 @@ def _temporary_dir(directory: Path, step: int, rank: int, world_size: int) -> Pa
 
 
 def load_latest(directory: Path, cfg: Config) -> Optional[Checkpoint]:
-    """The newest intact checkpoint in `directory`, checked against `cfg`; None when there is none. Each one is
-    verified against its manifest first (every rank a share of the files); a damaged one is moved aside with a
-    line saying so and the next older one is tried. Raises CheckpointError when checkpoints exist but none is
-    intact, or when this run cannot continue from the newest intact one."""
+    """The newest intact checkpoint in `directory`, checked against `cfg` (recipes.trainer.checkpoints'
+    newest_intact: damaged ones are moved aside); None when there is none."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    damaged: list[Path] = []
-    for step, path in reversed(checkpoints.complete_checkpoints(directory, FILE)):
-        state, problems = _read_verified(path, rank, world_size)
-        if problems:
-            damaged.append(path)
-            if rank == 0:
-                print(f"checkpoint {path} is damaged ({'; '.join(problems)}): not used", flush=True)
-            continue
-        checkpoints.check_resumable(state["config"], step, cfg, path)
-        if damaged and rank == 0:
-            aside = [str(checkpoints.move_aside(folder)) for folder in damaged]
-            print(f"falling back to the newest intact checkpoint, {path}; the damaged one(s) moved aside to "
-                  f"{', '.join(aside)}", flush=True)
-        if world_size > 1:
-            dist.barrier()  # rank 0 has moved the damaged ones before anyone saves next to them
-        return Checkpoint(path, step, state)
-    if damaged:
-        raise CheckpointError(
-            f"no intact checkpoint in {directory}: {', '.join(p.name for p in damaged)} damaged (above). Move them "
-            f"away to start this run over, or use a new run.dir."
-        )
-    return None
-
-
-def _read_verified(path: Path, rank: int, world_size: int) -> tuple[Optional[dict], list[str]]:
-    """checkpoint.pt's state and what is wrong with the checkpoint's files, the same list on every rank: its
-    manifest (each rank checks a share of the files), then checkpoint.pt itself. An older checkpoint without a
-    manifest is read unverified."""
-    state = None
-    try:
-        files = checkpoints.read_manifest(path)
-        problems = [] if files is None else checkpoints.verify_files(path, files, rank, world_size)
-        if not problems:
-            state = checkpoints.read_marker(path / FILE)
-    except checkpoints.CheckpointDamaged as error:
-        problems = [str(error)]
-    if world_size > 1:
-        shares: list[Any] = [None] * world_size
-        dist.all_gather_object(shares, problems)
-        problems = [problem for share in shares for problem in share]
-    return state, problems
+    found = checkpoints.newest_intact(directory, FILE, cfg, rank, world_size)
+    if found is None:
+        return None
+    step, path, state = found
+    return Checkpoint(path, step, state)
 
 
 def restore(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

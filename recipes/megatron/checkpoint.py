@@ -1,7 +1,9 @@
 """Checkpoints of engine=megatron: megatron-core's distributed checkpoints in the torch engine's folder layout.
 
     <checkpoints>/step_<N>/           dist_checkpointing shards of every rank (model chunks and optimizer), and
-                       run.pt         step and config, written last: the mark of a complete checkpoint
+                       run.pt         step and config: the mark of a complete checkpoint
+                       manifest.json  every file's size and SHA-256, written last: checked before a resume,
+                                      which falls back to the newest intact checkpoint
 
 Every rank writes its own shards into one temporary folder, and rank 0 publishes it as step_<N> with one rename
 (recipes.trainer.checkpoints' start_save/finish_save), so the newest step_<N> is always whole and is what a restart
@@ -59,9 +61,9 @@ def save(directory: Path, step: int, model: list, optimizer, cfg: Config) -> Opt
     for chunk in overlapped:
         chunk.enable_forward_pre_hook()
     dist.barrier()
+    checkpoints.seal(temporary, MARKER, {"step": step, "config": to_dict(cfg)}, rank, dist.get_world_size())
     final = None
     if rank == 0:
-        torch.save({"step": step, "config": to_dict(cfg)}, temporary / MARKER)
         final = checkpoints.finish_save(directory, step, temporary)
         checkpoints.prune(directory, cfg.trainer.checkpoint.keep_last, MARKER)
     dist.barrier()
@@ -70,13 +72,12 @@ def save(directory: Path, step: int, model: list, optimizer, cfg: Config) -> Opt
 
 @torch.no_grad()  # the optimizer copies loaded states into its FP32 master weights, views of autograd leaves
 def load_latest(directory: Path, cfg: Config, model: list, optimizer) -> int:
-    """Load the newest complete checkpoint into the model chunks and optimizer; its step, 0 when there is none."""
-    complete = checkpoints.complete_checkpoints(directory, MARKER)
-    if not complete:
+    """Load the newest intact checkpoint (recipes.trainer.checkpoints' newest_intact: verified against its manifest,
+    damaged ones moved aside) into the model chunks and optimizer; its step, 0 when there is none."""
+    found = checkpoints.newest_intact(directory, MARKER, cfg, dist.get_rank(), dist.get_world_size())
+    if found is None:
         return 0
-    step, path = complete[-1]
-    saved = torch.load(path / MARKER, weights_only=True)
-    checkpoints.check_resumable(saved["config"], step, cfg, path)
+    step, path, _ = found
     # Without Transformer Engine or Apex, megatron-core reads Adam's step count while it builds the loading state
     # dict, which a fresh optimizer does not have yet: one step on zero gradients allocates the states (and moves
     # the weights by weight decay), and the load below overwrites all of it.

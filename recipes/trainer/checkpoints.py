@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from recipes.config import Config, ConfigError, to_dict
 from recipes.metrics import StepMetrics
@@ -91,6 +92,25 @@ def finish_save(directory: Path, step: int, temporary: Path) -> Path:
     if replaced:
         shutil.rmtree(replaced)
     return final
+
+
+def seal(temporary: Path, marker: str, state: dict, rank: int, world_size: int) -> None:
+    """Close a save once every rank's files are in `temporary`: each rank digests its share of them, then rank 0
+    writes the engine's `marker` file (`state`: step, config, ...) and the manifest of every file, fsynced. A
+    collective when world_size > 1; finish_save publishes the folder after it."""
+    names = sorted(name for name in os.listdir(temporary) if (temporary / name).is_file())
+    digests = [file_digests(temporary, names[rank::world_size])]
+    if world_size > 1:
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, digests[0])
+        digests = gathered
+    if rank == 0:
+        with open(temporary / marker, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        manifest = {name: digest for share in digests for name, digest in share.items()}
+        write_manifest(temporary, manifest | file_digests(temporary, [marker]))
 
 
 def file_digests(folder: Path, names: list[str]) -> dict[str, dict]:
@@ -184,6 +204,56 @@ def prune(directory: Path, keep_last: int, marker: str) -> None:
 
 
 # ---- resuming ----
+
+
+def newest_intact(directory: Path, marker: str, cfg: Config, rank: int = 0,
+                  world_size: int = 1) -> Optional[tuple[int, Path, dict]]:
+    """(step, folder, marker state) of the newest intact checkpoint in `directory`, checked against `cfg`; None
+    when there is none. Each one is verified against its manifest first (every rank a share of the files); a
+    damaged one is moved aside with a line saying so and the next older one is tried. Raises CheckpointError when
+    checkpoints exist but none is intact, or when this run cannot continue from the newest intact one. A
+    collective when world_size > 1."""
+    damaged: list[Path] = []
+    for step, path in reversed(complete_checkpoints(directory, marker)):
+        state, problems = _read_verified(path, marker, rank, world_size)
+        if problems:
+            damaged.append(path)
+            if rank == 0:
+                print(f"checkpoint {path} is damaged ({'; '.join(problems)}): not used", flush=True)
+            continue
+        check_resumable(state["config"], step, cfg, path)
+        if damaged and rank == 0:
+            aside = [str(move_aside(folder)) for folder in damaged]
+            print(f"falling back to the newest intact checkpoint, {path}; the damaged one(s) moved aside to "
+                  f"{', '.join(aside)}", flush=True)
+        if world_size > 1:
+            dist.barrier()  # rank 0 has moved the damaged ones before anyone saves next to them
+        return step, path, state
+    if damaged:
+        raise CheckpointError(
+            f"no intact checkpoint in {directory}: {', '.join(p.name for p in damaged)} damaged (above). Move them "
+            f"away to start this run over, or use a new run.dir."
+        )
+    return None
+
+
+def _read_verified(path: Path, marker: str, rank: int, world_size: int) -> tuple[Optional[dict], list[str]]:
+    """The marker's state and what is wrong with the checkpoint's files, the same list on every rank: its
+    manifest (each rank checks a share of the files), then the marker itself. An older checkpoint without a
+    manifest is read unverified."""
+    state = None
+    try:
+        files = read_manifest(path)
+        problems = [] if files is None else verify_files(path, files, rank, world_size)
+        if not problems:
+            state = read_marker(path / marker)
+    except CheckpointDamaged as error:
+        problems = [str(error)]
+    if world_size > 1:
+        shares: list[Any] = [None] * world_size
+        dist.all_gather_object(shares, problems)
+        problems = [problem for share in shares for problem in share]
+    return state, problems
 
 
 def check_before_launch(cfg: Config, run_dir: Path, marker: str) -> None:
