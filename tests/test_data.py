@@ -236,11 +236,28 @@ def _truncated_idx(prefix: str) -> None:
     idx_path.write_bytes(idx_path.read_bytes()[:-8])
 
 
+def _shorter_length(prefix: str) -> None:
+    """The first sequence's length one token short: still positive and inside the .bin, but its end is no longer
+    where the second sequence starts."""
+    idx_path = Path(f"{prefix}.idx")
+    data = bytearray(idx_path.read_bytes())
+    first = int(np.frombuffer(bytes(data[34:38]), np.int32)[0])
+    data[34:38] = np.array([first - 1], dtype=np.int32).tobytes()
+    idx_path.write_bytes(bytes(data))
+
+
+def _longer_bin(prefix: str) -> None:
+    with open(f"{prefix}.bin", "ab") as file:
+        file.write(b"\0" * 64)
+
+
 @pytest.mark.parametrize("damage, file, what", [
     (_truncate_bin, "idx", "points past the end of"),
     (_random_idx, "idx", "is not a Megatron index"),
     (_negative_lengths, "idx", "negative sequence length"),
     (_truncated_idx, "idx", "truncated or damaged"),
+    (_shorter_length, "idx", "sequence 1 starts at byte"),
+    (_longer_bin, "bin", "belongs to another index"),
 ])
 def test_a_damaged_dataset_is_refused_naming_the_file(handmade, damage, file, what):
     cfg, _, _ = handmade
