@@ -136,6 +136,23 @@ def test_sigterm_to_the_launcher_stops_torchrun_workers_quietly(tmp_path):
     assert f"stopped by SIGTERM after step {last}/10000" in line
 
 
+def test_a_closing_terminal_stops_a_one_process_run_like_sigterm(tmp_path):
+    """SIGHUP to the launcher of one engine process (no torchrun): passed on as SIGTERM, the step finishes, the
+    launcher returns 128 + SIGHUP."""
+    run_dir = tmp_path / "run"
+    launcher = launch(tmp_path, run_dir, "trainer.checkpoint.interval=1000")
+    wait_for_steps(run_dir, 1, launcher)
+    launcher.send_signal(signal.SIGHUP)
+    rc, output = finish(launcher)
+    assert rc == 128 + signal.SIGHUP, output[-4000:]
+    assert_quiet(output)
+    assert_all_gone(run_dir)
+    last = read_metrics(run_dir)[-1]["step"]
+    assert (run_dir / "checkpoints" / f"step_{last:08d}" / "checkpoint.pt").is_file()
+    [line] = stopped_lines(output)
+    assert f"stopped by SIGTERM after step {last}/10000; its checkpoint is" in line
+
+
 def test_the_engine_stops_when_its_launcher_is_killed(tmp_path):
     run_dir = tmp_path / "run"
     launcher = launch(tmp_path, run_dir, "trainer.checkpoint.interval=1000")

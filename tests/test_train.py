@@ -114,6 +114,19 @@ def test_two_processes_train_sharded_through_torchrun_and_profile_a_step(tmp_pat
         assert json.loads((run_dir / "profile" / f"trace_rank{rank}.json").read_text())["traceEvents"]
 
 
+def test_the_engine_refuses_a_hand_edited_config_out_of_range(tmp_path, capsys):
+    """A config.yaml the plan never saw (edited by hand, written by another tool): the engine's own check."""
+    from test_checkpoint import make_config
+
+    config = make_config(tmp_path / "run")
+    config.write_text(config.read_text().replace("lr: 0.001\n", "lr: -1.0\n", 1))
+    assert load_config(config).trainer.lr == -1.0
+    assert engine_main([str(config)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "error: trainer.lr=-1.0 is out of range: it must be >= 0; e.g. trainer.lr=0.001 (the default)")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_non_finite_loss_stops_the_run_and_is_recorded(tmp_path, cache_dir, capsys):
     # Weights of 1e30 overflow BF16 activations: the loss or the gradient norm is non-finite from the first step.
     result = launch(
