@@ -78,7 +78,9 @@ def describe(plan: Plan) -> str:
         + ("; gradients reduce-scattered every micro-batch"
            if t.grad_reduce == GradReduce.per_micro_batch and plan.processes > 1 and accumulation > 1 else ""),
         f"data        {cfg.data.name} ({cfg.data.kind.value}" + (f", {cfg.data.path}" if cfg.data.path else "") + ")",
-        f"memory/GPU  ~{mem.total / gib:,.1f} GiB{capacity} (weights {mem.weights / gib:,.1f}, grads "
+        # a CPU run's processes share the host's memory: no GPU wording there
+        (f"memory/GPU  ~{mem.total / gib:,.1f} GiB{capacity}" if cfg.gpu.arch != "cpu" else
+         f"memory      ~{mem.total / gib:,.1f} GiB per process{capacity}") + f" (weights {mem.weights / gib:,.1f}, grads "
         f"{mem.gradients / gib:,.1f}, optimizer {mem.optimizer / gib:,.1f}, activations {mem.activations / gib:,.1f}; "
         f"{mem.activations_full_recompute / gib:,.1f} with full recompute){over}",
         f"run dir     {cfg.run.dir}",
