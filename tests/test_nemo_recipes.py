@@ -82,8 +82,10 @@ LAYOUTS = {
     ("b200", "nemotron4_340b", "fp8"): (128, 8, 4, 1, 12, 1, 32, False),
 }
 
-# NeMo's preset of each precision, as the performance scripts and conf/precision set it: BF16 gradient reduction
-# everywhere, current scaling without BF16 first/last layers, blockwise in E4M3 without FP8 weights.
+# NeMo's preset of each precision with what the performance scripts and conf/precision change in it: BF16
+# gradient reduction everywhere, current scaling without BF16 first/last layers, blockwise without FP8 weights and
+# in E4M3 both ways (conf/precision/fp8_blockwise.yaml, Transformer Engine's Float8BlockScaling default; NeMo's
+# preset says hybrid).
 PLUGINS = {
     "bf16": ("bf16_mixed", {"fp8": None}),
     "fp8_delayed": ("bf16_with_fp8_mixed", {"fp8": "hybrid", "fp8_recipe": "delayed", "fp8_margin": 0,
