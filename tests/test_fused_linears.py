@@ -27,13 +27,19 @@ from recipes.models.transformer import Transformer
 MICRO_BATCHES = 3
 
 
-def micro_batches(layer: nn.Module, inputs: list, grads: list) -> None:
-    """Forward and backward of each micro-batch as optimizer_step runs them (cache refreshed, then reused)."""
-    for micro, (x, dy) in enumerate(zip(inputs, grads)):
+def micro_batches(layer: nn.Module, inputs: list, grads: list) -> tuple[list, list]:
+    """Forward and backward of each micro-batch as optimizer_step runs them (cache refreshed, then reused; the main
+    gradients become the weights' .grad at the end): the outputs and the inputs' gradients."""
+    xs = [x.clone().requires_grad_(True) for x in inputs]
+    ys = []
+    for micro, (x, dy) in enumerate(zip(xs, grads)):
         set_weight_cache_mode(layer, CACHE_REFRESH if micro == 0 else CACHE_REUSE)
-        layer(x).backward(dy)
+        y = layer(x)
+        y.backward(dy)
+        ys.append(y.detach())
     set_weight_cache_mode(layer, CACHE_OFF)
     expose_main_grads(layer)
+    return ys, [x.grad for x in xs]
 
 
 def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -62,15 +68,8 @@ def test_bf16_linear_computes_what_autocast_computes():
     attach_weight_caches(layer)  # the BF16 weight cast once, in the first micro-batch
     outputs = {}
     for name, module in (("plain", plain), ("bf16", layer)):
-        xs = [x.clone().requires_grad_(True) for x in inputs]
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            ys = []
-            for micro, (x, dy) in enumerate(zip(xs, grads)):
-                set_weight_cache_mode(module, CACHE_REFRESH if micro == 0 else CACHE_REUSE)
-                y = module(x)
-                y.backward(dy)
-                ys.append(y.detach())
-        outputs[name] = ys, [x.grad for x in xs]
+            outputs[name] = micro_batches(module, inputs, grads)
     for a, b in zip(*(outputs[name][0] + outputs[name][1] for name in ("plain", "bf16"))):
         assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b)
     assert torch.equal(plain.weight.grad, converted.weight.grad)  # BF16 GEMM, cast to FP32, summed by autograd
@@ -103,8 +102,8 @@ def test_fp8_main_grad_equals_autograds_sum(recipe, compiled):
     for layer in (reference, fused):
         attach_weight_caches(layer)
     attach_main_grads(fused)
-    micro_batches(reference, [x.clone() for x in inputs], grads)
-    micro_batches(torch.compile(fused) if compiled else fused, [x.clone() for x in inputs], grads)
+    micro_batches(reference, inputs, grads)
+    micro_batches(torch.compile(fused) if compiled else fused, inputs, grads)
     assert fused.weight.grad is fused.main_grad
     if recipe.fp8_wgrad:
         assert torch.equal(fused.main_grad, reference.weight.grad)
@@ -216,13 +215,7 @@ def test_fp8_linear_with_fused_kernels_equals_reference(kernels, recipe):
     for fused in (False, True):
         layer = Fp8Linear(linear_with(weight), dataclasses.replace(recipe, fused_kernels=fused))
         attach_weight_caches(layer)
-        xs = [x.clone().requires_grad_(True) for x in inputs]
-        outputs = []
-        for micro, (x, dy) in enumerate(zip(xs, grads)):
-            set_weight_cache_mode(layer, CACHE_REFRESH if micro == 0 else CACHE_REUSE)
-            y = layer(x)
-            y.backward(dy)
-            outputs.append(y.detach())
-        results.append(outputs + [x.grad for x in xs] + [layer.weight.grad])
+        outputs, input_grads = micro_batches(layer, inputs, grads)
+        results.append(outputs + input_grads + [layer.weight.grad])
     for a, b in zip(*results):
         assert torch.equal(a, b)
