@@ -56,12 +56,10 @@ def check_command_line(argv: list[str]) -> None:
         return
     check_override_keys(args.overrides)
     keys = overridden_keys(args.overrides)
-    if args.multirun and "run.dir" in keys:
-        raise ConfigError("run.dir with -m: each point gets its own folder under hydra.sweep.dir; give "
-                          "hydra.sweep.dir=DIR instead")
-    if args.multirun and "hydra.run.dir" in keys:
-        raise ConfigError("hydra.run.dir with -m: each point gets its own folder under hydra.sweep.dir; give "
-                          "hydra.sweep.dir=DIR instead")
+    for key in ("run.dir", "hydra.run.dir"):
+        if args.multirun and key in keys:
+            raise ConfigError(f"{key} with -m: each point gets its own folder under hydra.sweep.dir; give "
+                              "hydra.sweep.dir=DIR instead")
     if not args.multirun and "hydra.sweep.dir" in keys:
         raise ConfigError("hydra.sweep.dir is the folder of a -m sweep; one run goes to run.dir=DIR (or add -m)")
     if not (args.cfg or args.help or args.hydra_help or args.info):

@@ -327,9 +327,9 @@ def test_iteration_line_is_megatrons_and_the_report_reads_it(tmp_path):
     from recipes.metrics import StepMetrics
     from recipes.report.parse import read_log
 
-    history = [StepMetrics(step=s, loss=2.0 + s, grad_norm=0.5, lr=1e-4, step_time_s=30.0 if s == 1 else 1.0 + s / 10,
-                           tokens_per_s_per_gpu=1000.0, model_tflops_per_gpu=400.0 + s, mfu=0.4,
-                           peak_memory_gib=10.0) for s in range(1, 11)]
+    history = [StepMetrics(step=s, loss=2.0 + s, grad_norm=0.5, lr=1e-4,
+                           step_time_s=30.0 if s == 1 else 1.0 + s / 10, tokens_per_s_per_gpu=1000.0,
+                           model_tflops_per_gpu=400.0 + s, mfu=0.4, peak_memory_gib=10.0) for s in range(1, 11)]
     line = megatron_iteration_line(history[-2:], max_steps=100, global_batch_size=128, history=history)
     assert "] iteration       10/     100 | consumed samples:         1280 | elapsed time per iteration (ms): 1950.0 |" in line
     assert "| lm loss: 1.150000E+01 | loss scale: 1.0 | grad norm: 0.500 |" in line
@@ -431,7 +431,8 @@ def test_engine_trains_two_pipeline_stages_writes_metrics_and_resumes_exactly(hy
         result = run_engine_on_cpu(run_dir / "config.yaml", processes=2)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert f"checkpoint {newest} is damaged ({shard.name} is 100 bytes" in result.stdout
-        assert "falling back to the newest intact checkpoint" in result.stdout and "resuming from step 2" in result.stdout
+        assert "falling back to the newest intact checkpoint" in result.stdout
+        assert "resuming from step 2" in result.stdout
         assert (run_dir / "checkpoints" / "step_00000004.damaged").is_dir()
         resumed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         # Measurements aside: time, and on a CPU the peak memory (the process's maximum RSS, which loading the

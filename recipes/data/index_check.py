@@ -2,7 +2,8 @@
 
 megatron-core's reader asserts on a bad header and otherwise trusts the index: a truncated .bin surfaces as a
 numpy error at some later sample, and an index whose body is damaged (negative or wrong lengths, pointers past the
-end, a .bin of another index) can even train. The .idx layout (megatron.core.datasets.indexed_dataset, _IndexWriter.write):
+end, a .bin of another index) can even train. The .idx layout (megatron.core.datasets.indexed_dataset,
+_IndexWriter.write):
 
     9 bytes  b"MMIDIDX\\x00\\x00"        8 bytes  version, 1 (little-endian uint64)
     1 byte   dtype code (DType)          8 bytes  sequence count S       8 bytes  document count D
@@ -82,8 +83,9 @@ def _index_problem(idx_path: str, bin_size: int) -> str | None:
         return (f"{idx_path} points past the end of {idx_path[:-4]}.bin ({bin_size} bytes; its sequences end at "
                 f"byte {int(ends.max())}): the .bin is truncated or belongs to another index")
     # megatron-core writes the sequences back to back from byte 0: each pointer is where the previous one ends
-    if pointers[0] != 0 or (pointers[1:] != ends[:-1]).any():
-        wrong = 1 + int(np.argmax(pointers[1:] != ends[:-1])) if pointers[0] == 0 else 0
+    misplaced = pointers[1:] != ends[:-1]
+    if pointers[0] != 0 or misplaced.any():
+        wrong = 1 + int(np.argmax(misplaced)) if pointers[0] == 0 else 0
         return (f"{idx_path} has sequence lengths and pointers that disagree (sequence {wrong} starts at byte "
                 f"{int(pointers[wrong])}, not where the one before it ends): damaged")
     if int(ends[-1]) != bin_size:

@@ -51,7 +51,7 @@ def data_prefix(cfg: Config) -> str | None:
     """The indexed dataset's prefix: data.path, or the bundled corpus (built on first use); None for data=mock."""
     if cfg.data.kind == DataKind.mock:
         return None
-    from recipes.data.corpus import build_corpus  # megatron-core's indexed dataset: imported once NeMo is known to be here
+    from recipes.data.corpus import build_corpus  # megatron-core's indexed dataset: imported once NeMo is known
     from recipes.data.index_check import existing_prefix
 
     return existing_prefix(cfg.data.path) if cfg.data.path else build_corpus(cfg.data.cache_dir)

@@ -31,7 +31,7 @@ def validate(cfg: Config) -> None:
     check_values(cfg)
     _validate_launch(cfg)
     check_compute_dtype(cfg)
-    if cfg.executor.name == ExecutorName.local:  # on Slurm the job's Python (a container's) decides, when the engine starts
+    if cfg.executor.name == ExecutorName.local:  # on Slurm the job's Python (a container's) decides, at its start
         check_loggers(cfg)
     _validate_model(cfg.model)
     _validate_parallel(cfg)
@@ -67,7 +67,7 @@ def _validate_launch(cfg: Config) -> None:
                           "set engine=megatron or leave them at their defaults")
     if cfg.engine == Engine.nemo:
         nemo_preflight.validate(cfg)
-    if cfg.executor.name == ExecutorName.local and cfg.gpu.arch != "cpu" and not cfg.dryrun:
+    if _runs_here(cfg):
         available = torch.cuda.device_count()
         if cfg.executor.gpus > available:
             raise ConfigError(f"executor.gpus={cfg.executor.gpus} but this machine has {available} GPU(s)")

@@ -47,6 +47,10 @@ def describe(plan: Plan) -> str:
     gib = 2**30
     capacity = f" of {cfg.gpu.memory_gb:.0f} GB" if cfg.gpu.memory_gb else ""
     megatron = cfg.engine in MEGATRON_CORE_ENGINES
+    sharded = cfg.engine == Engine.torch and plan.processes > 1  # FSDP2
+    # a CPU run's processes share the host's memory: no GPU wording there
+    memory = (f"memory/GPU  ~{mem.total / gib:,.1f} GiB{capacity}" if cfg.gpu.arch != "cpu"
+              else f"memory      ~{mem.total / gib:,.1f} GiB per process{capacity}")
     fixes = ("parallel.recompute=full, a larger parallel.tp or parallel.pp, " if megatron
              else "trainer.grad_reduce=per_micro_batch, "
              if plan.processes > 1 and accumulation > 1 and t.grad_reduce == GradReduce.per_step else "")
@@ -64,9 +68,9 @@ def describe(plan: Plan) -> str:
         + (f", format {cfg.precision.fp8_format.value}" if cfg.precision.fp8_format else "")
         + (", emulated" if cfg.precision.emulate else "")
         + ")"
-        + (_torch_engine_weight_gather(cfg, plan.processes) if cfg.engine == Engine.torch and plan.processes > 1 else ""),
+        + (_torch_engine_weight_gather(cfg, plan.processes) if sharded else ""),
         f"gpu         {cfg.gpu.name} ({cfg.gpu.arch}), {plan.processes} process(es) on {cfg.executor.nodes} node(s)"
-        + (" sharding the model (FSDP2)" if plan.processes > 1 and cfg.engine == Engine.torch else "") + ", "
+        + (" sharding the model (FSDP2)" if sharded else "") + ", "
         f"executor {describe_executor(cfg)}, engine {cfg.engine.value}",
         *([f"compute     {describe_compute(cfg)}"] if cfg.engine != Engine.nemo else []),
         *([f"layout      {describe_layout(cfg)}"] if megatron else []),
@@ -78,9 +82,7 @@ def describe(plan: Plan) -> str:
         + ("; gradients reduce-scattered every micro-batch"
            if t.grad_reduce == GradReduce.per_micro_batch and plan.processes > 1 and accumulation > 1 else ""),
         f"data        {cfg.data.name} ({cfg.data.kind.value}" + (f", {cfg.data.path}" if cfg.data.path else "") + ")",
-        # a CPU run's processes share the host's memory: no GPU wording there
-        (f"memory/GPU  ~{mem.total / gib:,.1f} GiB{capacity}" if cfg.gpu.arch != "cpu" else
-         f"memory      ~{mem.total / gib:,.1f} GiB per process{capacity}") + f" (weights {mem.weights / gib:,.1f}, grads "
+        f"{memory} (weights {mem.weights / gib:,.1f}, grads "
         f"{mem.gradients / gib:,.1f}, optimizer {mem.optimizer / gib:,.1f}, activations {mem.activations / gib:,.1f}; "
         f"{mem.activations_full_recompute / gib:,.1f} with full recompute){over}",
         f"run dir     {cfg.run.dir}",
