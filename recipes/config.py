@@ -293,6 +293,7 @@ class TrainerConfig:
     compile: Optional[bool] = None  # None: compile on GPU, not on CPU
     compute_dtype: ComputeDtype = ComputeDtype.auto  # what GPUs compute in BF16; fp32 is for CPUs (recipes.compute)
     activation_checkpointing: bool = False  # recompute each transformer block in the backward (saves memory)
+    fused_loss: bool = True  # engine=torch: output layer + cross-entropy chunk by chunk, no whole logits (recipes.models.loss)
     grad_reduce: GradReduce = GradReduce.per_step  # FSDP2 with gradient accumulation: see GradReduce
     fsdp_fp8_all_gather: bool = False  # FSDP2 all-gathers per-tensor FP8 recipes' weights in FP8 (recipes.fp8.all_gather)
     log_interval: int = 10

@@ -32,7 +32,18 @@ CATEGORIES = (
     ("quantization", re.compile(r"amax|quantiz|cast_transpose|fp8|float8|e4m3|e5m2|scaled_mm|compute_scale|kernel_bulk",
                                 re.I)),
 )
-CATEGORY_NAMES = tuple(name for name, _ in CATEGORIES) + ("other",)
+# Regions of the step, by the operators a kernel (or CPU operator) runs under: the optimizer (torch.optim's
+# `Optimizer.step#...` ranges, the engines' OPTIMIZER range) and the output layer with the loss (the model's
+# OUTPUT_AND_LOSS range; megatron-core's output layer, `LinearWithGradAccumulationAndAsyncCommunication`, the only
+# layer of a Transformer Engine model that is not TE's, and its fused cross-entropy, forward and backward; the
+# plain path's cross-entropy backward). A kernel in a region counts there, whatever its name.
+OPTIMIZER, OUTPUT_AND_LOSS = "optimizer", "output_and_loss"
+REGIONS = (
+    (OPTIMIZER, re.compile(rf"^Optimizer\.step#|^{OPTIMIZER}$")),
+    (OUTPUT_AND_LOSS, re.compile(rf"^{OUTPUT_AND_LOSS}$|LinearWithGradAccumulationAndAsyncCommunication|CrossEntropy"
+                                 r"|_LinearCrossEntropy|NllLoss|LogSoftmaxBackward")),
+)
+CATEGORY_NAMES = tuple(name for name, _ in CATEGORIES) + tuple(name for name, _ in REGIONS) + ("other",)
 
 
 def kernel_category(name: str) -> str:
@@ -42,11 +53,22 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
+def region_of(event, memo: dict) -> str | None:
+    """The region (REGIONS) of a profiled CPU event: that of the innermost enclosing event named for one."""
+    if event is None:
+        return None
+    if id(event) not in memo:
+        own = next((region for region, pattern in REGIONS if pattern.search(event.name)), None)
+        memo[id(event)] = own or region_of(event.cpu_parent, memo)
+    return memo[id(event)]
+
+
 def time_split(prof: profile, device_type: str) -> dict:
-    """Self time per kernel (CUDA) or per operator (CPU) of a finished profile, by category, in ms. On a GPU the
-    kernels only: with CPU activity recorded, ranges such as `nccl:_all_gather_base` or `Optimizer.step#...` also
-    appear on the GPU timeline (user annotations) and would count their kernels twice. Kernels on different
-    streams overlap (communication beside compute), so the total can exceed the step's wall time."""
+    """Self time per kernel (CUDA) or per operator (CPU) of a finished profile, by category, in ms: a kernel launched
+    under a region of the step (REGIONS) counts there, the others by name (CATEGORIES). On a GPU the kernels only:
+    with CPU activity recorded, ranges such as `nccl:_all_gather_base` or `Optimizer.step#...` also appear on the
+    GPU timeline (user annotations) and would count their kernels twice. Kernels on different streams overlap
+    (communication beside compute), so the total can exceed the step's wall time."""
     kernels: dict[str, float] = {}
     for event in prof.key_averages():
         if device_type == "cuda":
@@ -59,6 +81,16 @@ def time_split(prof: profile, device_type: str) -> dict:
     by_category = {category: 0.0 for category in CATEGORY_NAMES}
     for name, ms in kernels.items():
         by_category[kernel_category(name)] += ms
+    memo: dict = {}
+    for event in prof.events():  # move what ran under a region out of its name's category
+        if device_type == "cuda":
+            launched = [(kernel.name, kernel.duration / 1e3) for kernel in event.kernels]
+        else:
+            launched = [(event.key, event.self_cpu_time_total / 1e3)] if event.device_type == torch.autograd.DeviceType.CPU else []
+        region = region_of(event, memo) if launched else None
+        for name, ms in launched if region else ():
+            by_category[kernel_category(name)] -= ms
+            by_category[region] += ms
     total = sum(by_category.values())
     top = sorted(kernels.items(), key=lambda item: -item[1])[:30]
     return {

@@ -15,7 +15,7 @@ Transformer Engine's layers (scripts/te_peer.py) in each of TE's recipes, with t
 inputs, loss, AdamW (fused, weight decay on matrices) and timing. How a TE column differs from ours: BF16
 parameters and BF16 gradient accumulation (ours: FP32 master weights and FP32 gradients), eager (ours: each block
 compiled), TE's fused kernels and its attention backend choice (cuDNN fused attention on Hopper; ours: PyTorch
-SDPA, which also picks cuDNN there).
+SDPA under the model's own order, cuDNN's fused attention first: recipes.models.attention).
 
 With `--profile`, each step's kernel time is split into GEMMs / attention / FP8 quantization / other (recipes.profiling), and the "limit" column is
 the step speedup if every linear-layer GEMM ran at the FP8/BF16 rate ratio that `scripts/gemm_bench.py` measures
@@ -33,7 +33,6 @@ import json
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -41,7 +40,6 @@ import torch
 import yaml
 from torch import nn
 from torch._dynamo.utils import counters
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from recipes.compute import compute_dtype
 from recipes.config import ComputeDtype, ConfigError, ModelConfig, TrainerConfig, load_option
@@ -179,7 +177,7 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
     inputs = [torch.randn(shape, device=device, dtype=args.dtype) for _ in range(4)]
 
     def micro_batch_loss(micro: int) -> torch.Tensor:
-        return trainee.loss(inputs[micro % len(inputs)], micro)
+        return trainee.loss(inputs[micro % len(inputs)], micro) / args.micro_batches
 
     def training_step():
         return optimizer_step(micro_batch_loss, args.micro_batches, stack, trainee.fp8, optimizer, trainer.lr,
@@ -226,18 +224,10 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
     }
 
 
-# Our columns' attention: cuDNN's fused kernel first, as PyTorch picks on Hopper by itself and as TE uses; once TE is
-# imported (--peer te) PyTorch's SDPA would otherwise pick its flash kernel for our columns.
-ATTENTION_FIRST_CHOICE = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                          SDPBackend.MATH]
-
-
 def bench_or_report(model_cfg: ModelConfig, variant: Variant, args, device: torch.device) -> dict:
     """A recipe that fails (no kernel, a compile error) is reported in the table, and the study goes on."""
     try:
-        attention = sdpa_kernel(ATTENTION_FIRST_CHOICE, set_priority=True) if device.type == "cuda" else nullcontext()
-        with attention:
-            return bench_one(model_cfg, variant, args, device)
+        return bench_one(model_cfg, variant, args, device)
     except Exception as error:  # noqa: BLE001 - any failure of one recipe is a result to report
         print(f"  {variant.name:>18} FAILED: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
         if device.type == "cuda":

@@ -16,12 +16,16 @@ Engine for FP8), not Hydra or nemo-run.
 The speed study (llama3_8b with 8 layers, full vocabulary, mock data, seq 8192, micro-batch 1 x 8 per step), in
 this order:
   precisions  engine=megatron bf16, fp8_current, fp8_delayed, fp8_blockwise with the tuned defaults (cfg.megatron)
-  torch       engine=torch fp8_current and bf16 on the same model and batch (compiled)
+  torch       engine=torch in the same four recipes on the same model and batch (compiled)
   functional  side by side (checks, not timings): Megatron-FSDP in bf16 and fp8_current (4 layers), and a resume
               from a distributed checkpoint (llama3_100m, fp8_delayed, whose amax histories the checkpoint must
               carry): run to step 6 with checkpoints at 3 and 6, cut back to step 3, run again; steps 4-6 repeat
-  nemotron    nemotron4_15b, 4 layers, fp8_current: Transformer Engine's LayerNorm1p and squared-ReLU path
+  nemotron    nemotron4_15b, 4 layers, fp8_current, on both engines: LayerNorm1p and squared ReLU
   ablations   the fastest FP8 recipe of `precisions` (or --best) with one switch changed at a time, most telling first
+Every run of these three parts profiles one step after its timed ones (`trainer.profile_step`, left out of the
+timing), and the tables split its kernel time (GEMM, attention, quantization, output layer + loss, optimizer, other:
+recipes.profiling); a targets table says, met or missed, whether the torch engine is at least as fast as
+engine=megatron in each recipe with no more memory, and its fp8_current speedup over its own bf16.
 Timed runs go one at a time, while --budget-s lasts (a run's cost is estimated from the finished runs of the same
 engine and model); one that does not fit is listed as not run, for another call with --parts.
 
@@ -30,6 +34,8 @@ once (losses, not timings). Its table gives each run's mean loss over the last 1
 the same engine and the torch engine's run of the same recipe; `scripts/compare.py OUT/runs` makes the report.
 
 Timings are medians over the steps after each run's warm-up steps (compilation, first FP8 casts, CUDA graph capture).
+Every run sees the same Python: with Transformer Engine installed (megatron-core's FP8 needs it), the torch engine's
+runs import it too, through megatron-core, as in a NeMo container; results.md says whether it was importable.
 OUT receives results.md, results.csv and runs.tar.gz (each run's config.yaml, plan.txt, metrics.jsonl,
 summary.json and logs; no checkpoints).
 """
@@ -61,8 +67,11 @@ from recipes.run_files import CONFIG, METRICS, SUMMARY, TRAIN_LOG
 FP8_RECIPES = ("fp8_current", "fp8_delayed", "fp8_blockwise")  # the Hopper ones: MXFP8 needs Blackwell
 SPEED_PARTS = ("functional", "precisions", "torch", "nemotron", "ablations")
 FIRST_GUESS_S = {"megatron": 90.0, "torch": 150.0}  # a run's cost before any run of its kind has finished
+PROFILE_SPLIT = "profile/time_rank0.json"  # recipes.profiling's split of the profiled step
 KEPT_FILES = (CONFIG, "plan.txt", METRICS, "metrics_uninterrupted.jsonl", SUMMARY, TRAIN_LOG,
-              "train_resumed.log")
+              "train_resumed.log", PROFILE_SPLIT)
+SPLIT = ("gemm", "attention", "quantization", "output_and_loss", "optimizer", "communication", "other")
+CURRENT_OVER_BF16_TARGET = 1.30  # the torch engine's fp8_current speedup over its own bf16
 LOSS_WINDOW = 100  # the loss study compares the mean loss of the last 100 steps
 
 
@@ -77,6 +86,7 @@ class Run:
     side_by_side: bool = False  # shares the GPU with the other side-by-side runs: a check or a loss, not a timing
     warmup: int = 2  # steps left out of the timing
     resume: bool = False  # run again from the checkpoint before the last, which is removed first
+    profile_step: Optional[int] = None  # profiled (trainer.profile_step), so left out of the timing
     timeout_s: float = 300.0  # a hung process is killed (and never later than the budget allows)
 
     @property
@@ -105,10 +115,14 @@ def speed_runs(gpu: str, steps: int) -> list[Run]:
                 "trainer.micro_batch_size=1", "trainer.global_batch_size=8", f"trainer.max_steps={max_steps}",
                 "trainer.log_interval=1")
 
-    runs = [Run(f"megatron-{p}", "precisions", "megatron", p, (*proxy("llama3_8b", 8), f"precision={p}"))
-            for p in ("bf16", *FP8_RECIPES)]
-    runs += [Run(f"torch-{p}", "torch", "torch", p, (*proxy("llama3_8b", 8, "torch"), f"precision={p}"))
-             for p in ("fp8_current", "bf16")]
+    def profiled(name: str, part: str, engine: str, precision: str, model: str, layers: int) -> Run:
+        """A timed run, then one more step profiled."""
+        overrides = (*proxy(model, layers, engine, steps + 1), f"trainer.profile_step={steps + 1}",
+                     f"precision={precision}")
+        return Run(name, part, engine, precision, overrides, profile_step=steps + 1)
+
+    runs = [profiled(f"{engine}-{p}", part, engine, p, "llama3_8b", 8)
+            for engine, part in (("megatron", "precisions"), ("torch", "torch")) for p in ("bf16", *FP8_RECIPES)]
     # Side-by-side runs each keep megatron-core's sample index in their own folder (relative to the run dir, where
     # the engine runs): two building one file at once would race. A check that hangs must not eat the budget.
     own_cache = ("data.cache_dir=cache",)
@@ -121,8 +135,8 @@ def speed_runs(gpu: str, steps: int) -> list[Run]:
                      "trainer.micro_batch_size=8", "trainer.global_batch_size=8", "trainer.max_steps=6",
                      "trainer.checkpoint.interval=3", "trainer.log_interval=1", *own_cache),
                     side_by_side=True, resume=True, timeout_s=150.0))
-    runs.append(Run("megatron-nemotron4_15b-fp8_current", "nemotron", "megatron", "fp8_current",
-                    (*proxy("nemotron4_15b", 4), "precision=fp8_current")))
+    runs += [profiled(f"{engine}-nemotron4_15b-fp8_current", "nemotron", engine, "fp8_current", "nemotron4_15b", 4)
+             for engine in ("megatron", "torch")]
     for recipe in FP8_RECIPES:
         for switch, overrides in ABLATIONS:
             if switch == "fp8_param_gather=false" and not load_option("precision", recipe).fp8_param_gather:
@@ -241,9 +255,17 @@ def metrics(run_dir: Path, name: str = METRICS) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def median_after_warmup(records: list[dict], warmup: int, field: str) -> Optional[float]:
-    timed = [r[field] for r in records[warmup:] if r.get(field) is not None]
+def median_after_warmup(records: list[dict], warmup: int, field: str, profiled: Optional[int] = None) -> Optional[float]:
+    timed = [r[field] for r in records[warmup:] if r.get(field) is not None and r["step"] != profiled]
     return statistics.median(timed) if timed else None
+
+
+def profile_split(run_dir: Optional[Path]) -> dict[str, Optional[float]]:
+    """The profiled step's kernel time per category (ms), and in all; None where the run wrote no profile."""
+    path = run_dir / PROFILE_SPLIT if run_dir else None
+    split = json.loads(path.read_text()) if path and path.is_file() else None
+    return {f"{category}_ms": split["ms"].get(category) if split else None for category in SPLIT} | \
+        {"kernels_ms": split["total_ms"] if split else None}
 
 
 def fastest_fp8(runs: list[Run], rows: dict[str, dict]) -> Optional[str]:
@@ -257,18 +279,21 @@ def row(run: Run, run_dir: Path, outcome: Outcome) -> dict:
     that finished)."""
     records = [] if outcome.status.startswith("not run") else metrics(run_dir)  # not an earlier call's
     timed = not run.side_by_side and outcome.status == "ok"
-    step_s = median_after_warmup(records, run.warmup, "step_time_s") if timed else None
+
+    def median(field: str) -> Optional[float]:
+        return median_after_warmup(records, run.warmup, field, run.profile_step) if timed else None
+
+    timed_steps = [r for r in records[run.warmup:] if r["step"] != run.profile_step]
     result = {
         "name": run.name, "part": run.part, "engine": run.engine, "model": run.model, "precision": run.precision,
         "switch": run.switch, "status": outcome.status, "error": outcome.error, "steps": len(records),
-        "timed_steps": max(0, len(records) - run.warmup) if timed else 0, "step_s": step_s,
-        "tokens_per_s_per_gpu": median_after_warmup(records, run.warmup, "tokens_per_s_per_gpu") if timed else None,
-        "tflops_per_gpu": median_after_warmup(records, run.warmup, "model_tflops_per_gpu") if timed else None,
-        "mfu": median_after_warmup(records, run.warmup, "mfu") if timed else None,
-        "peak_gib": max((r["peak_memory_gib"] for r in records), default=None),
+        "timed_steps": len(timed_steps) if timed else 0, "step_s": median("step_time_s"),
+        "tokens_per_s_per_gpu": median("tokens_per_s_per_gpu"), "tflops_per_gpu": median("model_tflops_per_gpu"),
+        "mfu": median("mfu"), "peak_gib": max((r["peak_memory_gib"] for r in records), default=None),
         "final_loss": records[-1]["loss"] if records else None,
         "mean_loss_last_100": statistics.fmean(r["loss"] for r in records[-LOSS_WINDOW:]) if records else None,
         "wall_s": round(outcome.wall_s, 1), "note": "",
+        **profile_split(run_dir if run.profile_step and records else None),
     }
     if run.resume and outcome.status == "ok":
         result["note"] = resume_note(run_dir)
@@ -354,16 +379,22 @@ def number(value: Optional[float], spec: str) -> str:
     return format(value, spec) if value is not None else "-"
 
 
+def engine_pair(name: str) -> str:
+    """The name of the same configuration on the other engine (the torch engine's and megatron's runs are named
+    alike: `<engine>-<precision>`, `<engine>-nemotron4_15b-<precision>`)."""
+    engine, rest = name.split("-", 1)
+    return f"{'torch' if engine == 'megatron' else 'megatron'}-{rest}"
+
+
 def speed_tables(runs: list[Run], rows: dict[str, dict], best: Optional[str]) -> list[str]:
     def step(name: str) -> Optional[float]:
         return rows.get(name, {}).get("step_s")
 
+    compared = [r for r in runs if r.part in ("precisions", "torch", "nemotron") and r.name in rows]
     lines = ["## Precisions (llama3_8b, 8 layers, full vocabulary, mock data, seq 8192, micro-batch 1 x 8 per step)",
              "", "| engine | precision | s/step | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB | vs own bf16 "
-             "| vs torch fp8_current | status |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for run in runs:
-        if run.part not in ("precisions", "torch", "nemotron"):
-            continue
+             "| torch vs megatron | status |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for run in compared:
         r = rows[run.name]
         bf16 = step(f"{run.engine}-bf16") if run.part != "nemotron" else None
         lines.append(
@@ -371,8 +402,17 @@ def speed_tables(runs: list[Run], rows: dict[str, dict], best: Optional[str]) ->
             f"{number(r['step_s'], '.3f')} | {number(r['tokens_per_s_per_gpu'], ',.0f')} | "
             f"{number(r['tflops_per_gpu'], '.0f')} | {number(r['mfu'], '.1%')} | {number(r['peak_gib'], '.1f')} | "
             f"{ratio(bf16, r['step_s']) if run.precision != 'bf16' else '-'} | "
-            f"{ratio(step('torch-fp8_current'), r['step_s']) if run.part == 'precisions' else '-'} | "
+            f"{ratio(step(engine_pair(run.name)), r['step_s']) if run.engine == 'torch' else '-'} | "
             f"{r['status']} {r['error']} |")
+    lines += ["", "\"torch vs megatron\": engine=megatron's s/step over the torch engine's, same recipe and model "
+              "(above 1: the torch engine is faster).", "",
+              "## Where the profiled step's GPU time goes (ms of kernels, recipes.profiling)", "",
+              "| run | " + " | ".join(SPLIT) + " | all kernels |", "|---|" + "---|" * (len(SPLIT) + 1)]
+    for run in compared:
+        r = rows[run.name]
+        lines.append(f"| {run.name} | " + " | ".join(number(r.get(f"{c}_ms"), '.1f') for c in SPLIT)
+                     + f" | {number(r.get('kernels_ms'), '.1f')} |")
+    lines += ["", *target_table(compared, rows)]
     ablations = [r for r in runs if r.part == "ablations" and r.name in rows]
     if ablations:
         tuned = step(f"megatron-{best}")
@@ -390,6 +430,27 @@ def speed_tables(runs: list[Run], rows: dict[str, dict], best: Optional[str]) ->
             r = rows[run.name]
             lines.append(f"| {run.name} | {r['steps']} | {number(r['final_loss'], '.4f')} | {r['note'] or '-'} | "
                          f"{r['status']} {r['error']} |")
+    return lines
+
+
+def target_table(compared: list[Run], rows: dict[str, dict]) -> list[str]:
+    """The torch engine against engine=megatron, met or missed: step time and peak memory in each recipe, and the
+    torch engine's fp8_current speedup over its own bf16; missing where a run has no timing."""
+    def verdict(met: Optional[bool]) -> str:
+        return "-" if met is None else "met" if met else "missed"
+
+    lines = ["## Targets (the torch engine against engine=megatron, this call)", "", "| target | measured | result |",
+             "|---|---|---|"]
+    for run in (r for r in compared if r.engine == "torch"):
+        ours, theirs = rows[run.name], rows.get(engine_pair(run.name), {})
+        for what, field, spec in (("s/step", "step_s", ".3f"), ("peak GiB", "peak_gib", ".1f")):
+            a, b = ours.get(field), theirs.get(field)
+            lines.append(f"| {run.name}: {what} <= megatron's | {number(a, spec)} vs {number(b, spec)} | "
+                         f"{verdict(a <= b if a and b else None)} |")
+    bf16, current = (rows.get(f"torch-{p}", {}).get("step_s") for p in ("bf16", "fp8_current"))
+    speedup = bf16 / current if bf16 and current else None
+    lines.append(f"| torch fp8_current over torch bf16 >= {CURRENT_OVER_BF16_TARGET:.2f}x | "
+                 f"{number(speedup, '.3f')}x | {verdict(speedup >= CURRENT_OVER_BF16_TARGET if speedup else None)} |")
     return lines
 
 
@@ -420,8 +481,12 @@ def write_results(study: str, runs: list[Run], rows: dict[str, dict], out: Path,
     out.mkdir(parents=True, exist_ok=True)
     tables = speed_tables(runs, rows, best) if study == "speed" else loss_tables(runs, rows)
     info = provenance()
+    te = info["versions"].get("transformer_engine") or (
+        "(version unknown)" if importlib.util.find_spec("transformer_engine") else None)
     footer = ["", f"commit {os.environ.get('FP8_RECIPES_COMMIT', commit)}; {info['device']}; "
-                  f"versions {info['versions']}", f"command: {' '.join(sys.argv)}"]
+                  f"versions {info['versions']}",
+              f"Transformer Engine {te + ' importable by every run' if te else 'not installed'} (the torch engine's "
+              "runs import it through megatron-core, as in a NeMo container)", f"command: {' '.join(sys.argv)}"]
     title = f"# scripts/megatron_bench.py: {study} study"
     (out / "results.md").write_text("\n".join([title, "", *tables, *footer]) + "\n")
     with open(out / "results.csv", "w", newline="") as f:

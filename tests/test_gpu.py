@@ -100,6 +100,8 @@ def test_engine_trains_on_gpu(tmp_path):
     assert main([str(tmp_path / "config.yaml")]) == 0
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 30 and metrics[-1]["loss"] < metrics[0]["loss"] - 1.0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["attention"], summary["fused_loss"]) == ("cudnn", True)
 
 
 @pytest.mark.parametrize("fp8_wgrad", [True, False])
@@ -346,8 +348,7 @@ def test_fused_linears_train_like_plain_ones_on_cuda(precision):
 
         def loss(micro: int) -> torch.Tensor:
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = model(tokens[micro, :, :-1])
-            return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[micro, :, 1:].flatten())
+                return model(tokens[micro, :, :-1], tokens[micro, :, 1:], 3)
 
         step_loss, grad_norm = optimizer_step(loss, 3, model, fp8, optimizer, trainer.lr, trainer.grad_clip)
         updates = torch.cat([(p.detach().double() - p0).flatten() for p, p0 in zip(model.parameters(), initial)])
@@ -378,3 +379,93 @@ def test_compiled_scales_are_correctly_rounded_fp32_quotients_on_cuda(dtype):
     current = torch.compile(tensorwise_scale)(cuda_amax, dtype).cpu()
     delayed = torch.compile(delayed_scale)(cuda_amax, torch.ones_like(cuda_amax), dtype, 0).cpu()
     assert torch.equal(current, expected) and torch.equal(delayed, expected)
+
+
+@pytest.mark.parametrize("main_grad", [False, True])
+def test_fused_loss_compiled_on_cuda_matches_the_plain_output_layer(main_grad):
+    """The compiled chunk kernel, several chunks, an odd vocabulary, BF16: loss and gradients as the plain output
+    layer's within BF16 rounding; with an FP32 main gradient and a BF16 weight cache (the engine's fused linears)
+    over two micro-batches, their summed weight gradient."""
+    from recipes.fp8.linear import CACHE_REFRESH, CACHE_REUSE, Bf16Linear, WeightCache
+    from recipes.models.loss import linear_cross_entropy
+
+    rows, hidden_size, vocab = 4096, 1024, 32003
+    g = torch.Generator("cuda").manual_seed(0)
+    output = torch.nn.Linear(hidden_size, vocab, bias=False, device="cuda")
+    with torch.no_grad():
+        output.weight.normal_(0, 0.05, generator=g)
+    batches = [(torch.randn(rows, hidden_size, device="cuda", generator=g).bfloat16(),
+                torch.randint(0, vocab, (rows,), device="cuda", generator=g)) for _ in range(2)]
+    plain_dh, losses = [], []
+    for h, labels in batches:
+        h = h.clone().requires_grad_()
+        loss = torch.nn.functional.cross_entropy((h @ output.weight.bfloat16().t()).float(), labels) / 2
+        loss.backward()
+        plain_dh.append(h.grad)
+        losses.append(loss.detach())
+    expected, output.weight.grad = output.weight.grad, None
+    layer = output
+    if main_grad:
+        layer = Bf16Linear(output)
+        layer.weight_cache = WeightCache({"weight": torch.empty(vocab, hidden_size, dtype=torch.bfloat16)},
+                                         torch.device("cuda"))
+        layer.main_grad = torch.full((vocab, hidden_size), float("nan"), device="cuda")
+    for index, (h, labels) in enumerate(batches):
+        if main_grad:
+            layer.weight_cache.mode = CACHE_REFRESH if index == 0 else CACHE_REUSE
+        h = h.clone().requires_grad_()
+        loss = linear_cross_entropy(h, layer, labels, 2, chunk_elements=rows * vocab // 3 + 1, compiled=True)
+        loss.backward()
+        assert abs(loss.item() - losses[index].item()) < 1e-3 * losses[index].item()
+        assert relative_error(h.grad, plain_dh[index].double()) < 1e-2
+    summed = layer.main_grad if main_grad else output.weight.grad
+    assert relative_error(summed, expected.double()) < 1e-2
+
+
+ATTENTION_WITH_TE = """
+import dataclasses
+import torch
+import transformer_engine.pytorch  # first, as megatron-core imports it, before the process uses cuDNN
+from torch.profiler import ProfilerActivity, profile
+from recipes.config import load_option
+from recipes.models.attention import attention_kernel
+from recipes.models.transformer import Transformer
+from recipes.profiling import kernel_category
+
+cfg = dataclasses.replace(load_option("model", "llama3_8b"), num_layers=1, seq_length=4096)
+with torch.device("cuda"):
+    model = Transformer(cfg)
+model.layers[0].compile()
+x = torch.randn(1, cfg.seq_length, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+for _ in range(2):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model.layers[0](x).float().square().mean().backward()
+with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model.layers[0](x).float().square().mean().backward()
+    torch.cuda.synchronize()
+names = [e.key for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+print("CHOICE", attention_kernel(cfg, torch.device("cuda"), torch.bfloat16))
+for name in names:
+    if kernel_category(name) == "attention":
+        print("ATTENTION", name)
+"""
+
+
+def test_a_compiled_block_runs_cudnn_attention_with_transformer_engine_imported(tmp_path):
+    """With Transformer Engine imported first (as megatron-core does in the torch engine's process), the model's
+    profiled attention kernels are cuDNN's fused ones, not PyTorch's flash kernels."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformer_engine", reason="Transformer Engine (as a NeMo container has it)")
+    from recipes.config import REPO_ROOT
+
+    result = subprocess.run([sys.executable, "-c", ATTENTION_WITH_TE], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    attention = [line for line in lines if line.startswith("ATTENTION")]
+    assert "CHOICE cudnn" in lines, result.stdout
+    assert attention and all("cudnn" in line or "sdpa" in line for line in attention), attention
+    assert not any("pytorch_flash" in line for line in attention), attention

@@ -463,12 +463,15 @@ def test_fsdp2_gradient_reduction_option_is_refused_on_megatron(hydra_compose):
         validate(cfg)
 
 
-def test_fsdp2_fp8_all_gather_option_is_refused_on_megatron(hydra_compose):
+@pytest.mark.parametrize("override, message", [
+    ("trainer.fsdp_fp8_all_gather=true", "trainer.fsdp_fp8_all_gather is the torch engine's"),
+    ("trainer.fused_loss=false", "on engine=megatron use megatron.cross_entropy_loss_fusion=false"),
+])
+def test_torch_engine_options_are_refused_on_megatron(hydra_compose, override, message):
     from recipes.plan.checks import validate
 
-    cfg = hydra_compose("engine=megatron", "gpu=h200", "precision=fp8_current", "trainer.fsdp_fp8_all_gather=true",
-                        "dryrun=true")
-    with pytest.raises(ConfigError, match="trainer.fsdp_fp8_all_gather is the torch engine's"):
+    cfg = hydra_compose("engine=megatron", "gpu=h200", "precision=fp8_current", override, "dryrun=true")
+    with pytest.raises(ConfigError, match=message):
         validate(cfg)
 
 

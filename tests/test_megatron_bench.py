@@ -32,14 +32,18 @@ def test_speed_study_is_the_issues_list():
     by_part = {part: [r for r in runs if r.part == part] for part in bench.SPEED_PARTS}
     assert [(r.engine, r.precision) for r in by_part["precisions"]] == \
         [("megatron", "bf16"), ("megatron", "fp8_current"), ("megatron", "fp8_delayed"), ("megatron", "fp8_blockwise")]
-    assert [(r.engine, r.precision) for r in by_part["torch"]] == [("torch", "fp8_current"), ("torch", "bf16")]
+    assert [(r.engine, r.precision) for r in by_part["torch"]] == [("torch", p) for p in ("bf16", *bench.FP8_RECIPES)]
     for run in by_part["precisions"] + by_part["torch"]:
         o = overrides_of(run)
         assert (o["model"], o["model.num_layers"], o["data"], o["trainer.micro_batch_size"],
                 o["trainer.global_batch_size"]) == ("llama3_8b", "8", "mock", "1", "8")
         assert "model.vocab_size" not in o and "model.seq_length" not in o  # full vocabulary, seq 8192
-    (nemotron,) = by_part["nemotron"]
-    assert overrides_of(nemotron)["model"] == "nemotron4_15b" and not nemotron.side_by_side
+    assert [(r.engine, overrides_of(r)["model"], r.side_by_side) for r in by_part["nemotron"]] == \
+        [("megatron", "nemotron4_15b", False), ("torch", "nemotron4_15b", False)]
+    for run in by_part["precisions"] + by_part["torch"] + by_part["nemotron"]:  # 6 timed steps, then one profiled
+        o = overrides_of(run)
+        assert (o["trainer.max_steps"], o["trainer.profile_step"], run.profile_step) == ("7", "7", 7)
+        assert bench.engine_pair(run.name) in {r.name for r in runs}
     functional = by_part["functional"]
     assert all(r.side_by_side for r in functional)
     assert {(overrides_of(r).get("parallel.fsdp"), r.precision) for r in functional if not r.resume} == \
@@ -54,8 +58,9 @@ def test_speed_study_is_the_issues_list():
                                                      "cross_entropy_loss_fusion=false"]
         for run in ablations:
             changed, dropped = set(run.overrides) - tuned, tuned - set(run.overrides)
-            assert changed - {"trainer.max_steps=10"} == set(dict(bench.ABLATIONS)[run.switch]), run.name
-            assert dropped == ({"trainer.max_steps=6"} if run.warmup > 2 else set()), run.name  # graphs: 4 more
+            steps = {"trainer.max_steps=10" if run.warmup > 2 else "trainer.max_steps=6"}  # graphs: 4 more
+            assert changed - steps == set(dict(bench.ABLATIONS)[run.switch]), run.name
+            assert dropped == {"trainer.max_steps=7", "trainer.profile_step=7"}, run.name  # not profiled
         assert ("fp8_param_gather=false" in [r.switch for r in ablations]) == (recipe != "fp8_blockwise")
     register_schema()
     for run in runs + bench.loss_runs("h200", steps=500):
@@ -159,3 +164,18 @@ def test_run_refuses_ablations_without_a_recipe_to_vary(tmp_path):
         bench.main(["run", "--dir", str(tmp_path / "study"), "--out", str(tmp_path / "out"), "--parts", "ablations"])
     with pytest.raises(SystemExit):
         bench.main(["run", "--dir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")])
+
+
+def test_targets_say_missed_when_the_torch_engine_is_slower_or_larger():
+    runs = [r for r in bench.speed_runs("h200", steps=6) if r.name in ("megatron-bf16", "torch-bf16",
+                                                                        "megatron-fp8_current", "torch-fp8_current")]
+    rows = {"megatron-bf16": {"step_s": 1.75, "peak_gib": 58.0}, "torch-bf16": {"step_s": 1.70, "peak_gib": 60.0},
+            "megatron-fp8_current": {"step_s": 1.45, "peak_gib": 58.0},
+            "torch-fp8_current": {"step_s": 1.50, "peak_gib": 50.0}}
+    table = "\n".join(bench.target_table(runs, rows))
+    assert "| torch-bf16: s/step <= megatron's | 1.700 vs 1.750 | met |" in table
+    assert "| torch-bf16: peak GiB <= megatron's | 60.0 vs 58.0 | missed |" in table
+    assert "| torch-fp8_current: s/step <= megatron's | 1.500 vs 1.450 | missed |" in table
+    assert "| torch fp8_current over torch bf16 >= 1.30x | 1.133x | missed |" in table
+    rows["torch-fp8_current"]["step_s"] = None  # not timed: neither met nor missed
+    assert "| torch-fp8_current: s/step <= megatron's | - vs 1.450 | - |" in "\n".join(bench.target_table(runs, rows))

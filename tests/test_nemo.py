@@ -141,6 +141,7 @@ def test_data_modules_and_the_exact_vocabulary(hydra_compose, tmp_path):
     (("trainer.compile=true",), "trainer.compile=true has no counterpart"),
     (("trainer.grad_reduce=per_micro_batch",), "trainer.grad_reduce=per_micro_batch has no counterpart"),
     (("trainer.fsdp_fp8_all_gather=true",), "use precision.fp8_param_gather"),
+    (("trainer.fused_loss=false",), "NeMo's recipe sets megatron-core's cross-entropy fusion"),
     (("trainer.profile_step=3",), "profile NeMo with nsys"),
     (("trainer.seed=7",), "NeMo seeds the model's weights with 1234"),
     (("gpu=cpu",), "engine=nemo needs CUDA GPUs"),

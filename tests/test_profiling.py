@@ -23,3 +23,32 @@ from recipes.profiling import kernel_category
 ])
 def test_kernel_categories(name, category):
     assert kernel_category(name) == category
+
+
+def test_a_step_s_optimizer_and_output_layer_with_the_loss_are_regions_of_the_split():
+    """Operators under the optimizer's and the output layer + loss's ranges move there from their names'
+    categories; nothing is lost or counted twice (CPU operator time here; on a GPU the kernels they launch)."""
+    import dataclasses
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from recipes.config import TrainerConfig, load_option
+    from recipes.engine.training import build_optimizer, optimizer_step
+    from recipes.fp8 import Fp8Training
+    from recipes.models.transformer import Transformer
+    from recipes.profiling import time_split
+
+    cfg = dataclasses.replace(load_option("model", "tiny_llama"), num_layers=1)
+    model = Transformer(cfg, activation_dtype=torch.float32)
+    model.init_weights(torch.Generator().manual_seed(0))
+    fp8 = Fp8Training(load_option("precision", "bf16"))
+    optimizer = build_optimizer(model, TrainerConfig(), torch.device("cpu"))
+    tokens = torch.randint(0, cfg.vocab_size, (1, 33), generator=torch.Generator().manual_seed(0))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        optimizer_step(lambda _: model(tokens[:, :-1], tokens[:, 1:]), 1, model, fp8, optimizer, 1e-3, 1.0)
+    split = time_split(prof, "cpu")
+    assert split["ms"]["optimizer"] > 0 and split["ms"]["output_and_loss"] > 0
+    operators = sum(e.self_cpu_time_total for e in prof.key_averages() if e.self_cpu_time_total > 0) / 1e3
+    assert abs(split["total_ms"] - operators) < 1e-6 * operators
+    assert all(ms >= -1e-9 for ms in split["ms"].values())

@@ -25,7 +25,7 @@ SUMMARY_FIELDS = {
     "model", "parameters", "precision", "recipe", "gpu", "engine", "world_size", "nodes", "num_layers", "seq_length",
     "micro_batch_size", "global_batch_size", "steps", "warmup_steps_excluded", "median_step_time_s",
     "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu", "peak_memory_gib", "final_loss", "emulated",
-    "commit", "versions", "device", "compute_dtype",
+    "commit", "versions", "device", "compute_dtype", "attention", "fused_loss",
 }
 
 
@@ -78,6 +78,7 @@ def test_training_run_loss_falls(tmp_path, cache_dir, precision):
     # auto: BF16 where PyTorch runs BF16 GEMMs natively (oneDNN), FP32 elsewhere
     native_bf16 = torch.backends.mkldnn.enabled and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert summary["compute_dtype"] == ("bf16" if native_bf16 else "fp32")
+    assert (summary["attention"], summary["fused_loss"]) == ("flash", True)  # SDPA's CPU flash kernel; the default
     assert "TFLOP/s" not in result.stdout and "MFU" not in result.stdout  # a CPU: tokens/s, no GPU figures
     assert summary["parameters"] == 3_311_872  # tiny_llama, worked out by hand in tests/test_models.py
     assert summary["warmup_steps_excluded"] == warmup_steps(steps)

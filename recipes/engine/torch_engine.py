@@ -23,7 +23,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -35,6 +34,7 @@ from recipes.engine.fsdp import data_parallel_mesh, materialize, shard_model
 from recipes.engine.training import build_optimizer, checkpoint_blocks, compile_blocks, optimizer_step
 from recipes.fp8 import Fp8Training
 from recipes.metrics import StepMetrics
+from recipes.models.attention import attention_kernel
 from recipes.models.transformer import Transformer
 from recipes.trainer.checkpoints import changed_settings, checkpoint_dir
 from recipes.trainer.console import print_step
@@ -61,7 +61,7 @@ def build_model(cfg: Config, device: torch.device, fp8: Fp8Training, mesh: Devic
     generator = torch.Generator(device).manual_seed(cfg.trainer.seed)
     dtype = compute_dtype(cfg.trainer.compute_dtype, device.type)
     with torch.device("meta" if mesh is not None else device):
-        model = Transformer(cfg.model, activation_dtype=dtype)
+        model = Transformer(cfg.model, activation_dtype=dtype, fused_loss=cfg.trainer.fused_loss)
     if mesh is None:
         model.init_weights(generator)
     fp8.convert(model)
@@ -113,13 +113,13 @@ def train(cfg: Config, run_dir: Path) -> dict:
             print(f"resuming from step {resumed.step} of {resumed.path}{note}", flush=True)
     fp8.weights_changed(model)  # the initial or restored weights
     batches = MicroBatches(cfg, rank, world_size, device)
-    bf16 = compute_dtype(cfg.trainer.compute_dtype, device.type) == torch.bfloat16
+    dtype = compute_dtype(cfg.trainer.compute_dtype, device.type)
+    bf16 = dtype == torch.bfloat16
 
     def micro_batch_loss(step: int, micro: int) -> torch.Tensor:
         tokens, labels = batches.get(step, micro)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model(tokens)
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+            return model(tokens, labels, accumulation)
 
     def train_step(step: int, lr: float) -> tuple[float, float]:
         loss, grad_norm = optimizer_step(
@@ -137,7 +137,8 @@ def train(cfg: Config, run_dir: Path) -> dict:
     def log(interval: list[StepMetrics], history: list[StepMetrics]) -> None:
         print_step(history, cfg.trainer.max_steps, world_size if device.type == "cpu" else 0)
 
-    engine = EngineSteps(train_step, save_checkpoint, log, log_first_step=True)
+    facts = {"attention": attention_kernel(cfg.model, device, dtype), "fused_loss": cfg.trainer.fused_loss}
+    engine = EngineSteps(train_step, save_checkpoint, log, log_first_step=True, facts=facts)
     summary = train_loop(cfg, run_dir, engine, first_step, rank, world_size, device)
     if world_size > 1:
         dist.barrier()  # every rank waits for rank 0's summary

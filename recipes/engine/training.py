@@ -7,10 +7,12 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.profiler import record_function
 
 from recipes.config import TrainerConfig
 from recipes.engine.fsdp import replicated, set_gradient_sync
 from recipes.fp8 import Fp8Training
+from recipes.profiling import OPTIMIZER
 from recipes.trainer.loop import NonFiniteError
 
 
@@ -53,6 +55,8 @@ def optimizer_step(
     reduce_every_micro_batch: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of each micro-batch (gradients accumulate), clip, one optimizer step.
+    `micro_batch_loss(i)` is micro-batch i's share of the step's loss (its mean loss / num_micro_batches), whose
+    backward starts there.
 
     Returns the mean loss and the gradient norm before clipping. Raises NonFiniteError, before the weights are
     touched, when either is inf or NaN or delayed scaling recorded an inf or NaN amax (one host sync per step
@@ -65,18 +69,19 @@ def optimizer_step(
     for micro in range(num_micro_batches):
         set_gradient_sync(model, reduce_every_micro_batch or micro == num_micro_batches - 1)
         fp8.micro_batch(model, micro)
-        loss = micro_batch_loss(micro) / num_micro_batches
+        loss = micro_batch_loss(micro)
         loss.backward()
         fp8.after_backward(model)
         total += loss.detach()
     fp8.after_micro_batches(model)
-    grad_norm = replicated(nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True))
-    if not bool(torch.isfinite(total) & torch.isfinite(grad_norm) & fp8.amaxes_finite(model)):
+    with record_function(OPTIMIZER):  # a region of the profile's time split: clipping and the update
+        grad_norm = replicated(nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True))
+        if not bool(torch.isfinite(total) & torch.isfinite(grad_norm) & fp8.amaxes_finite(model)):
+            optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(total.item(), grad_norm.item(), fp8.non_finite_amaxes(model))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteError(total.item(), grad_norm.item(), fp8.non_finite_amaxes(model))
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     fp8.weights_changed(model)
     return total, grad_norm

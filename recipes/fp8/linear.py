@@ -339,9 +339,19 @@ class Bf16Linear(CachedWeightLinear):
         return WeightCache({"weight": torch.empty_like(self.weight, dtype=torch.bfloat16, device="meta")},
                            self.weight.device)
 
+    def _cache_mode(self) -> tuple[str, Optional[torch.Tensor]]:
+        cache = self.weight_cache
+        return (CACHE_OFF, None) if cache is None else (cache.mode, cache.weight)
+
+    def gemm_state(self) -> tuple[Optional[torch.Tensor], bool, Optional[torch.Tensor], bool]:
+        """For a caller that runs this layer's GEMMs itself (recipes.models.loss, the output layer): the BF16 weight
+        cache to use (None: cast the weight), whether to refresh it from the weight first, the FP32 main gradient
+        to write the weight gradient into (None: return it to autograd), and whether to add to it."""
+        mode, cached = self._cache_mode()
+        return (None if mode == CACHE_OFF else cached), mode == CACHE_REFRESH, self.main_grad, mode == CACHE_REUSE
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
-        cache = self.weight_cache
-        mode, cached = (CACHE_OFF, None) if cache is None else (cache.mode, cache.weight)
+        mode, cached = self._cache_mode()
         y = _Bf16LinearFunction.apply(x2d, self.weight, mode, cached, self.main_grad)
         return y.view(*x.shape[:-1], self.out_features)

@@ -5,7 +5,8 @@ of FP8; the plan asks the same object what it will do.
     fp8 = Fp8Training.for_run(cfg, processes, device)
     fp8.convert(model)                before compiling: the blocks' linears become FP8 ones (recipes.fp8.convert),
                                       with weight caches when micro-batches accumulate (and with the fused
-                                      linears, the BF16 blocks' become Bf16Linear, all with FP32 main gradients)
+                                      linears, the BF16 blocks' and the output layer become Bf16Linear, all with
+                                      FP32 main gradients)
     fp8.prepare_for_sharding(model)   before fully_shard: FSDP2 will all-gather the FP8 linears' weights in FP8
     fp8.materialized(model)           after to_empty of a model sharded on the meta device
     fp8.micro_batch(model, index)     before each micro-batch: the first quantizes each weight into its cache, the
@@ -39,7 +40,7 @@ from recipes.fp8.current_scaling import tensorwise_scale
 from recipes.fp8.delayed_scaling import NUM_ROLES, ROLE_NAMES, update_delayed_scaling
 from recipes.fp8.formats import E4M3
 from recipes.fp8.linear import (
-    CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, GRAD, WEIGHT, CachedWeightLinear, DelayedScaling, Fp8Linear,
+    CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, GRAD, WEIGHT, Bf16Linear, CachedWeightLinear, DelayedScaling, Fp8Linear,
     TensorwiseScaling, recipe_from_config,
 )
 
@@ -50,8 +51,8 @@ class Fp8Training:
     """The FP8 of one run of the torch engine (see the module's doc): `precision`'s recipe on the blocks' linears,
     weights quantized once per optimizer step over `micro_batches`; with `fsdp_fp8_all_gather` (FSDP2 at work, a
     per-tensor recipe: recipes.plan.checks refuses the others) all-gathered in FP8; with `fused_linears`
-    (fused_linears_apply) the BF16 blocks' linears converted too and every weight gradient summed into an FP32
-    main gradient inside its GEMM."""
+    (fused_linears_apply) the BF16 blocks' linears and the output layer converted too and every weight gradient
+    summed into an FP32 main gradient inside its GEMM."""
 
     def __init__(self, precision: PrecisionConfig, micro_batches: int = 1, fsdp_fp8_all_gather: bool = False,
                  fused_linears: bool = False):
@@ -89,6 +90,8 @@ class Fp8Training:
 
     def convert(self, model: nn.Module) -> None:
         convert_to_fp8(model.layers, self.precision, bf16_linears=self.fused_linears)
+        if self.fused_linears and type(getattr(model, "output", None)) is nn.Linear:
+            model.output = Bf16Linear(model.output)  # the output layer (BF16 in every recipe) too
         if self.caches_weights:
             attach_weight_caches(model)
         if self.fused_linears:

@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from recipes.compute import run_compute_dtype
 from recipes.config import Config, ConfigError
@@ -38,6 +39,7 @@ from recipes.megatron.build import build, initialize_parallel_state
 from recipes.megatron.data import MicroBatches, build_train_dataset
 from recipes.megatron.translate import ddp_config, optimizer_config
 from recipes.metrics import StepMetrics
+from recipes.profiling import OPTIMIZER
 from recipes.trainer.checkpoints import checkpoint_dir
 from recipes.trainer.console import megatron_iteration_line
 from recipes.trainer.entry import engine_main
@@ -159,7 +161,8 @@ def train(cfg: Config, run_dir: Path) -> dict:
         )
         for group in optimizer.param_groups:
             group["lr"] = lr
-        _, grad_norm, _ = optimizer.step()  # a non-finite step is applied: the loop stops before checkpointing it
+        with record_function(OPTIMIZER):  # a region of the profile's time split
+            _, grad_norm, _ = optimizer.step()  # a non-finite step is applied: the loop stops before checkpointing it
         return step_loss(losses_reduced).item(), float(grad_norm)
 
     def save_checkpoint(step: int) -> Optional[Path]:

@@ -20,8 +20,13 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import sdpa_kernel
+from torch.profiler import record_function
 
 from recipes.config import Activation, ModelConfig, Normalization, RopeScaling
+from recipes.models.attention import attention_order
+from recipes.models.loss import linear_cross_entropy
+from recipes.profiling import OUTPUT_AND_LOSS
 
 
 class RMSNorm(nn.Module):
@@ -127,7 +132,8 @@ class Attention(nn.Module):
         qkv = self.qkv(x).view(batch, seq, self.heads + 2 * self.groups, self.head_dim).transpose(1, 2)
         q, k, v = qkv.split([self.heads, self.groups, self.groups], dim=1)
         q, k = self.rotary(q), self.rotary(k)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.groups != self.heads)
+        with sdpa_kernel(attention_order(q.is_cuda), set_priority=True):  # the same kernel with TE imported or not
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.groups != self.heads)
         return self.out(y.transpose(1, 2).reshape(batch, seq, self.heads * self.head_dim))
 
 
@@ -163,21 +169,35 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, activation_dtype: torch.dtype = torch.bfloat16):
+    """model(tokens) gives the logits; model(tokens, labels, micro_batches) the micro-batch's share of a step's
+    loss (its mean cross-entropy over `micro_batches`), with `fused_loss` from the output layer's GEMMs chunk by
+    chunk, never holding the whole logits (recipes.models.loss), else from the logits in FP32. The loss is computed
+    in forward so that FSDP2's hooks on this module cover the output layer."""
+
+    def __init__(self, cfg: ModelConfig, activation_dtype: torch.dtype = torch.bfloat16, fused_loss: bool = True):
         super().__init__()
         self.cfg = cfg
         self.activation_dtype = activation_dtype
+        self.fused_loss = fused_loss
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg)
         self.layers = nn.ModuleList(TransformerBlock(cfg, rotary) for _ in range(cfg.num_layers))
         self.final_norm = make_norm(cfg)
         self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                micro_batches: int = 1) -> torch.Tensor:
         x = self.embedding(tokens).to(self.activation_dtype)
         for layer in self.layers:
             x = layer(x)
-        return self.output(self.final_norm(x))
+        hidden = self.final_norm(x)
+        if labels is None:
+            return self.output(hidden)
+        with record_function(OUTPUT_AND_LOSS):  # a region of the profile's time split
+            if self.fused_loss:
+                return linear_cross_entropy(hidden.flatten(0, 1), self.output, labels.flatten(), micro_batches)
+            logits = self.output(hidden)
+            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()) / micro_batches
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         init_weights(self, self.cfg, generator)

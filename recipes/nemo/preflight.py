@@ -58,6 +58,7 @@ def _validate_options(cfg: Config) -> None:
         f"trainer.grad_reduce={t.grad_reduce.value}": (t.grad_reduce != GradReduce.per_step,
                                                        "NeMo reduces gradients through megatron-core's DDP"),
         "trainer.fsdp_fp8_all_gather=true": (t.fsdp_fp8_all_gather, "use precision.fp8_param_gather"),
+        "trainer.fused_loss=false": (not t.fused_loss, "NeMo's recipe sets megatron-core's cross-entropy fusion"),
         f"trainer.profile_step={t.profile_step}": (t.profile_step is not None,
                                                    "profile NeMo with nsys (NeMo's NsysPlugin)"),
         f"trainer.seed={t.seed}": (t.seed != NEMO_SEED, f"NeMo seeds the model's weights with {NEMO_SEED} whatever "

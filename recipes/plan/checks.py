@@ -62,6 +62,9 @@ def _validate_launch(cfg: Config) -> None:
         if cfg.trainer.fsdp_fp8_all_gather:
             raise ConfigError("trainer.fsdp_fp8_all_gather is the torch engine's (FSDP2); on engine=megatron use "
                               "precision.fp8_param_gather")
+        if not cfg.trainer.fused_loss:
+            raise ConfigError("trainer.fused_loss is the torch engine's; on engine=megatron use "
+                              "megatron.cross_entropy_loss_fusion=false")
     elif cfg.megatron != MegatronConfig():
         raise ConfigError(f"megatron.* switches are engine=megatron's; engine={cfg.engine.value} does not read them: "
                           "set engine=megatron or leave them at their defaults")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from recipes.compute import describe_compute
+from recipes.models.attention import describe_order
 from recipes.config import Config, Engine, ExecutorName, GradReduce
 from recipes.fp8 import Fp8Training
 from recipes.plan import Plan
@@ -39,6 +40,13 @@ def describe_layout(cfg: Config) -> str:
     return " x ".join(parts) + "".join(f", {o}" for o in options) + f", recompute {p.recompute.value}"
 
 
+def describe_torch_kernels(cfg: Config) -> str:
+    """engine=torch: the attention kernels' order (recipes.models.attention) and the output layer's loss."""
+    loss = ("fused, in chunks (trainer.fused_loss)" if cfg.trainer.fused_loss
+            else "from FP32 logits (trainer.fused_loss=false)")
+    return f"attention {describe_order(cfg.gpu.arch != 'cpu')} (SDPA, the first that runs); output layer + loss {loss}"
+
+
 def describe(plan: Plan) -> str:
     cfg, mem = plan.cfg, plan.memory
     t = cfg.trainer
@@ -73,6 +81,7 @@ def describe(plan: Plan) -> str:
         + (" sharding the model (FSDP2)" if sharded else "") + ", "
         f"executor {describe_executor(cfg)}, engine {cfg.engine.value}",
         *([f"compute     {describe_compute(cfg)}"] if cfg.engine != Engine.nemo else []),
+        *([f"kernels     {describe_torch_kernels(cfg)}"] if cfg.engine == Engine.torch else []),
         *([f"layout      {describe_layout(cfg)}"] if megatron else []),
         *([f"tuning      {megatron_tuning(cfg)}"] if cfg.engine == Engine.megatron else []),
         *(nemo_preflight.describe(cfg) if cfg.engine == Engine.nemo else []),

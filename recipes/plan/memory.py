@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from recipes.config import Config, Engine, GradReduce, Recipe, Recompute
 from recipes.fp8 import Fp8Training
+from recipes.models.loss import CHUNK_ELEMENTS, chunk_rows
 from recipes.plan.parallel import data_parallel_size, world_size
 
 
@@ -120,7 +121,9 @@ def _torch_engine_memory(cfg: Config, parameters: int) -> MemoryEstimate:
     m, t = cfg.model, cfg.trainer
     per_token_layer = sum(activation_bytes_per_token_layer(cfg))
     tokens = t.micro_batch_size * m.seq_length
-    logits = tokens * 6.0 * m.vocab_size
+    # The fused loss holds one chunk's BF16 logits and their gradient, and the output layer's input gradient.
+    logits = (4.0 * chunk_rows(tokens, m.vocab_size, CHUNK_ELEMENTS) * m.vocab_size + 2.0 * tokens * m.hidden_size
+              if t.fused_loss else tokens * 6.0 * m.vocab_size)
     checkpointed = tokens * (m.num_layers * 2.0 * m.hidden_size + per_token_layer) + logits
     activations = checkpointed if t.activation_checkpointing else tokens * m.num_layers * per_token_layer + logits
     weights, gradients, optimizer = (b * parameters for b in TORCH_BYTES)

@@ -90,6 +90,10 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         ]
     if "compute_dtype" in summary:
         rows.append(("compute (what GPUs run in BF16)", summary["compute_dtype"]))
+    if "attention" in summary:
+        rows.append(("attention kernel (SDPA)", summary["attention"]))
+    if "fused_loss" in summary:
+        rows.append(("output layer + loss", "fused, in chunks" if summary["fused_loss"] else "logits in FP32"))
     rows += [
         ("peak memory", f"{summary['peak_memory_gib']:.2f} GiB"),
         ("final loss", f"{summary['final_loss']:.4f}"),
@@ -100,11 +104,12 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     console.print(f"metrics: {run_dir / METRICS}\nsummary: {run_dir / SUMMARY}")
 
 
-def finish_run(cfg: Config, history: list[StepMetrics], world_size: int, run_dir: Path) -> dict:
-    """Both engines' last act on the logging rank: summary.json (with provenance and, but for NeMo's own BF16,
-    the compute dtype) written, and shown."""
+def finish_run(cfg: Config, history: list[StepMetrics], world_size: int, run_dir: Path,
+               facts: dict | None = None) -> dict:
+    """Both engines' last act on the logging rank: summary.json (with provenance, the engine's `facts` and, but for
+    NeMo's own BF16, the compute dtype) written, and shown."""
     compute = {} if cfg.engine == Engine.nemo else {"compute_dtype": NAMES[run_compute_dtype(cfg)]}
-    summary = summarize(cfg, history, world_size, {**provenance(), **compute})
+    summary = summarize(cfg, history, world_size, {**provenance(), **compute, **(facts or {})})
     write_summary(run_dir, summary)
     print_summary(summary, run_dir)
     return summary

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -75,6 +75,7 @@ class EngineSteps:
     # The progress line of the steps since the last one; the run's steps so far come too (the time left).
     log: Callable[[list[StepMetrics], list[StepMetrics]], None]
     log_first_step: bool = False  # also log step 1 (where compilation shows)
+    facts: dict = field(default_factory=dict)  # what summary.json adds about the engine's kernels (attention, loss)
 
 
 def train_loop(cfg: Config, run_dir: Path, engine: EngineSteps, first_step: int, rank: int, world_size: int,
@@ -126,5 +127,5 @@ def train_loop(cfg: Config, run_dir: Path, engine: EngineSteps, first_step: int,
         if writer:
             writer.close()
     if is_logger and history:  # empty only when resumed at max_steps with metrics.jsonl gone
-        return finish_run(cfg, history, world_size, run_dir)
+        return finish_run(cfg, history, world_size, run_dir, engine.facts)
     return {}
