@@ -27,23 +27,29 @@ from recipes.run_files import PROFILE
 CATEGORIES = (
     ("communication", re.compile(r"nccl|gloo|c10d::|all_?gather|reduce_?scatter|all_?reduce", re.I)),
     ("attention", re.compile(r"sdpa|flash|fmha|attention|attn", re.I)),
+    # The loss's and the optimizer's own kernels, wherever they were launched (Transformer Engine's cross-entropy
+    # and Adam are launched outside any PyTorch operator, so REGIONS below cannot place them).
+    ("output_and_loss", re.compile(r"cross_entropy|nll_loss|log_softmax", re.I)),
+    ("optimizer", re.compile(r"adam", re.I)),
     ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|sm100_|cublas|^triton_tem_|^aten::(_scaled_)?(mm|addmm|bmm)\b"
                         r"|^fp8_recipes::\w*mm\b", re.I)),
     ("quantization", re.compile(r"amax|quantiz|cast_transpose|fp8|float8|e4m3|e5m2|scaled_mm|compute_scale|kernel_bulk",
                                 re.I)),
 )
-# Regions of the step, by the operators a kernel (or CPU operator) runs under: the optimizer (torch.optim's
+
+# Regions of the step, by the operators a kernel (or CPU operator) was launched under: the optimizer (torch.optim's
 # `Optimizer.step#...` ranges, the engines' OPTIMIZER range) and the output layer with the loss (the model's
 # OUTPUT_AND_LOSS range; megatron-core's output layer, `LinearWithGradAccumulationAndAsyncCommunication`, the only
-# layer of a Transformer Engine model that is not TE's, and its fused cross-entropy, forward and backward; the
-# plain path's cross-entropy backward). A kernel in a region counts there, whatever its name.
+# layer of a Transformer Engine model that is not TE's, and cross-entropy functions, forward and backward). A
+# kernel launched in a region counts there, whatever its name. Kernels that an extension launches outside any
+# PyTorch operator (Transformer Engine's GEMMs) have no launch site in the profile and count by name.
 OPTIMIZER, OUTPUT_AND_LOSS = "optimizer", "output_and_loss"
 REGIONS = (
     (OPTIMIZER, re.compile(rf"^Optimizer\.step#|^{OPTIMIZER}$")),
     (OUTPUT_AND_LOSS, re.compile(rf"^{OUTPUT_AND_LOSS}$|LinearWithGradAccumulationAndAsyncCommunication|CrossEntropy"
                                  r"|_LinearCrossEntropy|NllLoss|LogSoftmaxBackward")),
 )
-CATEGORY_NAMES = tuple(name for name, _ in CATEGORIES) + tuple(name for name, _ in REGIONS) + ("other",)
+CATEGORY_NAMES = tuple(name for name, _ in CATEGORIES) + ("other",)
 
 
 def kernel_category(name: str) -> str:
@@ -82,11 +88,13 @@ def time_split(prof: profile, device_type: str) -> dict:
     for name, ms in kernels.items():
         by_category[kernel_category(name)] += ms
     memo: dict = {}
-    for event in prof.events():  # move what ran under a region out of its name's category
+    for event in prof.events():  # move what was launched under a region out of its name's category
         if device_type == "cuda":
-            launched = [(kernel.name, kernel.duration / 1e3) for kernel in event.kernels]
+            # A CPU range's `kernels` also list its own span on the GPU timeline (a user annotation): not a kernel.
+            launched = [(k.name, k.duration / 1e3) for k in event.kernels if k.name in kernels]
         else:
-            launched = [(event.key, event.self_cpu_time_total / 1e3)] if event.device_type == torch.autograd.DeviceType.CPU else []
+            on_cpu = event.device_type == torch.autograd.DeviceType.CPU
+            launched = [(event.key, event.self_cpu_time_total / 1e3)] if on_cpu else []
         region = region_of(event, memo) if launched else None
         for name, ms in launched if region else ():
             by_category[kernel_category(name)] -= ms
