@@ -50,6 +50,7 @@ REGIONS = (
                                  r"|_LinearCrossEntropy|NllLoss|LogSoftmaxBackward")),
 )
 CATEGORY_NAMES = tuple(name for name, _ in CATEGORIES) + ("other",)
+RUNTIME_CALL = re.compile(r"^cu(da)?[A-Z]")  # cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, ...
 
 
 def kernel_category(name: str) -> str:
@@ -89,6 +90,8 @@ def time_split(prof: profile, device_type: str) -> dict:
         by_category[kernel_category(name)] += ms
     memo: dict = {}
     for event in prof.events():  # move what was launched under a region out of its name's category
+        if RUNTIME_CALL.match(event.name):
+            continue  # a CUDA runtime or driver call: its id is CUPTI's, which can equal an operator's by chance
         if device_type == "cuda":
             # A CPU range's `kernels` also list its own span on the GPU timeline (a user annotation): not a kernel.
             launched = [(k.name, k.duration / 1e3) for k in event.kernels if k.name in kernels]

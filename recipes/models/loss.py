@@ -58,9 +58,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, cached, refresh, main_grad, accumulate, micro_batches, ignore_index,
                 chunk_elements, compiled):
-        with torch.autocast(hidden.device.type, enabled=False):
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+        with torch.autocast(device, enabled=False):
+            hidden = hidden.to(dtype)  # the GEMMs' dtype, as autocast would give them (the output layer's own call)
             if cached is None:
-                w = weight.to(hidden.dtype)
+                w = weight.to(dtype)
             else:
                 if refresh:
                     cached.copy_(weight)

@@ -151,7 +151,8 @@ class MLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.relu(h).square()
+            h = F.relu(h)
+            h = h * h  # squared ReLU; not square(), which CUDA autocast computes (and returns) in FP32
         return self.fc2(h)
 
 
