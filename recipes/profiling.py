@@ -27,9 +27,8 @@ from recipes.run_files import PROFILE
 CATEGORIES = (
     ("communication", re.compile(r"nccl|gloo|c10d::|all_?gather|reduce_?scatter|all_?reduce", re.I)),
     ("attention", re.compile(r"sdpa|flash|fmha|attention|attn", re.I)),
-    # The loss's and the optimizer's own kernels, wherever they were launched (Transformer Engine's cross-entropy
-    # and Adam are launched outside any PyTorch operator, so REGIONS below cannot place them).
-    ("output_and_loss", re.compile(r"cross_entropy|nll_loss|log_softmax", re.I)),
+    # The loss's kernels (cross-entropy, softmax) and Adam's.
+    ("loss", re.compile(r"cross_entropy|nll_loss|log_softmax|logsumexp", re.I)),  # ours: Inductor's, "..._logsumexp_..."
     ("optimizer", re.compile(r"adam", re.I)),
     ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|sm100_|cublas|^triton_tem_|^aten::(_scaled_)?(mm|addmm|bmm)\b"
                         r"|^fp8_recipes::\w*mm\b", re.I)),
@@ -37,20 +36,11 @@ CATEGORIES = (
                                 re.I)),
 )
 
-# Regions of the step, by the operators a kernel (or CPU operator) was launched under: the optimizer (torch.optim's
-# `Optimizer.step#...` ranges, the engines' OPTIMIZER range) and the output layer with the loss (the model's
-# OUTPUT_AND_LOSS range; megatron-core's output layer, `LinearWithGradAccumulationAndAsyncCommunication`, the only
-# layer of a Transformer Engine model that is not TE's, and cross-entropy functions, forward and backward). A
-# kernel launched in a region counts there, whatever its name. Kernels that an extension launches outside any
-# PyTorch operator (Transformer Engine's GEMMs) have no launch site in the profile and count by name.
+# Ranges the engines open around the output layer with the loss and around the optimizer step, which a trace shows
+# (Perfetto). The split goes by kernel names only, so the output layer's GEMMs count under "gemm": on an H200
+# (torch 2.11) the profiler's link from a CPU range to the kernels launched under it counted kernels twice.
 OPTIMIZER, OUTPUT_AND_LOSS = "optimizer", "output_and_loss"
-REGIONS = (
-    (OPTIMIZER, re.compile(rf"^Optimizer\.step#|^{OPTIMIZER}$")),
-    (OUTPUT_AND_LOSS, re.compile(rf"^{OUTPUT_AND_LOSS}$|LinearWithGradAccumulationAndAsyncCommunication|CrossEntropy"
-                                 r"|_LinearCrossEntropy|NllLoss|LogSoftmaxBackward")),
-)
 CATEGORY_NAMES = tuple(name for name, _ in CATEGORIES) + ("other",)
-RUNTIME_CALL = re.compile(r"^cu(da)?[A-Z]")  # cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, ...
 
 
 def kernel_category(name: str) -> str:
@@ -60,19 +50,8 @@ def kernel_category(name: str) -> str:
     return "other"
 
 
-def region_of(event, memo: dict) -> str | None:
-    """The region (REGIONS) of a profiled CPU event: that of the innermost enclosing event named for one."""
-    if event is None:
-        return None
-    if id(event) not in memo:
-        own = next((region for region, pattern in REGIONS if pattern.search(event.name)), None)
-        memo[id(event)] = own or region_of(event.cpu_parent, memo)
-    return memo[id(event)]
-
-
 def time_split(prof: profile, device_type: str) -> dict:
-    """Self time per kernel (CUDA) or per operator (CPU) of a finished profile, by category, in ms: a kernel launched
-    under a region of the step (REGIONS) counts there, the others by name (CATEGORIES). On a GPU the kernels only:
+    """Self time per kernel (CUDA) or per operator (CPU) of a finished profile, by category, in ms. On a GPU the kernels only:
     with CPU activity recorded, ranges such as `nccl:_all_gather_base` or `Optimizer.step#...` also appear on the
     GPU timeline (user annotations) and would count their kernels twice. Kernels on different streams overlap
     (communication beside compute), so the total can exceed the step's wall time."""
@@ -88,20 +67,6 @@ def time_split(prof: profile, device_type: str) -> dict:
     by_category = {category: 0.0 for category in CATEGORY_NAMES}
     for name, ms in kernels.items():
         by_category[kernel_category(name)] += ms
-    memo: dict = {}
-    for event in prof.events():  # move what was launched under a region out of its name's category
-        if RUNTIME_CALL.match(event.name):
-            continue  # a CUDA runtime or driver call: its id is CUPTI's, which can equal an operator's by chance
-        if device_type == "cuda":
-            # A CPU range's `kernels` also list its own span on the GPU timeline (a user annotation): not a kernel.
-            launched = [(k.name, k.duration / 1e3) for k in event.kernels if k.name in kernels]
-        else:
-            on_cpu = event.device_type == torch.autograd.DeviceType.CPU
-            launched = [(event.key, event.self_cpu_time_total / 1e3)] if on_cpu else []
-        region = region_of(event, memo) if launched else None
-        for name, ms in launched if region else ():
-            by_category[kernel_category(name)] -= ms
-            by_category[region] += ms
     total = sum(by_category.values())
     top = sorted(kernels.items(), key=lambda item: -item[1])[:30]
     return {

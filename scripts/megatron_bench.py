@@ -23,8 +23,8 @@ this order:
   nemotron    nemotron4_15b, 4 layers, fp8_current, on both engines: LayerNorm1p and squared ReLU
   ablations   the fastest FP8 recipe of `precisions` (or --best) with one switch changed at a time, most telling first
 Every run of these three parts profiles one step after its timed ones (`trainer.profile_step`, left out of the
-timing), and the tables split its kernel time (GEMM, attention, quantization, output layer + loss, optimizer, other:
-recipes.profiling); a targets table says, met or missed, whether the torch engine is at least as fast as
+timing), and the tables split its kernel time by kernel name (GEMM, the output layer's included; attention;
+quantization; loss; optimizer; other: recipes.profiling); a targets table says, met or missed, whether the torch engine is at least as fast as
 engine=megatron in each recipe with no more memory, and its fp8_current speedup over its own bf16.
 Timed runs go one at a time, while --budget-s lasts (a run's cost is estimated from the finished runs of the same
 engine and model); one that does not fit is listed as not run, for another call with --parts.
@@ -70,7 +70,7 @@ FIRST_GUESS_S = {"megatron": 90.0, "torch": 150.0}  # a run's cost before any ru
 PROFILE_SPLIT = "profile/time_rank0.json"  # recipes.profiling's split of the profiled step
 KEPT_FILES = (CONFIG, "plan.txt", METRICS, "metrics_uninterrupted.jsonl", SUMMARY, TRAIN_LOG,
               "train_resumed.log", PROFILE_SPLIT)
-SPLIT = ("gemm", "attention", "quantization", "output_and_loss", "optimizer", "communication", "other")
+SPLIT = ("gemm", "attention", "quantization", "loss", "optimizer", "communication", "other")
 CURRENT_OVER_BF16_TARGET = 1.30  # the torch engine's fp8_current speedup over its own bf16
 LOSS_WINDOW = 100  # the loss study compares the mean loss of the last 100 steps
 

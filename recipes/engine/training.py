@@ -74,7 +74,7 @@ def optimizer_step(
         fp8.after_backward(model)
         total += loss.detach()
     fp8.after_micro_batches(model)
-    with record_function(OPTIMIZER):  # a region of the profile's time split: clipping and the update
+    with record_function(OPTIMIZER):  # named in a profile's trace: clipping and the update
         grad_norm = replicated(nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True))
         if not bool(torch.isfinite(total) & torch.isfinite(grad_norm) & fp8.amaxes_finite(model)):
             optimizer.zero_grad(set_to_none=True)

@@ -161,7 +161,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
         )
         for group in optimizer.param_groups:
             group["lr"] = lr
-        with record_function(OPTIMIZER):  # a region of the profile's time split
+        with record_function(OPTIMIZER):  # named in a profile's trace
             _, grad_norm, _ = optimizer.step()  # a non-finite step is applied: the loop stops before checkpointing it
         return step_loss(losses_reduced).item(), float(grad_norm)
 

@@ -194,7 +194,7 @@ class Transformer(nn.Module):
         hidden = self.final_norm(x)
         if labels is None:
             return self.output(hidden)
-        with record_function(OUTPUT_AND_LOSS):  # a region of the profile's time split
+        with record_function(OUTPUT_AND_LOSS):  # named in a profile's trace
             if self.fused_loss:
                 return linear_cross_entropy(hidden.flatten(0, 1), self.output, labels.flatten(), micro_batches)
             logits = self.output(hidden)
