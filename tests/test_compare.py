@@ -193,8 +193,10 @@ def test_megatron_deepspeed_golden_numbers(tmp_path):
     approx(row["median_step_time_s"], 1.0)
     # its own tokens per GPU per second, of 2000-token sequences: not 256 * 2048 / 8 from the arguments
     approx(row["tokens_per_s_per_gpu"], 256 * 2000 / 8 / 1.0)
-    assert row["tflops_per_gpu"] == ""  # its "TFLOPs" counts recomputation: not model FLOPs, not read
+    # its own TFLOPs (150000 / ms): no recomputation in its arguments, so model FLOPs by its formula, and said so
+    approx(row["tflops_per_gpu"], 150.0)
     approx(row["final_loss"], 9.0 - 0.04 * 100)
+    assert "TFLOP/s/GPU are Megatron-DeepSpeed's own" in (tmp_path / "report.md").read_text()
 
 
 def test_fp8_only_where_the_log_says_it_is_on(tmp_path):

@@ -18,6 +18,8 @@ class Step:
     tokens_per_s_per_gpu: Optional[float] = None
     tflops_per_gpu: Optional[float] = None  # model TFLOP/s per GPU
     mfu: Optional[float] = None
+    samples_per_s: Optional[float] = None  # Megatron-DeepSpeed's samples per second (all GPUs)
+    grad_norm: Optional[float] = None
     global_batch_size: Optional[int] = None
     nan_iterations: int = 0  # Megatron's "number of nan iterations" in this interval
     fresh: bool = False  # first record a process wrote (start or restart): compilation and warm-up inside
