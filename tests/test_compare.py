@@ -17,14 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from compare_helpers import FIXTURES, REPO, SCRIPT, approx, copy_run, csv_by_run, quiet, read_one, report
 from recipes.report import build_report, metadata
 from recipes.report.inputs import find_sources, read_source
 from recipes.report.parse import read_log, read_metrics_jsonl
 from recipes.report.table import compare
 
-REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO / "tests" / "fixtures" / "logs"
-SCRIPT = REPO / "scripts" / "compare.py"
 NEMO_LABEL = f"{FIXTURES / 'nemo'}:gpu=b200,nodes=1,gpus=8,tp=1,pp=1,cp=1,vp=1,mbs=2,gbs=128,seq=8192"
 
 
@@ -33,25 +31,6 @@ def load_cli():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def quiet(_message: str) -> None:
-    pass
-
-
-def report(inputs, out, **kwargs):
-    return build_report([str(FIXTURES / i) for i in inputs], out, base=REPO, log=quiet, **kwargs)
-
-
-def csv_by_run(out: Path) -> dict[str, dict[str, str]]:
-    with (out / "results.csv").open() as f:
-        return {row["run"]: row for row in csv.DictReader(f)}
-
-
-def read_one(path: Path, labels=()):
-    sources, _ = find_sources([str(path)], REPO)
-    assert len(sources) == 1
-    return read_source(sources[0], [metadata.parse_label(label) for label in labels], REPO)
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -393,10 +372,6 @@ def golden(tmp_path_factory):
     return status, out, csv_by_run(out)
 
 
-def approx(value: str, expected: float):
-    assert float(value) == pytest.approx(expected, rel=1e-9)
-
-
 def test_golden_run_directories(golden):
     status, _, rows = golden
     assert status == 0
@@ -478,9 +453,10 @@ def test_golden_markdown_table(golden):
     text = (out / "report.md").read_text()
     assert (
         "| llama3_8b-fp8_current | llama3_8b | h100 | 1 | 8 | torch | fp8_current | TP1 PP1 CP1 VP1 DP8 | 1/128 | "
-        "8192 | 17 | 0.82 | 159,844 | 487.8 | 49.3% | 1.23x | 4.1600 | +0.24% |  |"
+        "8192 | resumed at step 11 | 17 | 0.82 | 159,844 | 487.8 | 49.3% | 1.23x | 14,451 (mbridge-25.11, H100 x8 FP8-CS) "
+        "| 11.06 | 4.1600 | +0.24% |  |"
     ) in text
-    assert "| baseline | 4.1500 | baseline |" in text
+    assert "| complete | 18 | 1.01 | 129,787 | 396.1 | 40.0% | baseline | none published | n/a | 4.1500 | baseline |" in text
     assert "max(1, N // 10)" in text  # the warm-up rule is stated
 
 
@@ -562,18 +538,6 @@ def test_nothing_usable_exits_2_and_writes_no_report(tmp_path, kind):
     assert not out.exists()
     if kind == "empty file":
         assert "empty file" in result.stderr  # the reason, printed since no report holds it
-
-
-def copy_run(source: str, target: Path, max_steps: int | None = None, steps: int | None = None) -> Path:
-    """A fixture run directory copied to `target`, its config's trainer.max_steps and its metrics cut to `steps`."""
-    shutil.copytree(FIXTURES / "rundirs" / source, target)
-    if max_steps is not None:
-        config = target / "config.yaml"
-        config.write_text(config.read_text().replace("max_steps: 20", f"max_steps: {max_steps}"))
-    if steps is not None:
-        metrics = target / "metrics.jsonl"
-        metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:steps]))
-    return target
 
 
 def test_a_folder_report_reads_only_the_run_directories_inside_it(tmp_path):

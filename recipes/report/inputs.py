@@ -37,7 +37,7 @@ from recipes.run_files import CONFIG, METRICS, SLURM_LOG, SUMMARY, slurm_log_ste
 
 LOG_SUFFIXES = {".out", ".err", ".log", ".txt"}
 LOCAL_LOG = re.compile(r"^(?P<stream>combined|stdout|stderr)\.log$")  # nemo-run local: <task>/<app>/<role>/<n>/
-ENGINE_OF_FORMAT = {"megatron": "megatron", "nemo2": "nemo", "nemo1": "nemo"}
+ENGINE_OF_FORMAT = {"megatron": "megatron", "nemo2": "nemo", "nemo1": "nemo", "torchtitan": "torchtitan"}
 
 
 class InputError(ValueError):
@@ -199,7 +199,8 @@ def read_source(
         ("config", metadata.from_config(config, summary)),
         ("header", header_meta),
         ("file name", file_meta),
-        ("log format", {"engine": ENGINE_OF_FORMAT.get(fmt)}),
+        # the length its records print (`iteration 10/ 100`): the planned steps, where nothing above says
+        ("log format", {"engine": ENGINE_OF_FORMAT.get(fmt), "steps": _planned(reads)}),
     ]
     meta, origin = metadata.merge(layers)
     provenance = {key: summary[key] for key in ("commit", "versions", "device") if key in summary}
@@ -214,8 +215,23 @@ def read_source(
         provenance=provenance,
         notes=notes + file_notes + [f"{source.name}: {note}" for note in header_notes] + unread,
         label_target=display_path(source.paths[0], base),
+        skipped_records=sum(read.skipped_records for read in reads),
+        resumed_at=_resumed_at(steps, reads),
     )
     return run, []
+
+
+def _planned(reads: list[FileRead]) -> Optional[int]:
+    planned = [read.planned_steps for read in reads if read.planned_steps]
+    return planned[-1] if planned else None
+
+
+def _resumed_at(steps: list, reads: list[FileRead]) -> list[int]:
+    """The first step of each process after the first (a restart the records show: a step that does not advance, a
+    requeue's next log file), or the step a log says training started at when that is past step 1."""
+    restarts = [record.step for record in steps[1:] if record.fresh]
+    started = [read.start_step for read in reads if read.start_step and read.start_step > 1]
+    return sorted(set(restarts + started))
 
 
 def _unread_columns(name: str, steps: list, other_losses: set[str]) -> list[str]:

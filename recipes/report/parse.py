@@ -99,7 +99,7 @@ def read_log(path: Path, where: str) -> FileRead:
             notes += family.finish(steps, read_header, where)
     fmt_name = max(per_format, key=per_format.get) if steps else None
     return FileRead(fmt_name, steps, header=read_header, notes=notes, other_losses=other_losses,
-                    planned_steps=planned)
+                    planned_steps=planned, skipped_records=skips.count(), start_step=read_header.pop("start_step", None))
 
 
 def _fields_text(fmt: LineFormat, match, line: str) -> str:

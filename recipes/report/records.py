@@ -40,6 +40,8 @@ class Run:
     provenance: dict[str, Any] = field(default_factory=dict)  # commit, versions, device (run directories)
     notes: list[str] = field(default_factory=list)  # what was skipped and why
     label_target: str = ""  # the FILE of a --label that names this run (its first file, as given)
+    skipped_records: int = 0  # record lines its files hold that could not be read (see Skips)
+    resumed_at: list[int] = field(default_factory=list)  # the first step of each restart (a resume from a checkpoint)
 
 
 def merge_steps(segments: list[list[Step]]) -> tuple[list[Step], int]:
@@ -68,6 +70,9 @@ class Skips:
 
     def add(self, reason: str, line_no: int) -> None:
         self.lines.setdefault(reason, []).append(line_no)
+
+    def count(self) -> int:
+        return sum(len(numbers) for numbers in self.lines.values())
 
     def notes(self) -> list[str]:
         out = []

@@ -85,6 +85,7 @@ def build_report(
         figures=figures,
         gemm=gemm_table,
         provenance=_provenance(results, base),
+        published=sorted({r.published.describe() for r in results if r.published}),
         notes=notes + seed_notes + [note for r in results for note in r.run.notes]
         + [f"{r.run.name}: {r.note}" for r in results if r.note],
     )

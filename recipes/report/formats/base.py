@@ -26,6 +26,8 @@ class FileRead:
     notes: list[str] = field(default_factory=list)
     other_losses: set[str] = field(default_factory=set)  # record keys naming a loss that is not the training loss
     planned_steps: Optional[int] = None  # the run's length as its records print it (`iteration 10/ 100`)
+    skipped_records: int = 0  # records (lines, for a log) that could not be read
+    start_step: Optional[int] = None  # the step the log says training started at (torchtitan: > 1 when resumed)
 
 
 def number(value: Any) -> Optional[float]:

@@ -49,4 +49,5 @@ def read_metrics_jsonl(path: Path, where: str) -> FileRead:
             setattr(record, attribute, number(obj.get(key)))
         steps.append(record)
     mark_restarts(steps)
-    return FileRead("metrics.jsonl", steps, notes=skips.notes() + empty_note(where, lines, steps))
+    return FileRead("metrics.jsonl", steps, notes=skips.notes() + empty_note(where, lines, steps),
+                    skipped_records=skips.count())
