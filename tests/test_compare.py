@@ -301,7 +301,9 @@ def test_a_run_stopped_on_a_nan_gradient_norm_is_flagged_everywhere(tmp_path):
     row = csv_by_run(tmp_path)["llama3_8b-fp8_delayed"]
     assert row["run_state"] == "stopped: non-finite gradient norm at step 8; incomplete: 8 of 20 steps"
     assert row["flag"] == "NaN/inf gradient norm at step 8"
-    assert "| stopped: non-finite gradient norm at step 8; incomplete: 8 of 20 steps |" in (tmp_path / "report.md").read_text()
+    text = (tmp_path / "report.md").read_text()
+    assert "| stopped: non-finite gradient norm at step 8; incomplete: 8 of 20 steps |" in text
+    assert "| metrics.jsonl | stopped: non-finite gradient norm at step 8; incomplete: 8 of 20 steps |" in text  # Sources
     with (tmp_path / "loss_curves_llama3_8b_h100_llama3_8b-bf16.csv").open() as f:
         states = {row["run"]: row["run_state"] for row in csv.DictReader(f)}
     assert states == {"llama3_8b-bf16": "complete", "llama3_8b-fp8_delayed": row["run_state"]}
@@ -637,7 +639,7 @@ def test_runs_pair_with_the_bf16_run_of_their_seed_and_the_gap_is_summarised_acr
     section = text.split("## Across seeds")[1].split("\n## ")[0]
     rows = [line for line in section.splitlines() if line.startswith("| llama3_8b")]
     assert rows == ["| llama3_8b | h100 | fp8_current | TP1 PP1 CP1 VP1 DP8 | 1/128 | 8192 | 1, 2, 3 | +1.00% | 3.00% "
-                    "| -2.00% | +4.00% | 1.25 | yes |"]
+                    "| -2.00% | +4.00% | 1.25 | yes | complete |"]
     assert "<h2>Across seeds</h2>" in (tmp_path / "out" / "report.html").read_text()
     assert status == 1  # the per-seed gaps beyond 1.5% still raise the divergence alarm, run by run
 

@@ -173,7 +173,7 @@ def _figures(results: list[table.Result], out: Path, tolerance: float) -> list[r
 
 
 def _provenance(results: list[table.Result], base: Path) -> render.Table:
-    headers = ["run", "read from", "format", "metadata from", "commit", "versions"]
+    headers = ["run", "read from", "format", "run state", "metadata from", "commit", "versions"]
     rows = []
     for r in results:
         by_origin: dict[str, list[str]] = {}
@@ -192,6 +192,7 @@ def _provenance(results: list[table.Result], base: Path) -> render.Table:
                 r.run.name,
                 paths,
                 r.run.format,
+                table.run_state(r),
                 origins,
                 str(r.run.provenance.get("commit", "unknown")),
                 version_text or "unknown",

@@ -346,18 +346,19 @@ def _comparison(result: Result, value: Optional[float], spec: str) -> str:
     return _num(value, spec) + _pairing_note(result)
 
 
-def _pairing_note(result: Result) -> str:
-    """Where the pair's figures come from runs that did not finish (or from tokens/s/GPU), the cell says so."""
+def _pairing_note(result: Result, speedup: bool = False) -> str:
+    """Where the pair's figures come from runs that did not finish (or a speedup from tokens/s/GPU), the cell says
+    so."""
     incomplete = [who for who, r in (("this run", result), ("BF16", result.baseline)) if r.incomplete]
-    notes = ([f"from {result.speedup_from}"] if result.speedup_from != "step time" else []) + \
-        [f"{' and '.join(incomplete)} incomplete"] * bool(incomplete)
+    notes = [f"from {result.speedup_from}"] if speedup and result.speedup_from != "step time" else []
+    notes += [f"{' and '.join(incomplete)} incomplete"] if incomplete else []
     return f" ({'; '.join(notes)})" if notes else ""
 
 
 def _speedup_cell(result: Result) -> str:
     if result.baseline is None or result.speedup is None:
         return _comparison(result, None, "")
-    return f"{result.speedup:.2f}x{_pairing_note(result)}"
+    return f"{result.speedup:.2f}x{_pairing_note(result, speedup=True)}"
 
 
 def _published_cells(result: Result) -> tuple[str, str]:
@@ -479,6 +480,10 @@ SEEDS_RULE = (
 )
 
 
+def _with_baselines(results: list[Result]) -> list[Result]:
+    return list({id(r): r for result in results for r in (result, result.baseline)}.values())
+
+
 def across_seeds(results: list[Result], tolerance: float) -> tuple[Optional[Table], list[str]]:
     """The seeds table (None when no recipe has two paired seeds) and notes on groups it could not summarise."""
     groups: dict[tuple, list[Result]] = {}
@@ -491,7 +496,7 @@ def across_seeds(results: list[Result], tolerance: float) -> tuple[Optional[Tabl
     headers = [
         *("model", "GPU", "precision", "layout", "MBS/GBS", "seq", "seeds"),
         *("mean loss gap vs BF16", "std of the gap", "min gap", "max gap", "median speedup"),
-        f"mean within ±{tolerance:.1%}",
+        f"mean within ±{tolerance:.1%}", "run states",
     ]
     rows, notes = [], []
     for (_, label), members in groups.items():
@@ -516,6 +521,7 @@ def across_seeds(results: list[Result], tolerance: float) -> tuple[Optional[Tabl
                 _num(min(gaps), "+.2%"), _num(max(gaps), "+.2%"),
                 _num(_median([r.speedup for r in members]), ".2f"),
                 "yes" if abs(mean) <= tolerance else "no",
+                "; ".join(f"{r.run.name}: {run_state(r)}" for r in _with_baselines(members) if r.state) or "complete",
             ]
         )
     return ((headers, rows) if rows else None), notes
