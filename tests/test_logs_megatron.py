@@ -197,3 +197,16 @@ def test_a_prefixed_typed_dump_with_fp8_off_is_bf16(tmp_path):
                    "[20251101 10:00:00][rank-0/8][INFO]       fp8_recipe : delayed (str)\n"
                    " iteration       10/     100 | elapsed time per iteration (ms): 510.0/510.0 | lm loss: 2.0 |\n")
     assert read_one(log)[0].meta["precision"] == "bf16"
+
+
+def test_a_nan_iteration_megatron_skipped_is_flagged_but_not_a_stop(tmp_path):
+    log = tmp_path / "skipped_nan_llama3_8b.log"
+    log.write_text("".join(
+        f" iteration {it:8d}/{30:8d} | elapsed time per iteration (ms): 1000.0 | lm loss: {3.0 - it / 100:.6E} | "
+        f"grad norm: 1.000 | number of nan iterations: {int(it == 20):3d} |\n" for it in range(1, 31)))
+    _, results = build_report([str(log)], tmp_path / "out", base=tmp_path, log=quiet)
+    assert results[0].flags == ["NaN/inf loss from step 20"] and results[0].state == []
+    # a run whose last line is the NaN: the engine stopped there
+    log.write_text("".join(log.read_text().splitlines(keepends=True)[:20]))
+    _, results = build_report([str(log)], tmp_path / "out", base=tmp_path, log=quiet)
+    assert results[0].state == ["stopped: non-finite loss at step 20", "incomplete: 20 of 30 steps"]

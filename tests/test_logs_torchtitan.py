@@ -38,6 +38,7 @@ def test_the_precision_comes_from_the_log_not_a_file_name_that_says_otherwise(tm
     ("Float8 training active with recipe rowwise", "fp8_rowwise"),
     ("Float8 training active with recipe mxfp8_cublas", "mxfp8"),  # the MX converter's line at 07c00d9
     ("Converted Linear layers to MXFP8Linear", "mxfp8"),
+    ("Float8 training active", "fp8"),  # 2024: dynamic or delayed scaling, not said
 ])
 def test_the_converters_own_line_names_the_precision(tmp_path, line, precision):
     log = tmp_path / "llama3_8b.log"
@@ -70,3 +71,23 @@ def test_a_resumed_torchtitan_run_says_so(tmp_path):
     log.write_text(FLOAT8.read_text().replace("Training starts at step 1", "Training starts at step 51"))
     _, results = build_report([str(log)], tmp_path / "out", base=tmp_path, log=quiet)
     assert results[0].state == ["resumed at step 51"]
+
+
+def test_a_2024_step_line_and_a_validation_line(tmp_path):
+    """2024's torchtitan (train.py) writes `wps` for tokens per second per GPU; `validate step:` is not training."""
+    log = tmp_path / "llama3_8b.log"
+    prefix = "[titan] 2024-09-01 12:00:00,000 - root - INFO - "
+    log.write_text(f"{prefix}step: 10  loss:  7.8653  memory: 37.57GiB(39.55%)  wps: 6,862  mfu: 40.17%\n"
+                   f"{prefix}validate step: 10  loss:  7.9000  memory: 37.57GiB(39.55%)  tps: 20,000\n")
+    read = read_log(log, "llama3_8b.log")
+    assert [(s.step, s.loss, s.tokens_per_s_per_gpu) for s in read.steps] == [(10, 7.8653, 6862.0)]
+
+
+def test_the_2024_job_config_names_delayed_scaling(tmp_path):
+    config = {"model": {"name": "llama3", "flavor": "8B"}, "training": {"steps": 100, "seq_len": 8192},
+              "float8": {"enable_float8_linear": True, "scaling_type_input": "delayed"}}
+    log = tmp_path / "llama3_8b.log"
+    log.write_text(f"[titan] 2024-09-01 12:00:00,000 - root - INFO - Running with args: {config}\n"
+                   "[titan] 2024-09-01 12:00:00,000 - root - INFO - Float8 training active\n"
+                   "[titan] 2024-09-01 12:00:00,000 - root - INFO - step: 10  loss:  7.8653  wps: 6,862\n")
+    assert read_one(log)[0].meta["precision"] == "fp8_delayed"  # the config, before the bare converter line

@@ -28,6 +28,10 @@ class Step:
     def bad_loss(self) -> bool:
         return (self.loss is not None and not math.isfinite(self.loss)) or self.nan_iterations > 0
 
+    @property
+    def bad_grad_norm(self) -> bool:
+        return self.grad_norm is not None and not math.isfinite(self.grad_norm)
+
 
 @dataclass
 class Run:

@@ -101,8 +101,12 @@ def rules(tolerance: float) -> list[str]:
     ]
 
 
+def _finite(values: list[Optional[float]]) -> list[float]:
+    return [v for v in values if v is not None and math.isfinite(v)]
+
+
 def _median(values: list[Optional[float]]) -> Optional[float]:
-    finite = [v for v in values if v is not None and math.isfinite(v)]
+    finite = _finite(values)
     return statistics.median(finite) if finite else None
 
 
@@ -122,7 +126,7 @@ def measure(run: Run) -> Result:
     thin: dict[str, str] = {}
 
     def median_of(figure: str, values: list[Optional[float]]) -> Optional[float]:
-        held = [v for v in values if v is not None and math.isfinite(v)]
+        held = _finite(values)
         if held and not _enough(len(held), expected):
             thin[figure] = f"{len(held)} of {expected} records"
             return None
@@ -131,7 +135,7 @@ def measure(run: Run) -> Result:
     tflops = median_of("TFLOP/s/GPU", [r.tflops_per_gpu for r in measured])
     peak = meta.get("peak_tflops_bf16")
     bad = [r.step for r in steps if r.bad_loss]
-    bad_grad = [r.step for r in steps if r.grad_norm is not None and not math.isfinite(r.grad_norm)]
+    bad_grad = [r.step for r in steps if r.bad_grad_norm]
     final_loss = _mean_loss(steps, last - warmup, last)
     with_loss = sum(r.loss is not None for r in steps)
     if final_loss is not None and not _enough(with_loss, len(steps) + run.skipped_records):
@@ -163,10 +167,13 @@ def _enough(held: int, expected: int) -> bool:
 
 def _state(result: Result, last: int) -> list[str]:
     state = []
-    stops = [(result.first_bad_step, "loss"), (result.first_bad_grad_step, "gradient norm")]
-    stops = sorted((step, what) for step, what in stops if step is not None)
-    if stops:
-        state.append(f"stopped: non-finite {stops[0][1]} at step {stops[0][0]}")
+    last_record = result.run.steps[-1]
+    # The run's last record non-finite: the engine stopped there (Megatron skips a NaN iteration and goes on: flagged,
+    # not stopped)
+    stopped = [what for what, record in (("loss", last_record.bad_loss), ("gradient norm", last_record.bad_grad_norm))
+               if record]
+    if stopped:
+        state.append(f"stopped: non-finite {' and '.join(stopped)} at step {last}")
     planned = result.meta.get("steps")
     if planned and last < planned:
         state.append(f"incomplete: {last} of {planned} steps")

@@ -1,15 +1,17 @@
 """torchtitan (pytorch/torchtitan torchtitan/train.py and components/metrics.py `MetricsProcessor.log`).
 
-- Its step line every `metrics.log_freq` steps, behind the logger's `[titan] <time> - root - INFO - ` and in
+- Its step line every `metrics.log_freq` steps (and at step 1), behind the logger's `[titan] <time> - root - INFO - ` and in
   terminal colours: `step: 10  loss:  7.8653  grad_norm:  1.2345  memory: 37.57GiB(39.55%)  tps: 6,862
-  tflops: 397.31  mfu: 40.17%`. tps is tokens per second per GPU over the interval. Its tflops and mfu count the
+  tflops: 397.31  mfu: 40.17%` (2024: `wps` for tps, no grad_norm or tflops). tps is tokens per second per GPU over
+  the interval; `validate step: ...` lines are validation, not read. Its tflops and mfu count the
   whole attention matrix (not causal; recipes.metrics.flops_per_token), so they are not read: the TFLOP/s/GPU
   column stays empty and tokens/s/GPU is the figure to compare. It prints no step time: a speedup over BF16 is then
   the ratio of tokens/s/GPU (table.py).
 - What ran, from its startup lines: the job config (`Running with args: {...}`, with `--job.print_args`: model name
-  and flavor, `model.converters` naming the float8 or mx converter, `float8.recipe_name`, `mx.recipe_name`, the
-  parallel degrees, sequence length and steps), the converter's own line (`Float8 training active with recipe
-  rowwise`, `Float8 tensorwise scaled training active`), the device mesh (`Building 1-D device mesh with
+  and flavor, `model.converters` naming the float8 or mx converter, `float8.recipe_name`, `mx.recipe_name`, 2024's
+  `float8.enable_float8_linear` and `scaling_type_input`, the parallel degrees, sequence length and steps), the
+  converter's own line (`Float8 training active with recipe rowwise`, `Float8 tensorwise scaled training active`;
+  2024's bare `Float8 training active` says FP8 without its scaling), the device mesh (`Building 1-D device mesh with
   ['dp_shard'], [8]`: the GPU count), the trainer's summary (global batch, sequence length, total steps) and
   `Training starts at step N` (N > 1: resumed from a checkpoint). The precision comes from these, never from the
   file name where they say otherwise.
@@ -27,7 +29,8 @@ from recipes.report.records import Step
 
 STEP = LineFormat(
     "torchtitan",
-    re.compile(r"(?<![\w.-])step:\s*(?P<it>\d+)\s+(?=loss:)"),
+    # not `validate step:` (its validation line)
+    re.compile(r"(?<![\w.-])(?<!validate )step:\s*(?P<it>\d+)\s+(?=loss:)"),
     zero_based=False,
     pairs=re.compile(r"(?P<key>[a-z_]+):\s*(?P<value>\S+)"),
 )
@@ -35,11 +38,11 @@ STEP = LineFormat(
 FIELDS = [
     (re.compile(r"loss"), "loss"),
     (re.compile(r"grad_norm"), "grad_norm"),
-    (re.compile(r"tps"), "tokens_per_s_per_gpu"),
+    (re.compile(r"tps|wps"), "tokens_per_s_per_gpu"),  # wps in 2024's versions: the same count
 ]
 
 ARGS = re.compile(r"Running with args: (?P<args>\{.*\})\s*$")
-FLOAT8 = re.compile(r"Float8 (?:training active with recipe (?P<recipe>\w+)|(?P<tensorwise>tensorwise) scaled training)")
+FLOAT8 = re.compile(r"Float8 (?:(?P<tensorwise>tensorwise) scaled training|training active(?: with recipe (?P<recipe>\w+))?)")
 MX = re.compile(r"Swapped to MXLinear layers|Converted Linear layers to MXFP8Linear")
 MESH = re.compile(r"Building \d+-D device mesh with \[[^\]]*\], \[(?P<dims>[\d, ]+)\]")
 TRAINER = re.compile(r"Trainer is initialized with .*?global batch size (?P<gbs>\d+),.*?sequence length (?P<seq>\d+), "
@@ -94,8 +97,11 @@ def _job_config(match: re.Match) -> dict[str, Any]:
     section = lambda name: config.get(name) if isinstance(config.get(name), dict) else {}  # noqa: E731
     model, training, parallel = section("model"), section("training"), section("parallelism")
     converters = model.get("converters") or []
+    float8 = section("float8")
     if "float8" in converters:
-        precision = quantized_precision(section("float8").get("recipe_name"))
+        precision = quantized_precision(float8.get("recipe_name"))
+    elif float8.get("enable_float8_linear"):  # 2024's switch, its scaling per operand: dynamic (current) or delayed
+        precision = "fp8_delayed" if float8.get("scaling_type_input") == "delayed" else "fp8_current"
     elif "mx" in converters:
         precision = quantized_precision(section("mx").get("recipe_name") or "mxfp8")
     elif not converters and training.get("mixed_precision_param") == "bfloat16":
@@ -116,7 +122,9 @@ def _job_config(match: re.Match) -> dict[str, Any]:
 
 READERS = [
     (ARGS, _job_config),
-    (FLOAT8, lambda m: {"precision_preset": quantized_precision(m["recipe"] or m["tensorwise"])}),
+    # 2024's bare `Float8 training active` names no scaling (dynamic or delayed): FP8, recipe unknown
+    (FLOAT8, lambda m: {"precision_preset": quantized_precision(m["recipe"] or m["tensorwise"])
+                        if m["recipe"] or m["tensorwise"] else "fp8"}),
     (MX, lambda m: {"precision_preset": "mxfp8"}),
     (MESH, lambda m: {"world_size": math.prod(int(d) for d in m["dims"].split(","))}),
     (TRAINER, lambda m: {"gbs": int(m["gbs"]), "seq": int(m["seq"]), "steps": int(m["steps"])}),
