@@ -9,7 +9,8 @@ An INPUT is a run directory (metrics.jsonl, config.yaml, summary.json), a folder
 experiment, a folder of Slurm logs), a metrics.jsonl, or a raw Megatron-LM / Megatron-Bridge / AMD Primus /
 Megatron-DeepSpeed / NeMo 2 / NeMo 1 (Lightning progress bar) / torchtitan log. Each run is marked with its state
 (stopped on NaN/inf, incomplete, resumed), a figure from too few records is left blank, and NVIDIA's published
-tokens/s/GPU for the same model, GPU, GPU count and precision stands beside it. DIR receives report.md, report.html (self-contained), results.csv
+tokens/s/GPU for the same model, GPU, GPU count and precision stands beside it. DIR receives report.md, report.html
+(self-contained), results.csv
 (empty cells: unknown) and the PNG figures, each loss-curve figure with a CSV of its points.
 
 A manifest holds the arguments of one report, one or more per line, `#` comments allowed; paths in it are

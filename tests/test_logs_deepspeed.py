@@ -39,4 +39,5 @@ def test_megatron_deepspeed_tflops_with_recomputation_are_dropped_and_samples_pe
     # samples per second 256000 / ms: 256 (five intervals at 1000 ms), 250 (four at 1024 ms); x 2048 / 8 GPUs
     approx(row["tokens_per_s_per_gpu"], 256 * 2048 / 8)
     text = (tmp_path / "report.md").read_text()
-    assert "Megatron-DeepSpeed's TFLOPs not used: with checkpoint_activations on they count the recomputed forward" in text
+    assert ("Megatron-DeepSpeed's TFLOPs not used: with checkpoint_activations on they count the recomputed "
+            "forward") in text

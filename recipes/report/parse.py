@@ -37,8 +37,8 @@ from recipes.report.formats.torchtitan import TORCHTITAN
 from recipes.report.records import Skips, Step
 
 FAMILIES = [MEGATRON, DEEPSPEED, NEMO, TORCHTITAN]
-LINE_FORMATS = list({id(fmt): fmt for family in FAMILIES for fmt in family.formats}.values())
-READERS_OF = {id(fmt): [family for family in FAMILIES if fmt in family.formats] for fmt in LINE_FORMATS}
+LINE_FORMATS = list(dict.fromkeys(fmt for family in FAMILIES for fmt in family.formats))
+READERS_OF = {fmt: [family for family in FAMILIES if fmt in family.formats] for fmt in LINE_FORMATS}  # whose fields
 
 __all__ = ["FileRead", "read_log", "read_metrics_jsonl", "FAMILIES"]
 
@@ -68,7 +68,7 @@ def read_log(path: Path, where: str) -> FileRead:
             skips.add("two records on one line (output of two processes interleaved)", line_no)
             continue
         fmt, match = starts[0]
-        parsed = parse_fields(_fields_text(fmt, match, line), fmt, READERS_OF[id(fmt)])
+        parsed = parse_fields(_fields_text(fmt, match, line), fmt, READERS_OF[fmt])
         other_losses |= parsed.other_losses
         if parsed.unreadable:
             skips.add(f"unreadable {' and '.join(parsed.unreadable)}", line_no)
@@ -99,7 +99,8 @@ def read_log(path: Path, where: str) -> FileRead:
             notes += family.finish(steps, read_header, where)
     fmt_name = max(per_format, key=per_format.get) if steps else None
     return FileRead(fmt_name, steps, header=read_header, notes=notes, other_losses=other_losses,
-                    planned_steps=planned, skipped_records=skips.count(), start_step=read_header.pop("start_step", None))
+                    planned_steps=planned, skipped_records=skips.count(),
+                    start_step=read_header.pop("start_step", None))
 
 
 def _fields_text(fmt: LineFormat, match, line: str) -> str:

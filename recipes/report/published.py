@@ -79,4 +79,5 @@ def published_for(meta: dict[str, Any]) -> Optional[Published]:
         return None
     row = max(candidates, key=_container)
     stand_in = f"{row_gpu.upper()} rows for {gpu.upper()}" if row_gpu != gpu else None
-    return Published(row, sources[row["source"]]["document"], stand_in, recipe_not_stated=not exact and precision != "fp8")
+    return Published(row, sources[row["source"]]["document"], stand_in,
+                     recipe_not_stated=not exact and precision != "fp8")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
+from recipes.report.formats.config_dump import DumpKind
 from recipes.report.records import Step
 
 
@@ -98,7 +99,7 @@ class Family:
     name: str  # as the report names it
     formats: list[LineFormat] = field(default_factory=list)
     fields: Fields = field(default_factory=list)
-    dumps: list = field(default_factory=list)  # config_dump.DumpKind
+    dumps: list[DumpKind] = field(default_factory=list)
     side: Optional[Callable[[], SideLines]] = None  # a fresh reader for each file
     # (the file's records, its header, where) -> notes; may change the records (a field that is not what it seems)
     finish: Optional[Callable[[list[Step], dict[str, Any], str], list[str]]] = None

@@ -1,7 +1,7 @@
 """torchtitan (pytorch/torchtitan torchtitan/train.py and components/metrics.py `MetricsProcessor.log`).
 
-- Its step line every `metrics.log_freq` steps (and at step 1), behind the logger's `[titan] <time> - root - INFO - ` and in
-  terminal colours: `step: 10  loss:  7.8653  grad_norm:  1.2345  memory: 37.57GiB(39.55%)  tps: 6,862
+- Its step line every `metrics.log_freq` steps (and at step 1), behind the logger's `[titan] <time> - root - INFO - `
+  and in terminal colours: `step: 10  loss:  7.8653  grad_norm:  1.2345  memory: 37.57GiB(39.55%)  tps: 6,862
   tflops: 397.31  mfu: 40.17%` (2024: `wps` for tps, no grad_norm or tflops). tps is tokens per second per GPU over
   the interval; `validate step: ...` lines are validation, not read. Its tflops and mfu count the
   whole attention matrix (not causal; recipes.metrics.flops_per_token), so they are not read: the TFLOP/s/GPU
@@ -42,7 +42,8 @@ FIELDS = [
 ]
 
 ARGS = re.compile(r"Running with args: (?P<args>\{.*\})\s*$")
-FLOAT8 = re.compile(r"Float8 (?:(?P<tensorwise>tensorwise) scaled training|training active(?: with recipe (?P<recipe>\w+))?)")
+FLOAT8 = re.compile(r"Float8 (?:(?P<tensorwise>tensorwise) scaled training"
+                    r"|training active(?: with recipe (?P<recipe>\w+))?)")
 MX = re.compile(r"Swapped to MXLinear layers|Converted Linear layers to MXFP8Linear")
 MESH = re.compile(r"Building \d+-D device mesh with \[[^\]]*\], \[(?P<dims>[\d, ]+)\]")
 TRAINER = re.compile(r"Trainer is initialized with .*?global batch size (?P<gbs>\d+),.*?sequence length (?P<seq>\d+), "
@@ -94,7 +95,14 @@ def _job_config(match: re.Match) -> dict[str, Any]:
         config = ast.literal_eval(match["args"])
     except (ValueError, SyntaxError):
         return {}
-    section = lambda name: config.get(name) if isinstance(config.get(name), dict) else {}  # noqa: E731
+
+    def section(name: str) -> dict:
+        return config.get(name) if isinstance(config.get(name), dict) else {}
+
+    def degree(key: str) -> Optional[int]:  # -1: as many as the GPUs left (data parallel), not a stated size
+        value = parallel.get(key)
+        return value if isinstance(value, int) and value > 0 else None
+
     model, training, parallel = section("model"), section("training"), section("parallelism")
     converters = model.get("converters") or []
     float8 = section("float8")
@@ -108,7 +116,6 @@ def _job_config(match: re.Match) -> dict[str, Any]:
         precision = "bf16"
     else:
         precision = None
-    degree = lambda key: parallel.get(key) if isinstance(parallel.get(key), int) and parallel[key] > 0 else None  # noqa: E731
     return {
         "precision_preset": precision,
         "model": MODELS.get((str(model.get("name")), str(model.get("flavor")).lower())),
