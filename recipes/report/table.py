@@ -79,7 +79,8 @@ def rules(tolerance: float) -> list[str]:
         "Run state, in the table, the CSV and the figures: 'stopped' where a loss or gradient norm went NaN/inf "
         "(the engines stop there), 'incomplete: N of M steps' where the last step is short of the planned length "
         "(trainer.max_steps, --train-iters, the iteration line's total), 'resumed at step N' where the records show "
-        "a restart. A speedup or loss gap that pairs an incomplete run says so.",
+        "a restart or the run's log says it resumed (a run directory's train.log, torchtitan's start step). A "
+        "speedup or loss gap that pairs an incomplete run says so.",
         "MFU: model TFLOP/s/GPU divided by the GPU's dense BF16 peak, for every recipe (so MFU ratios equal "
         "speedups); where the peak is unknown, the run's own logged MFU.",
         "NVIDIA published: the tokens/s/GPU NVIDIA publishes (recipes/report/nvidia_published.yaml, each row with "
