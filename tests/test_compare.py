@@ -259,7 +259,7 @@ def test_golden_markdown_table(golden):
         "8192 | resumed at step 11 | 17 | 0.82 | 159,844 | 487.8 | 49.3% | 1.23x | "
         "14,451 (mbridge-25.11, H100 x8 FP8-CS) | 11.06 | 4.1600 | +0.24% |  |"
     ) in text
-    bf16_cells = ("| complete | 18 | 1.01 | 129,787 | 396.1 | 40.0% | baseline | none published | n/a | 4.1500 "
+    bf16_cells = ("| complete | 18 | 1.01 | 129,787 | 396.1 | 40.0% | baseline | no published row | n/a | 4.1500 "
                   "| baseline |")
     assert bf16_cells in text
     assert "max(1, N // 10)" in text  # the warm-up rule is stated
@@ -377,7 +377,7 @@ def test_published_columns_for_matching_and_non_matching_run_directories(tmp_pat
     approx(rows["h200-8"]["ours_over_published"], 128 * 8192 / 8 / 0.82 / 14451)
     assert rows["h200-4"]["world_size"] == "4" and rows["h200-4"]["published_row"] == ""
     text = (tmp_path / "out" / "report.md").read_text()
-    assert "| none published | n/a |" in text
+    assert "| no published row | n/a |" in text
     assert ("- llama3_8b on 8 H100, FP8-CS, TP1 PP1 CP1 VP-, FSDP, MBS/GBS 1/128, seq 8192: 14,451 tokens/s/GPU, 744 "
             "model TFLOP/s/GPU as published (container 25.11); NVIDIA-NeMo/Megatron-Bridge "
             "docs/performance-summary-archive.md") in text

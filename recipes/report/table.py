@@ -371,7 +371,7 @@ def _speedup_cell(result: Result) -> str:
 
 def _published_cells(result: Result) -> tuple[str, str]:
     if result.published is None:
-        return "none published", "n/a"
+        return "no published row", "n/a"
     published = f"{result.published.tokens:,.0f} ({result.published.label()})"
     if result.vs_published is None:
         return published, _figure(result, "tokens/s/GPU", None, "")
