@@ -6,15 +6,19 @@
     python scripts/compare.py --regenerate        # the same, for the project's docs/results/runs.txt
 
 An INPUT is a run directory (metrics.jsonl, config.yaml, summary.json), a folder to search (a nemo-run
-experiment, a folder of Slurm logs), a metrics.jsonl, or a raw Megatron-LM / Megatron-DeepSpeed / Megatron-Bridge /
-NeMo 2 / NeMo 1 (Lightning progress bar) log. DIR receives report.md, report.html (self-contained), results.csv
+experiment, a folder of Slurm logs), a metrics.jsonl, or a raw Megatron-LM / Megatron-Bridge / AMD Primus /
+Megatron-DeepSpeed / NeMo 2 / NeMo 1 (Lightning progress bar) / torchtitan log. Each run is marked with its state
+(stopped on NaN/inf, incomplete, resumed), a figure from too few records is left blank, and NVIDIA's published
+tokens/s/GPU for the same model, GPU, GPU count and precision stands beside it. DIR receives report.md, report.html
+(self-contained), results.csv
 (empty cells: unknown) and the PNG figures, each loss-curve figure with a CSV of its points.
 
 A manifest holds the arguments of one report, one or more per line, `#` comments allowed; paths in it are
 relative to the manifest's folder, and the report goes there unless it says `--out`.
 
 Exit status: 0 report written, nothing flagged; 1 report written, a run diverged from BF16 beyond the loss
-tolerance or logged a NaN/inf loss; 2 usage error (bad argument, missing input) or no usable run in the inputs.
+tolerance or logged a NaN/inf loss or gradient norm; 2 nothing written: a usage error (bad argument, missing input,
+an --out that is a file or cannot be written) or no usable run in the inputs.
 """
 
 from __future__ import annotations

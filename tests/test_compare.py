@@ -1,4 +1,6 @@
-"""scripts/compare.py and recipes.report: every input format, broken logs, golden numbers, alarms, outputs.
+"""scripts/compare.py and recipes.report: metadata, broken logs, golden numbers, alarms, run states, NVIDIA's published
+figures, outputs. Each log format's own tests are in tests/test_logs_<family>.py, beside its fixtures in
+tests/fixtures/logs/<family>/.
 
 The fixtures under tests/fixtures/logs are small hand-made files. Expected numbers below are worked out by hand
 from how the fixtures were written (comments say how), never by calling the code under test.
@@ -9,6 +11,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -17,14 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from compare_helpers import FIXTURES, REPO, SCRIPT, approx, copy_run, csv_by_run, quiet, report
 from recipes.report import build_report, metadata
-from recipes.report.inputs import find_sources, read_source
 from recipes.report.parse import read_log, read_metrics_jsonl
-from recipes.report.table import compare
 
-REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO / "tests" / "fixtures" / "logs"
-SCRIPT = REPO / "scripts" / "compare.py"
 NEMO_LABEL = f"{FIXTURES / 'nemo'}:gpu=b200,nodes=1,gpus=8,tp=1,pp=1,cp=1,vp=1,mbs=2,gbs=128,seq=8192"
 
 
@@ -35,225 +34,10 @@ def load_cli():
     return module
 
 
-def quiet(_message: str) -> None:
-    pass
-
-
-def report(inputs, out, **kwargs):
-    return build_report([str(FIXTURES / i) for i in inputs], out, base=REPO, log=quiet, **kwargs)
-
-
-def csv_by_run(out: Path) -> dict[str, dict[str, str]]:
-    with (out / "results.csv").open() as f:
-        return {row["run"]: row for row in csv.DictReader(f)}
-
-
-def read_one(path: Path, labels=()):
-    sources, _ = find_sources([str(path)], REPO)
-    assert len(sources) == 1
-    return read_source(sources[0], [metadata.parse_label(label) for label in labels], REPO)
-
-
 def png_size(path: Path) -> tuple[int, int]:
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     return struct.unpack(">II", data[16:24])
-
-
-# ---- each input format ----
-
-
-def test_megatron_lines_and_argument_header():
-    read = read_log(FIXTURES / "megatron/log-nemotron4_15b_h100_8nodes_bf16_2001_0.out", "bf16.out")
-    assert read.format == "megatron"
-    assert [s.step for s in read.steps] == list(range(10, 101, 10))
-    assert read.steps[1].time_s == pytest.approx(2.0)  # 2000.0 ms
-    assert read.steps[1].tflops_per_gpu == 400.0
-    assert read.steps[1].global_batch_size == 256
-    assert read.steps[-1].loss == pytest.approx(5.0)
-    assert read.steps[0].fresh and not read.steps[1].fresh
-    assert read.header == {
-        "bf16": True,
-        "cp": 1,
-        "dp": 32,
-        "fp8": "none",
-        "fp8_recipe": "delayed",
-        "gbs": 256,
-        "mbs": 2,
-        "pp": 1,
-        "seed": 1234,
-        "seq": 4096,
-        "tp": 2,
-        "vp": 1,
-        "world_size": 64,
-    }
-    assert read.notes == []
-
-
-def test_nemo2_lines_count_iterations_from_zero():
-    read = read_log(FIXTURES / "nemo/llama3_8b_bf16.log", "bf16.log")
-    assert read.format == "nemo2"
-    assert [s.step for s in read.steps] == list(range(1, 11))  # iteration 0..9 -> steps 1..10
-    assert read.steps[0].time_s == 20.0 and read.steps[1].time_s == 2.1
-    assert read.steps[0].loss == 11.0 and read.steps[0].global_batch_size == 128
-
-
-def test_metrics_jsonl_requeue_keeps_last_occurrence():
-    run, _ = read_one(FIXTURES / "rundirs/llama3_8b-fp8_current")
-    assert [s.step for s in run.steps] == list(range(1, 21))  # 11 and 12 were logged twice: counted once
-    step11, step12 = run.steps[10], run.steps[11]
-    assert step11.time_s == 5.0 and step11.fresh  # the restart's first step (recompiles): warm-up
-    assert step12.loss == pytest.approx(10 - 0.3 * 12 + 0.01)  # not the first attempt's 50.0
-    assert any("2 step record(s) logged again" in note for note in run.notes)
-
-
-def test_slurm_requeue_newest_restart_wins():
-    sources, _ = find_sources([str(FIXTURES / "megatron")], REPO)
-    fp8 = next(s for s in sources if "fp8cs" in s.name)
-    assert [p.name for p in fp8.paths] == [
-        "log-nemotron4_15b_h100_8nodes_fp8cs_3001_0.out",
-        "log-nemotron4_15b_h100_8nodes_fp8cs_3001_1.out",
-    ]
-    run, _ = read_source(fp8, [], REPO)
-    assert [s.step for s in run.steps] == list(range(10, 101, 10))
-    step50, step60 = run.steps[4], run.steps[5]
-    assert step50.time_s == 8.0 and step50.fresh  # restart 1's first interval, not restart 0's 1.5 s
-    assert step60.loss == pytest.approx(10 - 0.05 * 60 + 0.02)  # not restart 0's 7.77
-    assert any("2 step record(s) logged again" in note for note in run.notes)
-
-
-def test_megatron_bridge_log_uses_the_config_that_ran_and_pairs_its_step_time_lines():
-    run, _ = read_one(FIXTURES / "bridge/pretrain_llama3_8b_run1.log")
-    # the recipe's defaults (512 / 8192 / 1234, CP 2) were printed first; the merged config that ran, 8 / 4096 / 42
-    assert (run.meta["gbs"], run.meta["seq"], run.meta["seed"], run.meta["cp"], run.meta["mbs"]) == (8, 4096, 42, 1, 1)
-    # `fp8: null` beside `fp8_recipe: delayed` (Transformer Engine's default) is a BF16 run, not fp8_delayed
-    assert (run.meta["precision"], run.meta_origin["precision"]) == ("bf16", "header")
-    assert [s.step for s in run.steps] == [5, 10, 15, 20, 25, 30]
-    # each `Step Time : 2.00s GPU utilization: 400.0MODEL_TFLOP/s/GPU` line joins the iteration line after it
-    assert [s.tflops_per_gpu for s in run.steps] == [66.7, 400.0, 398.0, 400.0, 398.0, 400.0]
-    fp8, _ = read_one(FIXTURES / "bridge/pretrain_llama3_8b_run2.log")
-    # a preset naming FP8 current scaling, and the setup's summary `fp8: 'hybrid'`, `fp8_recipe: 'tensorwise'`
-    assert fp8.meta["precision"] == "fp8_current"
-    # interval 20's throughput line came after its iteration line: paired all the same
-    assert [s.tflops_per_gpu for s in fp8.steps] == [66.7, 533.3, 529.8, 533.3, 529.8, 533.3]
-    assert not [note for note in run.notes + fp8.notes if "Step Time" in note]
-
-
-def test_step_time_line_with_another_step_time_is_not_paired(tmp_path):
-    log = tmp_path / "bridge.log"
-    line = FIXTURES.joinpath("bridge/pretrain_llama3_8b_run1.log").read_text().splitlines()
-    iteration = next(text for text in line if "iteration       10/" in text)  # 2000.0 ms
-    log.write_text("Step Time : 3.00s GPU utilization: 266.7MODEL_TFLOP/s/GPU\n" + iteration + "\n")
-    read = read_log(log, "bridge.log")
-    assert read.steps[0].tflops_per_gpu is None
-    assert read.notes == ["bridge.log: 1 'Step Time' line(s) not paired with an iteration line of the same step time: "
-                          "their TFLOP/s not used"]
-
-
-def test_bridge_speedup_names_the_unknown_field_and_the_label_that_supplies_it(tmp_path):
-    status, results = report(["bridge"], tmp_path / "a")
-    rows = csv_by_run(tmp_path / "a")
-    fp8, bf16 = rows["pretrain_llama3_8b_run2"], rows["pretrain_llama3_8b_run1"]
-    assert fp8["speedup"] == "" and fp8["baseline"] == "" and bf16["baseline"] == ""  # run names only, or nothing
-    target = "tests/fixtures/logs/bridge/pretrain_llama3_8b_run{}.log:gpu=GPU"
-    assert fp8["note"] == (
-        "speedup missing: gpu unknown here and on BF16 run pretrain_llama3_8b_run1; supply it with "
-        f"--label {target.format(2)} --label {target.format(1)}"
-    )
-    assert fp8["note"] in (tmp_path / "a" / "report.md").read_text()
-    status, results = report(["bridge"], tmp_path / "b", labels=[f"{FIXTURES / 'bridge'}:gpu=h100"])
-    rows = csv_by_run(tmp_path / "b")
-    fp8, bf16 = rows["pretrain_llama3_8b_run2"], rows["pretrain_llama3_8b_run1"]
-    # 30 steps, warm-up 3 and the first interval (5); intervals 10..30 at 2000/2010/2000/2010/2000 ms (FP8 1500/1510)
-    assert (fp8["steps_measured"], fp8["baseline"], fp8["note"]) == ("25", "pretrain_llama3_8b_run1", "")
-    approx(bf16["median_step_time_s"], 2.0)
-    approx(fp8["median_step_time_s"], 1.5)
-    approx(fp8["speedup"], 2.0 / 1.5)
-    approx(bf16["tflops_per_gpu"], 400.0)
-    approx(fp8["tflops_per_gpu"], 533.3)
-    approx(bf16["final_loss"], 11.0 - 0.1 * 30)  # the last 3 steps: interval 30 alone
-    approx(fp8["final_loss"], 11.0 - 0.1 * 30 + 0.02)
-    assert status == 0
-
-
-def test_megatron_deepspeed_lm_loss_and_its_argument_dump():
-    run, _ = read_one(FIXTURES / "deepspeed/megatron_deepspeed_llama3_8b.log")
-    assert [s.step for s in run.steps] == list(range(10, 101, 10))
-    assert run.steps[0].loss == pytest.approx(8.6)  # `lm-loss: 8.600000E+00`
-    # --fp8-e4m3 and --fp8-hybrid False with --bf16; Megatron's world size (8), not DeepSpeed's data-parallel one (4)
-    assert (run.meta["precision"], run.meta["world_size"], run.meta["tp"]) == ("bf16", 8, 2)
-    assert not [note for note in run.notes if "no loss" in note]
-
-
-def test_megatron_deepspeed_golden_numbers(tmp_path):
-    report(["deepspeed"], tmp_path)
-    row = csv_by_run(tmp_path)["megatron_deepspeed_llama3_8b"]
-    # 100 steps: warm-up 10 and the first interval; intervals 20..100: five at 1000 ms, four at 1024 ms
-    assert row["steps_measured"] == "90"
-    approx(row["median_step_time_s"], 1.0)
-    # its own tokens per GPU per second, of 2000-token sequences: not 256 * 2048 / 8 from the arguments
-    approx(row["tokens_per_s_per_gpu"], 256 * 2000 / 8 / 1.0)
-    assert row["tflops_per_gpu"] == ""  # its "TFLOPs" counts recomputation: not model FLOPs, not read
-    approx(row["final_loss"], 9.0 - 0.04 * 100)
-
-
-def test_fp8_only_where_the_log_says_it_is_on(tmp_path):
-    iteration = " iteration       10/     100 | elapsed time per iteration (ms): 1000.0 | lm loss: 2.0 |\n"
-    echoed = tmp_path / "echoed_llama3_8b.log"
-    echoed.write_text("+ torchrun pretrain_gpt.py --bf16 --fp8-format hybrid --fp8-recipe tensorwise --seed 7\n" + iteration)
-    assert read_one(echoed)[0].meta["precision"] == "fp8_current"
-    recipe_only = tmp_path / "recipe_only_llama3_8b.log"
-    recipe_only.write_text("fp8_recipe: delayed\nbf16: true\n" + iteration)  # TE's default recipe, FP8 never switched on
-    run, _ = read_one(recipe_only)
-    assert "precision" not in run.meta
-    assert compare([run])[0].note.startswith("no speedup: precision unknown")
-
-
-def test_a_loss_under_another_name_is_reported_not_guessed(tmp_path):
-    log = tmp_path / "custom.log"
-    log.write_text(" iteration       10/     100 | elapsed time per iteration (ms): 1000.0 | lm_loss: 2.0 |\n"
-                   " iteration       20/     100 | elapsed time per iteration (ms): 1000.0 | lm_loss: 1.9 |\n")
-    run, _ = read_one(log)
-    assert [s.loss for s in run.steps] == [None, None]
-    assert "custom: no loss read from any record(s) (its records name lm_loss, none of which is the training loss)" \
-        in run.notes
-
-
-def test_a_step_time_missing_from_some_records_is_reported(tmp_path):
-    log = tmp_path / "untimed.log"
-    log.write_text(" iteration       10/     100 | elapsed time per iteration (ms): 1000.0 | lm loss: 2.0 |\n"
-                   " iteration       20/     100 | elapsed time per iteration (ms): n/a | lm loss: 1.9 |\n"
-                   " iteration       30/     100 | lm loss: 1.8 |\n")
-    run, _ = read_one(log)
-    # a value that is no number drops its line, saying so; a record without the field is kept, and noted
-    assert [(s.step, s.time_s) for s in run.steps] == [(10, 1.0), (30, None)]
-    assert any(note.endswith("skipped 1 line (2): unreadable step time") for note in run.notes), run.notes
-    assert "untimed: no step time read from 1 of the 2 record(s)" in run.notes
-
-
-def test_nemo1_progress_bars(tmp_path):
-    read = read_log(FIXTURES / "nemo1/log-nemo-megatron-nemotron4_15b_bf16_7001.out", "bf16.out")
-    assert read.format == "nemo1" and read.notes == []
-    # 100 redraws (each step drawn with the previous step's fields, then its own) and a validation bar: 50 steps
-    assert [s.step for s in read.steps] == list(range(1, 51))  # global_step 0..49
-    assert (read.steps[0].time_s, read.steps[1].time_s, read.steps[2].time_s) == (30.0, 3.13, 3.15)
-    assert read.steps[-1].loss == pytest.approx(6.1)  # `reduced_train_loss=6.100`
-    run, _ = read_one(FIXTURES / "nemo1/log-nemo-megatron-nemotron4_15b_fp8_7002.out")
-    # the experiment's YAML: `fp8: true` (a NeMo 1 FP8 run names no scaling recipe), 2 nodes of 8 GPUs
-    assert (run.meta["precision"], run.meta_origin["precision"], run.meta["world_size"]) == ("fp8", "header", 16)
-    status, _ = report(["nemo1"], tmp_path, labels=[f"{FIXTURES / 'nemo1'}:gpu=h100"])
-    rows = csv_by_run(tmp_path)
-    bf16, fp8 = rows["log-nemo-megatron-nemotron4_15b_bf16_7001"], rows["log-nemo-megatron-nemotron4_15b_fp8_7002"]
-    assert (bf16["precision"], bf16["engine"], fp8["baseline"]) == ("bf16", "nemo", bf16["run"])
-    # 50 steps, warm-up 5; steps 6..50 are global steps 5..49: 23 odd ones at 3.13 s, 22 even at 3.15 s
-    assert bf16["steps_measured"] == "45"
-    approx(bf16["median_step_time_s"], 3.13)
-    approx(fp8["median_step_time_s"], 2.51)
-    approx(fp8["speedup"], 3.13 / 2.51)
-    approx(bf16["tokens_per_s_per_gpu"], 64 * 4096 / 16 / 3.13)
-    approx(bf16["final_loss"], (6.5 + 6.4 + 6.3 + 6.2 + 6.1) / 5)
-    approx(fp8["final_loss"], (6.6 + 6.5 + 6.4 + 6.3 + 6.2) / 5)
-    assert status == 0
 
 
 # ---- metadata ----
@@ -391,10 +175,6 @@ def golden(tmp_path_factory):
     return status, out, csv_by_run(out)
 
 
-def approx(value: str, expected: float):
-    assert float(value) == pytest.approx(expected, rel=1e-9)
-
-
 def test_golden_run_directories(golden):
     status, _, rows = golden
     assert status == 0
@@ -476,9 +256,12 @@ def test_golden_markdown_table(golden):
     text = (out / "report.md").read_text()
     assert (
         "| llama3_8b-fp8_current | llama3_8b | h100 | 1 | 8 | torch | fp8_current | TP1 PP1 CP1 VP1 DP8 | 1/128 | "
-        "8192 | 17 | 0.82 | 159,844 | 487.8 | 49.3% | 1.23x | 4.1600 | +0.24% |  |"
+        "8192 | resumed at step 11 | 17 | 0.82 | 159,844 | 487.8 | 49.3% | 1.23x | "
+        "14,451 (mbridge-25.11, H100 x8 FP8-CS) | 11.06 | 4.1600 | +0.24% |  |"
     ) in text
-    assert "| baseline | 4.1500 | baseline |" in text
+    bf16_cells = ("| complete | 18 | 1.01 | 129,787 | 396.1 | 40.0% | baseline | no published row | n/a | 4.1500 "
+                  "| baseline |")
+    assert bf16_cells in text
     assert "max(1, N // 10)" in text  # the warm-up rule is stated
 
 
@@ -508,6 +291,96 @@ def test_nan_loss_is_flagged(tmp_path):
     blockwise = next(r for r in results if r.meta["precision"] == "fp8_blockwise")
     assert status == 1 and blockwise.flags == ["NaN/inf loss from step 15"]
     assert "NaN/inf loss from step 15" in (tmp_path / "report.md").read_text()
+
+
+def test_a_run_stopped_on_a_nan_gradient_norm_is_flagged_everywhere(tmp_path):
+    """The engine writes the step whose gradient norm went NaN and stops (no summary.json): stopped, incomplete, and
+    flagged (exit 1) in the table, the CSV and the loss-curve figure's data."""
+    status, results = report(["rundirs/llama3_8b-bf16", "failed"], tmp_path)
+    delayed = next(r for r in results if r.meta["precision"] == "fp8_delayed")
+    assert delayed.state == ["stopped: non-finite gradient norm at step 8", "incomplete: 8 of 20 steps"]
+    assert delayed.flags == ["NaN/inf gradient norm at step 8"] and status == 1
+    row = csv_by_run(tmp_path)["llama3_8b-fp8_delayed"]
+    assert row["run_state"] == "stopped: non-finite gradient norm at step 8; incomplete: 8 of 20 steps"
+    assert row["flag"] == "NaN/inf gradient norm at step 8"
+    text = (tmp_path / "report.md").read_text()
+    assert "| stopped: non-finite gradient norm at step 8; incomplete: 8 of 20 steps |" in text
+    assert f"| metrics.jsonl | {row['run_state']} |" in text  # the Sources table
+    with (tmp_path / "loss_curves_llama3_8b_h100_llama3_8b-bf16.csv").open() as f:
+        states = {row["run"]: row["run_state"] for row in csv.DictReader(f)}
+    assert states == {"llama3_8b-bf16": "complete", "llama3_8b-fp8_delayed": row["run_state"]}
+
+
+def test_a_run_killed_early_is_incomplete_and_its_speedup_says_so(tmp_path):
+    """Killed at step 2 of 6 and paired with a whole BF16 run of 6: marked incomplete, no figure from its one
+    measured step, and the pairing says the run is incomplete."""
+    copy_run("llama3_8b-bf16", tmp_path / "in" / "bf16", max_steps=6, steps=6)
+    killed = copy_run("llama3_8b-fp8_current", tmp_path / "in" / "fp8-killed", max_steps=6, steps=2)
+    (killed / "summary.json").unlink()
+    status, results = build_report([str(tmp_path / "in")], tmp_path / "out", base=tmp_path, log=quiet)
+    fp8 = next(r for r in results if r.run.name == "fp8-killed")
+    assert fp8.baseline.run.name == "bf16" and fp8.state == ["incomplete: 2 of 6 steps"]
+    assert fp8.step_time_s is None and fp8.thin["step time"] == "1 of 1 records" and fp8.speedup is None
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "| incomplete: 2 of 6 steps | 1 | too few records (1 of 1 records) |" in text
+    # killed at step 12 of 20 instead: figures from its 10 measured steps, and the speedup cell names the state
+    copy_run("llama3_8b-bf16", tmp_path / "in2" / "bf16")
+    later = copy_run("llama3_8b-bf16", tmp_path / "in2" / "fp8-killed", steps=12)
+    config = (later / "config.yaml").read_text()
+    config = config.replace("name: bf16\n  recipe: bf16", "name: fp8_current\n  recipe: tensorwise")
+    (later / "config.yaml").write_text(config)
+    (later / "summary.json").unlink()
+    build_report([str(tmp_path / "in2")], tmp_path / "out2", base=tmp_path, log=quiet)
+    row = csv_by_run(tmp_path / "out2")["fp8-killed"]
+    assert (row["run_state"], row["baseline"]) == ("incomplete: 12 of 20 steps", "bf16")
+    # its warm-up is 1 step (of 12): steps 2..12, 1.5 s, five at 1.00 s, five at 1.02 s; BF16 (1.00 + 1.02) / 2
+    approx(row["speedup"], 1.01 / 1.02)
+    assert "| 0.99x (this run incomplete) |" in (tmp_path / "out2" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("meta, expected", [
+    # the GPU's own row, the exact recipe, the newest container's of those
+    ({"model": "llama3_70b", "gpu": "h100", "world_size": 64, "precision": "fp8_current"},
+     (1602, "mbridge-25.11, H100 x64 FP8-CS")),
+    # H200: H100's rows, said so
+    ({"model": "llama3_8b", "gpu": "h200", "world_size": 8, "precision": "fp8_current"},
+     (14451, "mbridge-25.11, H100 x8 FP8-CS; H100 rows for H200")),
+    # delayed scaling on B200: only rows that say "FP8" without a recipe, said so
+    ({"model": "nemotron4_15b", "gpu": "b200", "world_size": 64, "precision": "fp8_delayed"},
+     (14760, "nemo-25.02, B200 x64 FP8; recipe not stated")),
+    ({"model": "llama3_8b", "gpu": "gb200", "world_size": 8, "precision": "mxfp8"},
+     (29789, "mbridge-25.11, GB200 x8 FP8-MX")),
+    # no match: another GPU count, BF16, a GPU NVIDIA publishes nothing for, a precision unknown
+    ({"model": "llama3_8b", "gpu": "h100", "world_size": 16, "precision": "fp8_current"}, None),
+    ({"model": "llama3_8b", "gpu": "h100", "world_size": 8, "precision": "bf16"}, None),
+    ({"model": "llama3_8b", "gpu": "cpu", "world_size": 8, "precision": "fp8_current"}, None),
+    ({"model": "llama3_8b", "gpu": "h100", "world_size": 8}, None),
+])
+def test_the_nvidia_row_a_run_is_held_against(meta, expected):
+    from recipes.report.published import published_for
+
+    found = published_for(meta)
+    assert (found.tokens, found.label()) == expected if expected else found is None
+
+
+def test_published_columns_for_matching_and_non_matching_run_directories(tmp_path):
+    """An FP8 run on 8 H200s takes H100's row; the same run on 4 GPUs has none; the rows used are listed in full."""
+    runs = tmp_path / "in"
+    for name, gpus in (("h200-8", 8), ("h200-4", 4)):
+        run = copy_run("llama3_8b-fp8_current", runs / name)
+        config = (run / "config.yaml").read_text().replace("name: h100", "name: h200")
+        (run / "config.yaml").write_text(config.replace("gpus: 8", f"gpus: {gpus}"))
+        (run / "summary.json").unlink()
+    build_report([str(runs)], tmp_path / "out", base=tmp_path, log=quiet)
+    rows = csv_by_run(tmp_path / "out")
+    assert rows["h200-8"]["published_row"] == "mbridge-25.11, H100 x8 FP8-CS; H100 rows for H200"
+    approx(rows["h200-8"]["ours_over_published"], 128 * 8192 / 8 / 0.82 / 14451)
+    assert rows["h200-4"]["world_size"] == "4" and rows["h200-4"]["published_row"] == ""
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert "| no published row | n/a |" in text
+    assert ("- llama3_8b on 8 H100, FP8-CS, TP1 PP1 CP1 VP-, FSDP, MBS/GBS 1/128, seq 8192: 14,451 tokens/s/GPU, 744 "
+            "model TFLOP/s/GPU as published (container 25.11); NVIDIA-NeMo/Megatron-Bridge "
+            "docs/performance-summary-archive.md") in text
 
 
 def test_cli_exit_status(tmp_path):
@@ -542,6 +415,21 @@ def test_cli_usage_errors(tmp_path):
     assert exit_info.value.code == 2
 
 
+def test_an_out_that_cannot_be_written_is_a_usage_error_not_a_divergence(tmp_path, capsys):
+    """Exit 2 (with one line saying why, before anything is read), never 1, which says a run diverged."""
+    a_file = tmp_path / "report.md"
+    a_file.write_text("not a folder")
+    run_dir = str(FIXTURES / "rundirs/llama3_8b-bf16")
+    cli = load_cli()
+    for out in (a_file, a_file / "below"):
+        assert cli.main([run_dir, "--out", str(out)]) == 2
+        assert capsys.readouterr().err == f"compare.py: error: --out {out}: {a_file} is a file, not a folder\n"
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o555)
+    if not os.access(read_only, os.W_OK):  # root writes anywhere: nothing to test there
+        assert cli.main([run_dir, "--out", str(read_only / "out")]) == 2
+
+
 @pytest.mark.parametrize("kind", ["empty file", "binary file", "empty folder"])
 def test_nothing_usable_exits_2_and_writes_no_report(tmp_path, kind):
     inputs = tmp_path / "in"
@@ -560,18 +448,6 @@ def test_nothing_usable_exits_2_and_writes_no_report(tmp_path, kind):
     assert not out.exists()
     if kind == "empty file":
         assert "empty file" in result.stderr  # the reason, printed since no report holds it
-
-
-def copy_run(source: str, target: Path, max_steps: int | None = None, steps: int | None = None) -> Path:
-    """A fixture run directory copied to `target`, its config's trainer.max_steps and its metrics cut to `steps`."""
-    shutil.copytree(FIXTURES / "rundirs" / source, target)
-    if max_steps is not None:
-        config = target / "config.yaml"
-        config.write_text(config.read_text().replace("max_steps: 20", f"max_steps: {max_steps}"))
-    if steps is not None:
-        metrics = target / "metrics.jsonl"
-        metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:steps]))
-    return target
 
 
 def test_a_folder_report_reads_only_the_run_directories_inside_it(tmp_path):
@@ -617,7 +493,8 @@ def test_loss_curve_legend_has_no_two_entries_alike(tmp_path):
     others = [r for r in results if r.baseline is baseline]
     assert len(others) == 3
     labels = plots._legend_labels(others)
-    assert sorted(labels.values()) == [f"fp8_current (fp8-{n})" for n in range(3)]
+    # each names its run, and its state: the fixture's FP8 run was requeued and resumed
+    assert sorted(labels.values()) == [f"fp8_current (fp8-{n}) [resumed at step 11]" for n in range(3)]
 
 
 # ---- outputs ----
@@ -764,7 +641,7 @@ def test_runs_pair_with_the_bf16_run_of_their_seed_and_the_gap_is_summarised_acr
     section = text.split("## Across seeds")[1].split("\n## ")[0]
     rows = [line for line in section.splitlines() if line.startswith("| llama3_8b")]
     assert rows == ["| llama3_8b | h100 | fp8_current | TP1 PP1 CP1 VP1 DP8 | 1/128 | 8192 | 1, 2, 3 | +1.00% | 3.00% "
-                    "| -2.00% | +4.00% | 1.25 | yes |"]
+                    "| -2.00% | +4.00% | 1.25 | yes | complete |"]
     assert "<h2>Across seeds</h2>" in (tmp_path / "out" / "report.html").read_text()
     assert status == 1  # the per-seed gaps beyond 1.5% still raise the divergence alarm, run by run
 

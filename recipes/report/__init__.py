@@ -1,9 +1,12 @@
 """Compare runs: throughput and loss of each FP8 recipe against BF16, from run directories or raw training logs.
 
 inputs.py    find runs in the inputs (run directories, nemo-run experiments, Slurm logs with requeues)
-parse.py     read metrics.jsonl and Megatron(-LM, -DeepSpeed, -Bridge) / NeMo 2 / NeMo 1 logs into per-step records
+parse.py     the one interface to the readers of formats/, one module per format family (Megatron-LM/Bridge/Primus,
+             Megatron-DeepSpeed, NeMo 2/1, torchtitan, run directories): files -> per-step records
 metadata.py  what each run was (model, precision, GPU, layout, batch), source by source
-table.py     warm-up, steady-state medians, BF16 baselines, speedups, loss gaps, the divergence alarm, seeds
+table.py     warm-up, steady-state medians (never from a handful), run states, BF16 baselines, speedups, loss gaps,
+             the divergence alarm, seeds
+published.py NVIDIA's published throughput (nvidia_published.yaml) for each run
 plots.py     the study's figures;  gemm.py  the GEMM benchmark's CSV
 render.py    report.md, report.html, results.csv;  report.py  all of it, as `scripts/compare.py` runs it
 """

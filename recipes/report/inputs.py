@@ -33,11 +33,14 @@ import yaml
 from recipes.report import metadata
 from recipes.report.parse import FileRead, read_log, read_metrics_jsonl
 from recipes.report.records import Run, merge_steps
-from recipes.run_files import CONFIG, METRICS, SLURM_LOG, SUMMARY, slurm_log_stem
+from recipes.run_files import CONFIG, METRICS, SLURM_LOG, SUMMARY, TRAIN_LOG, slurm_log_stem
 
 LOG_SUFFIXES = {".out", ".err", ".log", ".txt"}
 LOCAL_LOG = re.compile(r"^(?P<stream>combined|stdout|stderr)\.log$")  # nemo-run local: <task>/<app>/<role>/<n>/
-ENGINE_OF_FORMAT = {"megatron": "megatron", "nemo2": "nemo", "nemo1": "nemo"}
+# Both engines' line on a resume (recipes/engine/torch_engine.py, recipes/megatron/engine.py): metrics.jsonl is cut
+# back to the checkpoint and goes on, so only the job's log (train.log, gathered from Slurm) shows that it resumed.
+RESUMING = re.compile(r"^resuming from step (?P<step>\d+) of ", re.M)
+ENGINE_OF_FORMAT = {"megatron": "megatron", "nemo2": "nemo", "nemo1": "nemo", "torchtitan": "torchtitan"}
 
 
 class InputError(ValueError):
@@ -199,7 +202,8 @@ def read_source(
         ("config", metadata.from_config(config, summary)),
         ("header", header_meta),
         ("file name", file_meta),
-        ("log format", {"engine": ENGINE_OF_FORMAT.get(fmt)}),
+        # the length its records print (`iteration 10/ 100`): the planned steps, where nothing above says
+        ("log format", {"engine": ENGINE_OF_FORMAT.get(fmt), "steps": _planned(reads)}),
     ]
     meta, origin = metadata.merge(layers)
     provenance = {key: summary[key] for key in ("commit", "versions", "device") if key in summary}
@@ -214,8 +218,27 @@ def read_source(
         provenance=provenance,
         notes=notes + file_notes + [f"{source.name}: {note}" for note in header_notes] + unread,
         label_target=display_path(source.paths[0], base),
+        skipped_records=sum(read.skipped_records for read in reads),
+        resumed_at=_resumed_at(steps, reads, source),
     )
     return run, []
+
+
+def _planned(reads: list[FileRead]) -> Optional[int]:
+    planned = [read.planned_steps for read in reads if read.planned_steps]
+    return planned[-1] if planned else None
+
+
+def _resumed_at(steps: list, reads: list[FileRead], source: Source) -> list[int]:
+    """The first step of each process after the first (a restart the records show: a step that does not advance, a
+    requeue's next log file), the step a log says training started at when that is past step 1, and for a run
+    directory the resumes its train.log names."""
+    restarts = [record.step for record in steps[1:] if record.fresh]
+    started = [read.start_step for read in reads if read.start_step and read.start_step > 1]
+    log = source.paths[0] / TRAIN_LOG if source.kind == "run_dir" else None
+    if log is not None and log.is_file():
+        started += [int(m["step"]) + 1 for m in RESUMING.finditer(log.read_text(errors="replace"))]
+    return sorted(set(restarts + started))
 
 
 def _unread_columns(name: str, steps: list, other_losses: set[str]) -> list[str]:

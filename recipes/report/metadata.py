@@ -57,7 +57,10 @@ SHORT_PRECISIONS = {
     "fp8mx": "mxfp8",
     "fp8": "fp8",
 }
-PRECISION_ORDER = ["bf16", "fp8_delayed", "fp8_current", "fp8_blockwise", "mxfp8", "fp8"]
+# FP8 precisions of other tools that are none of conf/precision's, each with its scaling recipe: compared with BF16
+# like any FP8 run (a bare "fp8" names no recipe; torchtitan's rowwise scales each row of a tensor).
+OTHER_FP8 = {"fp8": "fp8", "fp8_rowwise": "rowwise"}
+PRECISION_ORDER = ["bf16", "fp8_delayed", "fp8_current", "fp8_blockwise", "mxfp8", "fp8_rowwise", "fp8"]
 
 
 INT_KEYS = ["nodes", "gpus_per_node", "world_size", "tp", "pp", "cp", "vp", "dp", "mbs", "gbs", "seq", "seed", "steps"]
@@ -163,6 +166,7 @@ def from_header(header: dict[str, Any], batch_sizes: list[int]) -> tuple[dict[st
     """
     keys = ("tp", "pp", "cp", "vp", "dp", "world_size", "nodes", "gpus_per_node", "mbs", "gbs", "seq", "seed", "steps")
     meta = {key: header.get(key) for key in keys}
+    meta["model"] = header.get("model")  # torchtitan's model name and flavor, where they name one of conf/model
     notes: list[str] = []
     if header.get("data_seq"):
         meta["seq"] = header["data_seq"]  # Bridge's dataset length: what each sample holds
@@ -193,6 +197,7 @@ PRESET_WORDS = [
     ("fp8_current", "fp8_current"),
     ("fp8_subchannel", "fp8_blockwise"),
     ("fp8_blockwise", "fp8_blockwise"),
+    ("fp8_rowwise", "fp8_rowwise"),  # torchtitan's float8 rowwise recipe
     ("nvfp4", "nvfp4"),
     ("fp8", "fp8"),
     ("bf16", "bf16"),
@@ -273,7 +278,7 @@ def derive(meta: dict[str, Any], origin: dict[str, str]) -> None:
     if meta.get("precision"):
         precision = canonical_precision(meta["precision"])
         meta["precision"] = precision
-        put("recipe", PRECISIONS.get(precision, "fp8" if precision == "fp8" else None))
+        put("recipe", PRECISIONS.get(precision, OTHER_FP8.get(precision)))
     nodes, per_node, world = meta.get("nodes"), meta.get("gpus_per_node"), meta.get("world_size")
     if nodes and per_node:
         put("world_size", nodes * per_node)

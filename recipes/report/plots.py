@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from recipes.report.gemm import group_name  # noqa: E402
 from recipes.report.metadata import PRECISION_ORDER, describe_layout  # noqa: E402
-from recipes.report.table import Result, precision_label  # noqa: E402
+from recipes.report.table import Result, precision_label, run_state  # noqa: E402
 
 COLORS = {
     "bf16": "black",
@@ -68,8 +68,9 @@ def speedup_vs_model_size(results: list[Result], path: Path) -> Optional[Path]:
             ys = [r.speedup for r in series]
             color = _color(series[0].meta.get("precision", ""), extra)
             ax.plot(xs, ys, marker="o", color=color, label=label)
-            for x, y in zip(xs, ys):
-                ax.annotate(f"{y:.2f}x", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8, color=color)
+            for x, y, r in zip(xs, ys, series):
+                ax.annotate(f"{y:.2f}x{_state_mark(r)}", (x, y), textcoords="offset points", xytext=(4, 4),
+                            fontsize=8, color=color)
         models = {r.meta["params"] / 1e9: r.meta.get("model", "") for r in on_gpu}
         ax.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
         ax.set_xscale("log")
@@ -82,6 +83,12 @@ def speedup_vs_model_size(results: list[Result], path: Path) -> Optional[Path]:
     axes[0][0].set_ylabel("speedup over BF16 (step time)")
     fig.suptitle("FP8 speedup over BF16 vs model size")
     return _save(fig, path)
+
+
+def _state_mark(result: Result) -> str:
+    """A run (or its BF16 baseline) that did not finish cleanly, marked where it is drawn."""
+    marked = [r for r in (result, result.baseline) if r is not None and r.state]
+    return "".join(f" [{'BF16 ' if r is not result else ''}{run_state(r)}]" for r in marked)
 
 
 def _size(billions: float) -> str:
@@ -120,13 +127,15 @@ def loss_curves(curves: list[Curve], path: Path, tolerance: float) -> Path:
         2, 1, figsize=(FIGSIZE[0], FIGSIZE[1] * 1.3), sharex=True, gridspec_kw={"height_ratios": [3, 2]}
     )
     baseline = curves[0]
-    top.plot(baseline.steps, baseline.values, color="black", linewidth=1.2, label=precision_label(baseline.run.meta))
+    top.plot(baseline.steps, baseline.values, color="black", linewidth=1.2,
+             label=precision_label(baseline.run.meta) + _state_mark(baseline.run))
     extra: dict[str, str] = {}
     labels = _legend_labels([curve.run for curve in curves[1:]])
     for curve in curves[1:]:
         other = curve.run
         label = labels[id(other)]
-        color = _color(other.meta.get("precision", "") if label == precision_label(other.meta) else label, extra)
+        by_precision = f"({other.run.name})" not in label  # one line of its precision: the precision's colour
+        color = _color(other.meta.get("precision", "") if by_precision else label, extra)
         if curve.panel != "loss":
             bottom.plot(curve.steps, [100 * d for d in curve.values], color=color, linewidth=1.0, label=label)
             continue
@@ -157,17 +166,17 @@ def _legend_labels(results: list[Result]) -> dict[int, str]:
     precision (one entry per line, never two alike)."""
     counts = Counter(precision_label(r.meta) for r in {id(r): r for r in results}.values())
     return {id(r): precision_label(r.meta) + (f" ({r.run.name})" if counts[precision_label(r.meta)] > 1 else "")
-            for r in results}
+            + (f" [{run_state(r)}]" if r.state else "") for r in results}
 
 
 def write_curve_csv(curves: list[Curve], path: Path) -> Path:
-    """The numbers behind a figure's lines, one row per point: run, precision, panel, step, value."""
+    """The numbers behind a figure's lines, one row per point: run, precision, its run state, panel, step, value."""
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["run", "precision", "panel", "step", "value"])
+        writer.writerow(["run", "precision", "run_state", "panel", "step", "value"])
         for curve in curves:
-            label = precision_label(curve.run.meta)
-            writer.writerows([curve.run.run.name, label, curve.panel, step, format(value, ".10g")]
+            label, state = precision_label(curve.run.meta), run_state(curve.run)
+            writer.writerows([curve.run.run.name, label, state, curve.panel, step, format(value, ".10g")]
                              for step, value in zip(curve.steps, curve.values))
     return path
 

@@ -18,6 +18,8 @@ class Step:
     tokens_per_s_per_gpu: Optional[float] = None
     tflops_per_gpu: Optional[float] = None  # model TFLOP/s per GPU
     mfu: Optional[float] = None
+    samples_per_s: Optional[float] = None  # Megatron-DeepSpeed's samples per second (all GPUs)
+    grad_norm: Optional[float] = None
     global_batch_size: Optional[int] = None
     nan_iterations: int = 0  # Megatron's "number of nan iterations" in this interval
     fresh: bool = False  # first record a process wrote (start or restart): compilation and warm-up inside
@@ -25,6 +27,10 @@ class Step:
     @property
     def bad_loss(self) -> bool:
         return (self.loss is not None and not math.isfinite(self.loss)) or self.nan_iterations > 0
+
+    @property
+    def bad_grad_norm(self) -> bool:
+        return self.grad_norm is not None and not math.isfinite(self.grad_norm)
 
 
 @dataclass
@@ -38,6 +44,8 @@ class Run:
     provenance: dict[str, Any] = field(default_factory=dict)  # commit, versions, device (run directories)
     notes: list[str] = field(default_factory=list)  # what was skipped and why
     label_target: str = ""  # the FILE of a --label that names this run (its first file, as given)
+    skipped_records: int = 0  # record lines its files hold that could not be read (see Skips)
+    resumed_at: list[int] = field(default_factory=list)  # the first step of each restart (a resume from a checkpoint)
 
 
 def merge_steps(segments: list[list[Step]]) -> tuple[list[Step], int]:
@@ -66,6 +74,9 @@ class Skips:
 
     def add(self, reason: str, line_no: int) -> None:
         self.lines.setdefault(reason, []).append(line_no)
+
+    def count(self) -> int:
+        return sum(len(numbers) for numbers in self.lines.values())
 
     def notes(self) -> list[str]:
         out = []

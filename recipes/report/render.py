@@ -31,6 +31,7 @@ class Report:
     seeds_rule: str = ""
     gemm: Optional[Table] = None
     provenance: Optional[Table] = None
+    published: list[str] = field(default_factory=list)  # the NVIDIA rows the table holds runs against, in full
     notes: list[str] = field(default_factory=list)
 
 
@@ -54,6 +55,8 @@ def markdown(report: Report) -> str:
         parts += ["**Flagged** (exit status 1):", ""] + [f"- {flag}" for flag in report.flags] + [""]
     parts += ["## Results", "", markdown_table(report.results), ""]
     parts += ["How the numbers are made:", ""] + [f"- {rule}" for rule in report.rules] + [""]
+    if report.published:
+        parts += ["NVIDIA's published figures the table uses:", ""] + [f"- {row}" for row in report.published] + [""]
     if report.seeds:
         parts += ["## Across seeds", "", report.seeds_rule, "", markdown_table(report.seeds), ""]
     if report.figures:
@@ -109,6 +112,9 @@ def html_page(report: Report) -> str:
     headers = report.results[0]
     parts += ["<h2>Results</h2>", html_table(report.results, headers.index("flag") if "flag" in headers else None)]
     parts += ["<p>How the numbers are made:</p><ul>"] + [f"<li>{e(rule)}</li>" for rule in report.rules] + ["</ul>"]
+    if report.published:
+        parts += ["<p>NVIDIA's published figures the table uses:</p><ul>"]
+        parts += [f"<li>{e(row)}</li>" for row in report.published] + ["</ul>"]
     if report.seeds:
         parts += ["<h2>Across seeds</h2>", f"<p>{e(report.seeds_rule)}</p>", html_table(report.seeds)]
     if report.figures:

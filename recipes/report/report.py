@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -11,13 +12,15 @@ from recipes.report.inputs import InputError, Source, display_path, find_sources
 from recipes.report.metadata import LabelError, parse_label
 from recipes.report.records import Run
 
+# 0: report written, nothing flagged. 1: report written, a run diverged from BF16 or went NaN/inf (its loss or
+# gradient norm). 2: bad arguments, an --out that cannot be written, or no usable run (no report written).
 EXIT_OK, EXIT_FLAGGED, EXIT_USAGE = 0, 1, 2
 # Figures this tool writes; removed from the output folder first so a regenerated folder holds no stale plot.
 FIGURE_PATTERNS = ["speedup_vs_model_size.png", "loss_curves_*.png", "loss_curves_*.csv", "gemm_speedup_vs_k.png"]
 
 
 class UsageError(ValueError):
-    """Bad arguments or inputs: the CLI exits with status 2."""
+    """Bad arguments or inputs, or an --out that cannot be written: the CLI exits with status 2."""
 
 
 def _stderr(message: str) -> None:
@@ -49,6 +52,7 @@ def build_report(
         raise UsageError(f"--gemm {gemm_csv}: no such file")
     if not loss_tolerance > 0:
         raise UsageError(f"--loss-tol {loss_tolerance}: must be > 0")
+    _check_out(out)
 
     runs, notes = _read_runs(sources, parsed_labels, base, log)
     notes = source_notes + notes
@@ -85,6 +89,7 @@ def build_report(
         figures=figures,
         gemm=gemm_table,
         provenance=_provenance(results, base),
+        published=sorted({r.published.describe() for r in results if r.published}),
         notes=notes + seed_notes + [note for r in results for note in r.run.notes]
         + [f"{r.run.name}: {r.note}" for r in results if r.note],
     )
@@ -95,6 +100,16 @@ def build_report(
     for flag in flags:
         log(f"FLAGGED {flag}")
     return (EXIT_FLAGGED if flags else EXIT_OK), results
+
+
+def _check_out(out: Path) -> None:
+    """--out is a folder this process can write, or can be made one (checked before anything is read, so that a
+    bad --out is a usage error, never a traceback after the work)."""
+    existing = next(folder for folder in (out, *out.parents) if folder.exists())
+    if not existing.is_dir():
+        raise UsageError(f"--out {out}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out}: {existing} is not writable")
 
 
 def _read_runs(sources: list[Source], labels, base: Path, log) -> tuple[list[Run], list[str]]:
@@ -158,7 +173,7 @@ def _figures(results: list[table.Result], out: Path, tolerance: float) -> list[r
 
 
 def _provenance(results: list[table.Result], base: Path) -> render.Table:
-    headers = ["run", "read from", "format", "metadata from", "commit", "versions"]
+    headers = ["run", "read from", "format", "run state", "metadata from", "commit", "versions"]
     rows = []
     for r in results:
         by_origin: dict[str, list[str]] = {}
@@ -177,6 +192,7 @@ def _provenance(results: list[table.Result], base: Path) -> render.Table:
                 r.run.name,
                 paths,
                 r.run.format,
+                table.run_state(r),
                 origins,
                 str(r.run.provenance.get("commit", "unknown")),
                 version_text or "unknown",

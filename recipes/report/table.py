@@ -11,12 +11,16 @@ from typing import Any, Optional
 
 from recipes.metrics import warmup_steps
 from recipes.report.metadata import PRECISION_ORDER, describe_layout
+from recipes.report.published import Published, published_for
 from recipes.report.records import Run, Step
 from recipes.report.render import Table
 
 MATCH_KEYS = ("model", "gpu", "engine", "nodes", "world_size", "tp", "pp", "cp", "vp", "mbs", "gbs", "seq", "steps")
 REQUIRED_KEYS = ("model", "gpu")  # must be known to match at all
 DEFAULT_LOSS_TOLERANCE = 0.05
+# A figure stands only on enough of the run: at least this many records, and at least this share of the records
+# after warm-up that the files hold (those that could not be read count against it).
+MIN_RECORDS, MIN_SHARE = 3, 0.5
 
 
 @dataclass
@@ -30,13 +34,19 @@ class Result:
     mfu: Optional[float]
     final_loss: Optional[float]
     first_bad_step: Optional[int]  # first NaN/inf loss
+    first_bad_grad_step: Optional[int] = None  # first NaN/inf gradient norm
+    thin: dict[str, str] = field(default_factory=dict)  # figure -> why it is left blank (too few records behind it)
+    state: list[str] = field(default_factory=list)  # how the run ended: stopped, incomplete, resumed
     baseline: Optional["Result"] = None
     # "baseline" (a BF16 run), "found", "missing", "ambiguous: ...", "precision unknown"
     baseline_status: str = "missing"
     speedup: Optional[float] = None
+    speedup_from: str = "step time"  # or "tokens/s/GPU", for a log that prints no step time (torchtitan)
     loss_gap: Optional[float] = None  # relative, over the last common window
     max_loss_gap: Optional[float] = None  # largest |relative gap| over the windows, signed
     max_gap_window: Optional[tuple[int, int]] = None
+    published: Optional[Published] = None  # NVIDIA's figure for this model, GPU, GPU count and precision
+    vs_published: Optional[float] = None  # our tokens/s/GPU / the published one
     flags: list[str] = field(default_factory=list)
     note: str = ""  # why there is no baseline (the field that blocked the match, and the --label that supplies it)
 
@@ -48,6 +58,10 @@ class Result:
     def is_bf16(self) -> bool:
         return self.meta.get("recipe") == "bf16"
 
+    @property
+    def incomplete(self) -> bool:
+        return any(state.startswith(("incomplete", "stopped")) for state in self.state)
+
 
 def rules(tolerance: float) -> list[str]:
     return [
@@ -56,10 +70,26 @@ def rules(tolerance: float) -> list[str]:
         "interval, the first step after a restart: compilation and allocator warm-up).",
         "Step time, tokens/s/GPU and TFLOP/s/GPU: medians over the remaining records (one per logged step or "
         "interval); 'steps measured' counts the optimizer steps they cover. A step logged twice (requeue) counts "
-        "once, the last record winning.",
+        "once, the last record winning. Tokens/s/GPU is the figure to hold against other tools and NVIDIA's "
+        "published numbers: their FLOP formulas differ.",
+        f"Never a figure from a handful: a median (or the final loss) is left blank, the cell saying from how many "
+        f"records it would come, unless at least {MIN_RECORDS} records hold it and they are at least "
+        f"{MIN_SHARE:.0%} of the records after warm-up (the final loss: of all records), counting the record lines "
+        f"that could not be read. 2 readable intervals of 20 give no figure.",
+        "Run state, in the table, the CSV and the figures: 'stopped' where a loss or gradient norm went NaN/inf "
+        "(the engines stop there), 'incomplete: N of M steps' where the last step is short of the planned length "
+        "(trainer.max_steps, --train-iters, the iteration line's total), 'resumed at step N' where the records show "
+        "a restart or the run's log says it resumed (a run directory's train.log, torchtitan's start step). A "
+        "speedup or loss gap that pairs an incomplete run says so.",
         "MFU: model TFLOP/s/GPU divided by the GPU's dense BF16 peak, for every recipe (so MFU ratios equal "
         "speedups); where the peak is unknown, the run's own logged MFU.",
-        "Speedup: BF16 median step time / the recipe's, against the BF16 run with the same model, GPU, engine, "
+        "NVIDIA published: the tokens/s/GPU NVIDIA publishes (recipes/report/nvidia_published.yaml, each row with "
+        "its source) for the run's model, GPU, GPU count and precision (an H200 run against H100's rows, a per-tensor "
+        "FP8 run against a row that says only FP8, each said in the cell; the newest container's row), and ours / "
+        "published the run's median tokens/s/GPU over it. Tokens/s/GPU, not TFLOP/s: NVIDIA's own tools count "
+        "model FLOPs differently.",
+        "Speedup: BF16 median step time / the recipe's (where either log prints no step time, the recipe's "
+        "tokens/s/GPU / BF16's, said in the cell), against the BF16 run with the same model, GPU, engine, "
         "nodes, GPUs, TP/PP/CP/VP, micro/global batch, sequence length and planned steps (trainer.max_steps, "
         "Megatron's --train-iters: the learning-rate schedule depends on them) (model and GPU known; another field "
         "unknown matches only unknown); where several do, the one with the same seed (trainer.seed, Megatron's "
@@ -72,8 +102,12 @@ def rules(tolerance: float) -> list[str]:
     ]
 
 
+def _finite(values: list[Optional[float]]) -> list[float]:
+    return [v for v in values if v is not None and math.isfinite(v)]
+
+
 def _median(values: list[Optional[float]]) -> Optional[float]:
-    finite = [v for v in values if v is not None and math.isfinite(v)]
+    finite = _finite(values)
     return statistics.median(finite) if finite else None
 
 
@@ -89,27 +123,73 @@ def measure(run: Run) -> Result:
         previous = record.step
 
     meta = run.meta
-    tflops = _median([r.tflops_per_gpu for r in measured])
+    expected = len(measured) + run.skipped_records  # records after warm-up the files hold, read or not
+    thin: dict[str, str] = {}
+
+    def median_of(figure: str, values: list[Optional[float]]) -> Optional[float]:
+        held = _finite(values)
+        if held and not _enough(len(held), expected):
+            thin[figure] = f"{len(held)} of {expected} records"
+            return None
+        return statistics.median(held) if held else None
+
+    tflops = median_of("TFLOP/s/GPU", [r.tflops_per_gpu for r in measured])
     peak = meta.get("peak_tflops_bf16")
     bad = [r.step for r in steps if r.bad_loss]
-    return Result(
+    bad_grad = [r.step for r in steps if r.bad_grad_norm]
+    final_loss = _mean_loss(steps, last - warmup, last)
+    with_loss = sum(r.loss is not None for r in steps)
+    if final_loss is not None and not _enough(with_loss, len(steps) + run.skipped_records):
+        thin["final loss"] = f"{with_loss} of {len(steps) + run.skipped_records} records"
+        final_loss = None
+    result = Result(
         run=run,
         warmup_steps=warmup,
         steps_measured=covered,
-        step_time_s=_median([r.time_s for r in measured]),
-        tokens_per_s_per_gpu=_median([_tokens_per_s(r, meta) for r in measured]),
+        step_time_s=median_of("step time", [r.time_s for r in measured]),
+        tokens_per_s_per_gpu=median_of("tokens/s/GPU", [_tokens_per_s(r, meta) for r in measured]),
         tflops_per_gpu=tflops,
-        mfu=tflops / peak if tflops is not None and peak else _median([r.mfu for r in measured]),
-        final_loss=_mean_loss(steps, last - warmup, last),
+        mfu=tflops / peak if tflops is not None and peak else median_of("MFU", [r.mfu for r in measured]),
+        final_loss=final_loss,
         first_bad_step=bad[0] if bad else None,
+        first_bad_grad_step=bad_grad[0] if bad_grad else None,
+        thin=thin,
     )
+    result.state = _state(result, last)
+    result.published = published_for(meta)
+    if result.published and result.tokens_per_s_per_gpu is not None:
+        result.vs_published = result.tokens_per_s_per_gpu / result.published.tokens
+    return result
+
+
+def _enough(held: int, expected: int) -> bool:
+    return held >= MIN_RECORDS and held >= MIN_SHARE * expected
+
+
+def _state(result: Result, last: int) -> list[str]:
+    state = []
+    last_record = result.run.steps[-1]
+    # The run's last record non-finite: the engine stopped there (Megatron skips a NaN iteration and goes on: flagged,
+    # not stopped)
+    stopped = [what for what, record in (("loss", last_record.bad_loss), ("gradient norm", last_record.bad_grad_norm))
+               if record]
+    if stopped:
+        state.append(f"stopped: non-finite {' and '.join(stopped)} at step {last}")
+    planned = result.meta.get("steps")
+    if planned and last < planned:
+        state.append(f"incomplete: {last} of {planned} steps")
+    if result.run.resumed_at:
+        state.append(f"resumed at step {', '.join(str(step) for step in result.run.resumed_at)}")
+    return state
 
 
 def _tokens_per_s(record: Step, meta: dict[str, Any]) -> Optional[float]:
     if record.tokens_per_s_per_gpu is not None:
         return record.tokens_per_s_per_gpu
-    gbs = record.global_batch_size or meta.get("gbs")
     seq, world, time_s = meta.get("seq"), meta.get("world_size"), record.time_s
+    if record.samples_per_s is not None and seq and world:  # Megatron-DeepSpeed's samples per second, all GPUs
+        return record.samples_per_s * seq / world
+    gbs = record.global_batch_size or meta.get("gbs")
     if gbs and seq and world and time_s and math.isfinite(time_s) and time_s > 0:
         return gbs * seq / world / time_s
     return None
@@ -134,6 +214,8 @@ def compare(runs: list[Run], loss_tolerance: float = DEFAULT_LOSS_TOLERANCE) -> 
     for result in results:
         if result.first_bad_step is not None:
             result.flags.append(f"NaN/inf loss from step {result.first_bad_step}")
+        if result.first_bad_grad_step is not None:
+            result.flags.append(f"NaN/inf gradient norm at step {result.first_bad_grad_step}")
         if result.is_bf16:
             result.baseline_status = "baseline"
             continue
@@ -206,6 +288,10 @@ def _same_setup(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def _compare_to(result: Result, baseline: Result, tolerance: float) -> None:
     if result.step_time_s and baseline.step_time_s:
         result.speedup = baseline.step_time_s / result.step_time_s
+    elif "step time" not in result.thin and "step time" not in baseline.thin \
+            and result.tokens_per_s_per_gpu and baseline.tokens_per_s_per_gpu:
+        result.speedup = result.tokens_per_s_per_gpu / baseline.tokens_per_s_per_gpu
+        result.speedup_from = "tokens/s/GPU"
     common = min(_last_loss_step(result), _last_loss_step(baseline))
     if common < 1:
         return
@@ -265,7 +351,42 @@ def _comparison(result: Result, value: Optional[float], spec: str) -> str:
         return "baseline"
     if result.baseline is None:
         return "missing"
+    return _num(value, spec) + _pairing_note(result)
+
+
+def _pairing_note(result: Result, speedup: bool = False) -> str:
+    """Where the pair's figures come from runs that did not finish (or a speedup from tokens/s/GPU), the cell says
+    so."""
+    incomplete = [who for who, r in (("this run", result), ("BF16", result.baseline)) if r.incomplete]
+    notes = [f"from {result.speedup_from}"] if speedup and result.speedup_from != "step time" else []
+    notes += [f"{' and '.join(incomplete)} incomplete"] if incomplete else []
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+def _speedup_cell(result: Result) -> str:
+    if result.baseline is None or result.speedup is None:
+        return _comparison(result, None, "")
+    return f"{result.speedup:.2f}x{_pairing_note(result, speedup=True)}"
+
+
+def _published_cells(result: Result) -> tuple[str, str]:
+    if result.published is None:
+        return "no published row", "n/a"
+    published = f"{result.published.tokens:,.0f} ({result.published.label()})"
+    if result.vs_published is None:
+        return published, _figure(result, "tokens/s/GPU", None, "")
+    return published, f"{result.vs_published:.2f}" + (" (this run incomplete)" if result.incomplete else "")
+
+
+def _figure(result: Result, figure: str, value: Optional[float], spec: str) -> str:
+    """A figure's cell: the number, or why it is blank (too few records behind it)."""
+    if figure in result.thin:
+        return f"too few records ({result.thin[figure]})"
     return _num(value, spec)
+
+
+def run_state(result: Result) -> str:
+    return "; ".join(result.state) or "complete"
 
 
 def precision_label(meta: dict[str, Any]) -> str:
@@ -279,9 +400,9 @@ def _batch(meta: dict[str, Any]) -> str:
 
 def display_rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
     headers = [
-        *("run", "model", "GPU", "nodes", "GPUs", "engine", "precision", "layout", "MBS/GBS", "seq"),
+        *("run", "model", "GPU", "nodes", "GPUs", "engine", "precision", "layout", "MBS/GBS", "seq", "run state"),
         *("steps measured", "step time (s)", "tokens/s/GPU", "TFLOP/s/GPU", "MFU", "speedup vs BF16"),
-        *("final loss", "loss gap vs BF16", "flag"),
+        *("NVIDIA published (tokens/s/GPU)", "ours / published", "final loss", "loss gap vs BF16", "flag"),
     ]
     rows = []
     for r in results:
@@ -298,13 +419,16 @@ def display_rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
                 describe_layout(m),
                 _batch(m),
                 str(m.get("seq", UNKNOWN)),
+                run_state(r),
                 str(r.steps_measured),
-                _num(r.step_time_s, ".4g"),
-                _num(r.tokens_per_s_per_gpu, ",.0f" if (r.tokens_per_s_per_gpu or 0) >= 100 else ".3g"),
-                _num(r.tflops_per_gpu, ".1f" if (r.tflops_per_gpu or 0) >= 10 else ".3g"),
-                _num(r.mfu, ".1%"),
-                _comparison(r, r.speedup, ".2f") + ("x" if r.speedup is not None else ""),
-                _num(r.final_loss, ".4f"),
+                _figure(r, "step time", r.step_time_s, ".4g"),
+                _figure(r, "tokens/s/GPU", r.tokens_per_s_per_gpu,
+                        ",.0f" if (r.tokens_per_s_per_gpu or 0) >= 100 else ".3g"),
+                _figure(r, "TFLOP/s/GPU", r.tflops_per_gpu, ".1f" if (r.tflops_per_gpu or 0) >= 10 else ".3g"),
+                _figure(r, "MFU", r.mfu, ".1%"),
+                _speedup_cell(r),
+                *_published_cells(r),
+                _figure(r, "final loss", r.final_loss, ".4f"),
                 _comparison(r, r.loss_gap, "+.2%"),
                 "; ".join(r.flags),
             ]
@@ -314,8 +438,9 @@ def display_rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
 
 CSV_HEADERS = """
     run model params gpu nodes world_size engine precision recipe emulated tp pp cp vp dp mbs gbs seq seed
-    steps_logged last_step warmup_steps steps_measured median_step_time_s tokens_per_s_per_gpu tflops_per_gpu mfu
-    baseline speedup final_loss loss_gap_vs_bf16 max_loss_gap_vs_bf16 flag note format sources
+    run_state steps_logged last_step warmup_steps steps_measured median_step_time_s tokens_per_s_per_gpu
+    tflops_per_gpu mfu too_few_records baseline speedup speedup_from published_tokens_per_s_per_gpu published_row
+    ours_over_published final_loss loss_gap_vs_bf16 max_loss_gap_vs_bf16 flag note format sources
 """.split()
 META_COLUMNS = CSV_HEADERS[1 : CSV_HEADERS.index("seed") + 1]  # model .. seed, straight from the run's metadata
 
@@ -337,10 +462,15 @@ def csv_rows(results: list[Result], display_path) -> list[list[str]]:
         values = [
             r.run.name,
             *(m.get(key) for key in META_COLUMNS),
+            "; ".join(r.state) or "complete",
             *(len(r.run.steps), r.run.steps[-1].step, r.warmup_steps, r.steps_measured),
             *(r.step_time_s, r.tokens_per_s_per_gpu, r.tflops_per_gpu, r.mfu),
+            "; ".join(f"{figure}: {why}" for figure, why in r.thin.items()),
             r.baseline.run.name if r.baseline else None,
-            *(r.speedup, r.final_loss, r.loss_gap, r.max_loss_gap, "; ".join(r.flags), r.note),
+            r.speedup, r.speedup_from if r.speedup is not None else None,
+            r.published.tokens if r.published else None, r.published.label() if r.published else None,
+            r.vs_published,
+            *(r.final_loss, r.loss_gap, r.max_loss_gap, "; ".join(r.flags), r.note),
             r.run.format,
             " ".join(display_path(p) for p in r.run.paths),
         ]
@@ -358,6 +488,10 @@ SEEDS_RULE = (
 )
 
 
+def _with_baselines(results: list[Result]) -> list[Result]:
+    return list({id(r): r for result in results for r in (result, result.baseline)}.values())
+
+
 def across_seeds(results: list[Result], tolerance: float) -> tuple[Optional[Table], list[str]]:
     """The seeds table (None when no recipe has two paired seeds) and notes on groups it could not summarise."""
     groups: dict[tuple, list[Result]] = {}
@@ -370,7 +504,7 @@ def across_seeds(results: list[Result], tolerance: float) -> tuple[Optional[Tabl
     headers = [
         *("model", "GPU", "precision", "layout", "MBS/GBS", "seq", "seeds"),
         *("mean loss gap vs BF16", "std of the gap", "min gap", "max gap", "median speedup"),
-        f"mean within ±{tolerance:.1%}",
+        f"mean within ±{tolerance:.1%}", "run states",
     ]
     rows, notes = [], []
     for (_, label), members in groups.items():
@@ -395,6 +529,7 @@ def across_seeds(results: list[Result], tolerance: float) -> tuple[Optional[Tabl
                 _num(min(gaps), "+.2%"), _num(max(gaps), "+.2%"),
                 _num(_median([r.speedup for r in members]), ".2f"),
                 "yes" if abs(mean) <= tolerance else "no",
+                "; ".join(f"{r.run.name}: {run_state(r)}" for r in _with_baselines(members) if r.state) or "complete",
             ]
         )
     return ((headers, rows) if rows else None), notes
