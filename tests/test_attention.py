@@ -24,8 +24,8 @@ def import_te_stand_in(tmp_path, monkeypatch) -> None:
     package.mkdir()
     (package / "__init__.py").write_text("import torch\ntorch.backends.cuda.enable_flash_sdp(False)\n"
                                          f"torch._C._set_sdp_priority_order({MATH_FIRST})\n")
+    assert "transformer_engine" not in sys.modules  # this CPU machine has no Transformer Engine
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "transformer_engine", raising=False)
     importlib.import_module("transformer_engine")
 
 
@@ -62,6 +62,7 @@ def test_the_model_keeps_its_kernel_when_an_import_reorders_pytorchs_choice(tmp_
         assert orders == [[b.value for b in CPU_ORDER] + [4]] * cfg.num_layers
         assert torch._C._get_sdp_priority_order()[0] == 0  # the global order is back to math first
         assert not torch.backends.cuda.flash_sdp_enabled()
-    finally:
+    finally:  # what the stand-in changed, undone for the tests after this one (which look for TE)
         torch._C._set_sdp_priority_order(previous)
         torch.backends.cuda.enable_flash_sdp(True)
+        del sys.modules["transformer_engine"]
