@@ -66,3 +66,20 @@ def test_the_model_keeps_its_kernel_when_an_import_reorders_pytorchs_choice(tmp_
         torch._C._set_sdp_priority_order(previous)
         torch.backends.cuda.enable_flash_sdp(True)
         del sys.modules["transformer_engine"]
+
+
+def test_the_plan_names_the_attention_order_and_the_loss_path(hydra_compose, tmp_path):
+    from recipes.plan import make_plan
+    from recipes.plan.describe import describe
+
+    def kernels_line(*overrides) -> str:
+        cfg = hydra_compose("data=mock", f"run.dir={tmp_path}", "dryrun=true", *overrides)
+        return next(line for line in describe(make_plan(cfg, tmp_path / "config.yaml")).splitlines()
+                    if line.startswith("kernels"))
+
+    assert kernels_line("gpu=h200", "model=llama3_8b", "model.num_layers=1") == (
+        "kernels     attention cudnn, then flash, efficient, math (SDPA, the first that runs); "
+        "output layer + loss fused, in chunks (trainer.fused_loss)")
+    assert kernels_line("gpu=cpu", "trainer.fused_loss=false") == (
+        "kernels     attention flash, then efficient, math, cudnn (SDPA, the first that runs); "
+        "output layer + loss from FP32 logits (trainer.fused_loss=false)")
