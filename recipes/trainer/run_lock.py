@@ -31,7 +31,7 @@ from recipes.run_files import LOCK
 
 
 class RunDirBusy(ConfigError):
-    """Another trainer holds the run directory."""
+    """Another trainer or launch holds the run directory."""
 
 
 LAUNCHER = "launcher"  # the lock file's third word while launch/run.py holds it
