@@ -140,15 +140,20 @@ def plan_every_point(overrides: list[str], multirun: bool) -> None:
         for number, point in enumerate(points):
             try:
                 cfg = compose("config", overrides=[*point, f"hydra.job.num={number}"], return_hydra_config=True)
-                folder = Path(cfg.hydra.sweep.dir, cfg.hydra.sweep.subdir) if multirun else Path(cfg.hydra.run.dir)
+                sweep = Path(cfg.hydra.sweep.dir).absolute() if multirun else None
+                folder = Path(sweep, cfg.hydra.sweep.subdir) if multirun else Path(cfg.hydra.run.dir).absolute()
             except (HydraException, OmegaConfBaseException) as error:
                 raise refused(number, point, error) from None
             with open_dict(cfg):
                 del cfg["hydra"]
-            composed.append((cfg, folder.absolute()))
+            composed.append((cfg, sweep, folder))
     check_output_folder(overrides, multirun)
-    for number, (point, (cfg, folder)) in enumerate(zip(points, composed)):
+    from recipes.plan.run_dir import check_outside_source  # imports the plan, and torch: after composition
+
+    for number, (point, (cfg, sweep, folder)) in enumerate(zip(points, composed)):
         try:
+            if sweep:  # where Hydra writes the sweep's multirun.yaml
+                check_outside_source(sweep, "hydra.sweep.dir")
             plan_point(cfg, folder)
         except (OmegaConfBaseException, ConfigError) as error:
             raise refused(number, point, error) from None

@@ -13,6 +13,9 @@ from recipes.config import ConfigError
 def check_writable(key: str, value: str) -> None:
     """ConfigError naming `key` unless the folder `value` names exists or can be made, and can be written: the
     nearest existing folder on its path is a folder, and a file can be made there."""
+    if not value.strip():
+        raise ConfigError(f"{key} is empty: it would be the folder the launch is started from; give a folder "
+                          f"({key.split()[0]}=PATH)")
     folder = Path(value).expanduser().absolute()
     existing = next(path for path in (folder, *folder.parents) if path.exists())
     if not existing.is_dir():

@@ -62,6 +62,9 @@ def _validate_folders(cfg: Config) -> None:
         return
     if cfg.data.kind == DataKind.indexed and cfg.data.path is None:
         check_writable("data.cache_dir (FP8_RECIPES_CACHE)", cfg.data.cache_dir)
+    if cfg.trainer.checkpoint.dir is not None and not cfg.trainer.checkpoint.dir.strip():
+        raise ConfigError("trainer.checkpoint.dir is empty: it would be the run directory itself; leave it unset "
+                          "(RUN_DIR/checkpoints) or give a folder")
     if cfg.trainer.checkpoint.interval > 0:
         check_writable("trainer.checkpoint.dir", str(checkpoint_dir(cfg, Path(cfg.run.dir))))
 

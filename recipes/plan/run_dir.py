@@ -37,7 +37,7 @@ def check_run_dir(cfg: Config, run_dir: Path, resumable: bool) -> None:
         raise ConfigError(f"run.name={cfg.run.name!r}: a run's name names its folder, its nemo-run experiment and its "
                           "Slurm job, and may hold only ASCII letters, digits, '.', '_' and '-' (a letter or digit "
                           f"first); e.g. run.name={RUN_NAME_EXAMPLE.sub('_', cfg.run.name).strip('._-') or 'my_run'}")
-    _check_outside_source(run_dir)
+    check_outside_source(run_dir, "run.dir")
     if not run_dir.is_dir():
         return
     entries = sorted(entry.name for entry in run_dir.iterdir())
@@ -59,13 +59,14 @@ def check_run_dir_given(value: str) -> None:
         raise ConfigError(f"run.dir is empty: it would be the folder the launch is started from; {NEW_FOLDER}")
 
 
-def _check_outside_source(run_dir: Path) -> None:
-    """Not the checkout itself or a folder above it, and nothing inside its source folders."""
-    if run_dir == REPO_ROOT or run_dir in REPO_ROOT.parents:
-        raise ConfigError(f"run.dir={run_dir} holds this checkout ({REPO_ROOT}): {NEW_FOLDER}")
-    if REPO_ROOT in run_dir.parents and run_dir.relative_to(REPO_ROOT).parts[0] in SOURCE_FOLDERS:
-        raise ConfigError(f"run.dir={run_dir} is inside this checkout's source folder "
-                          f"{run_dir.relative_to(REPO_ROOT).parts[0]}/: {NEW_FOLDER}")
+def check_outside_source(folder: Path, key: str) -> None:
+    """Not the checkout itself or a folder above it, and nothing inside its source folders: for the run directory
+    and for a -m sweep's folder (`key`), where Hydra writes its multirun.yaml."""
+    if folder == REPO_ROOT or folder in REPO_ROOT.parents:
+        raise ConfigError(f"{key}={folder} holds this checkout ({REPO_ROOT}): {NEW_FOLDER}")
+    if REPO_ROOT in folder.parents and folder.relative_to(REPO_ROOT).parts[0] in SOURCE_FOLDERS:
+        raise ConfigError(f"{key}={folder} is inside this checkout's source folder "
+                          f"{folder.relative_to(REPO_ROOT).parts[0]}/: {NEW_FOLDER}")
 
 
 def _is_run_file(name: str, cfg: Config) -> bool:
