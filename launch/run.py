@@ -15,7 +15,6 @@ import os
 import shlex
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
 import hydra
@@ -23,12 +22,15 @@ import yaml
 from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
-from recipes.config import CONF_DIR, Config, ConfigError, save_config
+from recipes.config import CONF_DIR, REQUIRED_GROUPS, Config, ConfigError, save_config
 from recipes.hydra_schema import check_override_keys, register_schema, to_config
-from recipes.run_files import CONFIG, OVERRIDES
-from recipes.trainer.run_lock import check_free
+from recipes.folders import check_writable
+from recipes.run_files import CONFIG, LOCK, OVERRIDES
+from recipes.trainer.run_lock import check_free, locked
 
 
 def run_dir(cfg: DictConfig) -> Path:
@@ -56,6 +58,11 @@ def check_command_line(argv: list[str]) -> None:
         return
     check_override_keys(args.overrides)
     keys = overridden_keys(args.overrides)
+    for override in args.overrides:
+        if override.startswith("~") and override.lstrip("~").split("=")[0] in REQUIRED_GROUPS:
+            group = override.lstrip("~").split("=")[0]
+            raise ConfigError(f"{override} deletes the {group} group, which every run needs: choose one of its "
+                              f"options instead ({group}=OPTION; --help lists them)")
     for key in ("run.dir", "hydra.run.dir"):
         if args.multirun and key in keys:
             raise ConfigError(f"{key} with -m: each point gets its own folder under hydra.sweep.dir; give "
@@ -63,7 +70,7 @@ def check_command_line(argv: list[str]) -> None:
     if not args.multirun and "hydra.sweep.dir" in keys:
         raise ConfigError("hydra.sweep.dir is the folder of a -m sweep; one run goes to run.dir=DIR (or add -m)")
     if not (args.cfg or args.help or args.hydra_help or args.info):
-        check_output_folder(args.overrides, args.multirun)
+        plan_every_point(args.overrides, args.multirun)
 
 
 def check_output_folder(overrides: list[str], multirun: bool) -> None:
@@ -77,15 +84,7 @@ def check_output_folder(overrides: list[str], multirun: bool) -> None:
                       ("FP8_RECIPES_RUNS", os.environ.get("FP8_RECIPES_RUNS", "runs")))
     if "${" in value:
         return
-    folder = Path(value).expanduser().absolute()
-    existing = next(path for path in (folder, *folder.parents) if path.exists())
-    if not existing.is_dir():
-        raise ConfigError(f"{key}={value}: {existing} is a file, not a folder; choose another {key}")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".write-test-", dir=existing))  # os.access says yes to root on /sys
-    except OSError as error:
-        raise ConfigError(f"{key}={value}: cannot write into {existing} ({error.strerror}); choose a folder on a "
-                          "writable filesystem") from None
+    check_writable(key, value)
 
 
 def save_overrides(hydra_cfg, path: Path) -> None:
@@ -104,36 +103,111 @@ def experiment_name(cfg: Config) -> str:
     return cfg.run.name
 
 
+def plan_point(dict_cfg: DictConfig, directory: Path):
+    """One run (or -m point) composed, resolved and planned for `directory`, its run directory: every check that
+    needs no lock, the run directory's own included (recipes.plan.run_dir). Raises ConfigError."""
+    from recipes.plan import make_plan
+    from recipes.plan.gpu import resolve
+    from recipes.plan.run_dir import check_run_dir, check_run_dir_given
+
+    check_run_dir_given(dict_cfg.run.dir)
+    dict_cfg.run.dir = str(directory)
+    cfg: Config = resolve(to_config(dict_cfg))
+    plan = make_plan(cfg, directory / CONFIG)
+    check_free(directory)  # a run in progress is said to be so, whatever its folder holds
+    check_run_dir(cfg, directory, plan.resumes)
+    return plan
+
+
+def plan_every_point(overrides: list[str], multirun: bool) -> None:
+    """Before Hydra runs anything: the run, or with -m every point, composed and planned, its run directory's
+    checks included, so that a value Hydra or OmegaConf cannot compose or resolve is refused in one line, and a
+    point that cannot run before any other trains. Each point's folder is the one Hydra will give it
+    (hydra.run.dir; with -m hydra.sweep.dir/hydra.sweep.subdir; a ${now:...} in it may resolve a second apart).
+    Every point is composed before the first is planned: a refusal at composition needs no torch."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    def refused(number: int, point: list[str], error: Exception) -> ConfigError:
+        where = f"-m point {number} ({' '.join(point)}): " if multirun else ""
+        what = "cannot resolve the config: " if isinstance(error, OmegaConfBaseException) else ""
+        return ConfigError(where + what + one_line(error) + ("; no point was run" if multirun else ""))
+
+    (points,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)
+    composed = []
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for number, point in enumerate(points):
+            try:
+                cfg = compose("config", overrides=[*point, f"hydra.job.num={number}"], return_hydra_config=True)
+                sweep = Path(cfg.hydra.sweep.dir).absolute() if multirun else None
+                folder = Path(sweep, cfg.hydra.sweep.subdir) if multirun else Path(cfg.hydra.run.dir).absolute()
+            except (HydraException, OmegaConfBaseException) as error:
+                raise refused(number, point, error) from None
+            with open_dict(cfg):
+                del cfg["hydra"]
+            composed.append((cfg, sweep, folder))
+    check_output_folder(overrides, multirun)
+    from recipes.plan.run_dir import check_outside_source  # imports the plan, and torch: after composition
+
+    for number, (point, (cfg, sweep, folder)) in enumerate(zip(points, composed)):
+        try:
+            if sweep:  # where Hydra writes the sweep's multirun.yaml
+                check_outside_source(sweep, "hydra.sweep.dir")
+            plan_point(cfg, folder)
+        except (OmegaConfBaseException, ConfigError) as error:
+            raise refused(number, point, error) from None
+
+
+def one_line(error: BaseException) -> str:
+    """Hydra's and OmegaConf's messages in one line, the errors behind them included (Hydra's "Error merging
+    override" says what is wrong only in its cause), without OmegaConf's lines about its own types."""
+    lines = []
+    while error is not None:
+        lines += [line.strip() for line in str(error).split("Config search path:")[0].splitlines()]
+        error = error.__cause__
+    return "; ".join(line for line in lines if line and not line.startswith(("object_type=", "reference_type=")))
+
+
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(dict_cfg: DictConfig) -> None:
     # The plan and the launcher import torch, which takes seconds: --help, --cfg and a command line that Hydra
     # or the schema refuses are answered before that.
-    from recipes.launcher import launch
-    from recipes.plan import make_plan
-    from recipes.plan.describe import describe
-    from recipes.plan.gpu import resolve
-
     directory = Path(HydraConfig.get().runtime.output_dir).resolve()
-    config_path = directory / CONFIG
+    made = not directory.is_dir() or not any(directory.iterdir())  # by Hydra, before the job ran (or empty)
     try:
-        dict_cfg.run.dir = str(run_dir(dict_cfg))
-        cfg: Config = resolve(to_config(dict_cfg))
-        plan = make_plan(cfg, config_path)
-        check_free(directory)  # before this run's config replaces that of a run in progress
+        plan = plan_point(dict_cfg, run_dir(dict_cfg))
+        status = launch_under_lock(plan, directory)
     except ConfigError as error:
-        if directory.is_dir() and not any(directory.iterdir()):
-            directory.rmdir()  # Hydra made it before the job ran; a rejected run leaves nothing behind
-        sys.exit(f"error: {error}")
-    print(describe(plan), flush=True)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_config(dataclasses.replace(cfg, dryrun=False), config_path)  # the config as the engine will run it
-    save_overrides(HydraConfig.get(), directory / OVERRIDES)
-    try:
-        status = launch(plan, config_path, experiment_name(cfg))
-    except ConfigError as error:
+        if made and directory.is_dir() and not any(directory.iterdir()):
+            directory.rmdir()  # a rejected run leaves nothing behind
         sys.exit(f"error: {error}")
     if status:
         sys.exit(status)
+
+
+def launch_under_lock(plan, directory: Path) -> int:
+    """Holding the run directory's lock, which the trainer this launch starts trains under
+    (recipes.trainer.run_lock): the run directory checked again, now that no other launch can change it, an old
+    run set aside (run.overwrite), the plan shown, the config and command line written, the run launched."""
+    from recipes.launcher import launch
+    from recipes.plan.describe import describe
+    from recipes.plan.run_dir import check_run_dir, holds_run, set_aside
+
+    cfg, config_path, lock_was_there = plan.cfg, directory / CONFIG, (directory / LOCK).exists()
+    with locked(directory, launcher=True):
+        try:
+            check_run_dir(cfg, directory, plan.resumes)
+        except ConfigError:
+            if not lock_was_there:
+                (directory / LOCK).unlink()
+            raise
+        if cfg.run.overwrite and holds_run(directory):
+            print(f"run.overwrite=true: the run that was in {directory} is now in {set_aside(directory)}")
+        print(describe(plan), flush=True)
+        save_config(dataclasses.replace(cfg, dryrun=False), config_path)  # the config as the engine will run it
+        save_overrides(HydraConfig.get(), directory / OVERRIDES)
+        return launch(plan, config_path, experiment_name(cfg))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 import os
 import re
 import types
@@ -319,6 +320,9 @@ class RunConfig:
     root: str = "runs"
     name: str = "${model.name}-${precision.name}"
     dir: str = "${run.root}/${now:%Y%m%d-%H%M%S}-${run.name}"
+    # A run.dir holding a run with no checkpoint to continue from: true moves that run aside (recipes.plan.run_dir)
+    # and starts this one there; false refuses the launch.
+    overwrite: bool = False
 
 
 @dataclass
@@ -337,6 +341,11 @@ class Config:
     dryrun: bool = False
 
 
+# The config groups every run needs an option of (Config's fields without a default).
+REQUIRED_GROUPS = tuple(f.name for f in dataclasses.fields(Config)
+                        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+
+
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the fix."""
 
@@ -350,6 +359,7 @@ AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
 NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
 POSITIVE = (lambda v: v > 0, "> 0")
 BETA = (lambda v: 0 <= v < 1, "in [0, 1)")
+SEED = (lambda v: 0 <= v < 2**32, "in [0, 2**32)")  # numpy's generators take no other
 DEFAULTS = {"trainer": TrainerConfig(), "executor": ExecutorConfig()}  # the groups whose fields have defaults
 VALUE_RANGES = {
     **{f"model.{name}": AT_LEAST_1 for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -362,17 +372,17 @@ VALUE_RANGES = {
     "trainer.lr": NON_NEGATIVE, "trainer.min_lr": NON_NEGATIVE, "trainer.warmup_steps": NON_NEGATIVE,
     "trainer.weight_decay": NON_NEGATIVE, "trainer.adam_beta1": BETA, "trainer.adam_beta2": BETA,
     "trainer.adam_eps": POSITIVE, "trainer.grad_clip": POSITIVE, "trainer.log_interval": AT_LEAST_1,
-    "trainer.checkpoint.interval": NON_NEGATIVE, "trainer.checkpoint.keep_last": NON_NEGATIVE,
+    "trainer.seed": SEED, "trainer.checkpoint.interval": NON_NEGATIVE, "trainer.checkpoint.keep_last": NON_NEGATIVE,
     "executor.gpus": AT_LEAST_1, "executor.nodes": AT_LEAST_1,
 }
 
 
 def check_values(cfg: Config) -> None:
-    """Every numeric setting within its range (VALUE_RANGES), min_lr <= lr: one line naming the field and the
-    range, with the default where it is valid. Cheap and needs nothing but the config: the plan calls it first, the engines on the config.yaml they read."""
+    """Every numeric setting finite and within its range (VALUE_RANGES), min_lr <= lr: one line naming the field
+    and the range, with the default where it is valid. Cheap and needs nothing but the config: the plan calls it first, the engines on the config.yaml they read."""
     for name, (allowed, rule) in VALUE_RANGES.items():
         value = _field(cfg, name)
-        if not allowed(value):
+        if not (allowed(value) and math.isfinite(value)):  # inf passes >= 0; NaN passes no test
             group, rest = name.split(".", 1)
             default = _field(DEFAULTS[group], rest) if group in DEFAULTS else None
             hint = f"; e.g. {name}={default} (the default)" if default is not None and allowed(default) else ""
@@ -409,6 +419,10 @@ def from_dict(cls: type, data: dict, where: str = "") -> Any:
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown key(s) {unknown} in '{where or 'config'}'; valid keys: {sorted(known)}")
+    required = [f.name for f in dataclasses.fields(cls) if f.name not in data
+                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if required:
+        raise ConfigError(f"'{where or 'config'}' lacks the required key(s) {required}")
     values = {name: _coerce(hints[name], value, f"{where}.{name}".lstrip(".")) for name, value in data.items()}
     return cls(**values)
 
@@ -468,4 +482,15 @@ def save_config(cfg: Config, path: Path) -> None:
 
 
 def load_config(path: Path | str) -> Config:
-    return from_dict(Config, yaml.safe_load(Path(path).read_text()))
+    """The resolved config a launch wrote; ConfigError, naming the file, for one missing, unreadable or not a
+    config (the engines' entry reads it first: recipes.trainer.entry)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        problem = error.strerror if isinstance(error, OSError) else f"not YAML: {str(error).splitlines()[0]}"
+        raise ConfigError(f"cannot read the config {path} ({problem}); give the config.yaml that launch/run.py "
+                          "wrote into a run directory (dryrun=true writes one)") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} is not a config written by launch/run.py (it holds no mapping); "
+                          "give the config.yaml of a run directory (dryrun=true writes one)")
+    return from_dict(Config, data)

@@ -12,6 +12,7 @@ import typing
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import OverrideParseException
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
@@ -52,7 +53,12 @@ def _unwrap_dataclass(hint: typing.Any) -> type | None:
 def check_override_keys(overrides: list[str]) -> None:
     """Raise ConfigError for an override whose key is not in the schema, '+key' and '++key' included: Hydra would
     accept an added key and the schema would then drop it silently."""
-    parsed = OverridesParser.create().parse_overrides(overrides)
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException as error:
+        raise ConfigError(f"cannot read the command line: {str(error).splitlines()[0]}; quote a value that holds "
+                          "quotes, spaces or any of =,[]{}() as Hydra's override grammar says (key='a b', "
+                          "key=\"it's\")") from None
     for override in parsed:
         key = override.key_or_group
         if key.split(".")[0] == "hydra" or (CONF_DIR / key).is_dir():

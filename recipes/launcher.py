@@ -62,7 +62,7 @@ def run_local(plan: Plan, config_path: Path, experiment: str) -> int:
         exp.add(task, name=TASK)
         exp.run(sequential=True, tail_logs=True, detach=False)
         if received:  # came while the job was starting
-            forward(signal.SIGTERM, torchrun)
+            forward(received[0], torchrun)
     if received:  # the engine said where it stopped and how to resume
         return 128 + received[0]
     print(cli_commands(home, title, exp._id), flush=True)
@@ -77,15 +77,15 @@ def run_local(plan: Plan, config_path: Path, experiment: str) -> int:
 
 @contextmanager
 def forwarded_signals(torchrun: bool) -> Iterator[list[int]]:
-    """While the job runs, a stop signal to this process (Ctrl-C, kill, a closing terminal) goes to the engine,
-    which nemo-run starts in a session of its own, out of the terminal's reach: SIGTERM (a graceful stop after the
-    step in progress), and a second Ctrl-C as SIGINT (the step is abandoned). This process waits for the job to end.
-    Yields the signals received, in order."""
+    """While the job runs, a stop signal to this process (Ctrl-C, kill, a closing terminal) goes on to the engine,
+    which nemo-run starts in a session of its own, out of the terminal's reach: the first stops it gracefully after
+    the step in progress, a second Ctrl-C abandons the step. This process waits for the job to end. Yields the
+    signals received, in order."""
     received: list[int] = []
 
     def handle(signum: int, frame) -> None:
         received.append(signum)
-        forward(signal.SIGINT if signum == signal.SIGINT and len(received) > 1 else signal.SIGTERM, torchrun)
+        forward(signum, torchrun)
 
     previous = handle_stop_signals(handle)
     try:
@@ -104,6 +104,18 @@ def forward(signum: int, torchrun: bool) -> None:
         try:
             # torchrun itself until it has started its workers: a stop with a traceback beats none
             for process in (child.children() if torchrun else []) or [child]:
-                os.kill(process.pid, signum)
+                os.kill(process.pid, signum if _catches_stop_signals(process.pid) else signal.SIGTERM)
         except (ProcessLookupError, psutil.NoSuchProcess):  # ended meanwhile
             pass
+
+
+def _catches_stop_signals(pid: int) -> bool:
+    """The engine has installed its stop handlers (recipes.trainer.stopping), which catch SIGTERM, and says which
+    signal stopped it. Before that (its imports) a signal is passed on as SIGTERM, which ends it quietly where
+    SIGINT would end it in a KeyboardInterrupt traceback. Read from the caught-signal mask in /proc."""
+    try:
+        caught = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                      if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught.split()[1], 16) >> (signal.SIGTERM - 1) & 1)

@@ -29,10 +29,11 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from recipes.config import Activation, Config, ConfigError, ModelConfig, Normalization, to_dict
 from recipes.run_files import METRICS, SUMMARY, TENSORBOARD
@@ -115,12 +116,17 @@ class MetricsWriter:
     """Every step's metrics, written by the logging process: a JSON line in `<run dir>/metrics.jsonl` and
     TensorBoard scalars in `<run dir>/tensorboard/` (both flushed, so a crash loses nothing written), and a W&B
     run, as the config asks. `first_step` > 1 is a resumed run: TensorBoard hides what a crashed attempt logged
-    from that step on, as metrics.jsonl drops it."""
+    from that step on, as metrics.jsonl drops it; `history` is what metrics.jsonl holds of the steps before.
 
-    def __init__(self, run_dir: Path, cfg: Config, first_step: int = 1):
+    metrics.jsonl is the run's record: the writer keeps every line it holds, and a file removed, replaced or cut
+    short while the run trains is noticed at the next step and written again whole, with one line saying so."""
+
+    def __init__(self, run_dir: Path, cfg: Config, first_step: int = 1, history: Sequence[StepMetrics] = ()):
         check_loggers(cfg)
         self.path = run_dir / METRICS
+        self._lines = [json.dumps(asdict(m)) + "\n" for m in history]
         self._file = self.path.open("a")
+        self._bytes = self._file.tell()
         self._tensorboard = None
         if cfg.trainer.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -131,8 +137,15 @@ class MetricsWriter:
 
     def write(self, metrics: StepMetrics) -> None:
         record = asdict(metrics)
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        line = json.dumps(record) + "\n"
+        self._lines.append(line)
+        lost = self._lost()
+        if lost:
+            self._rewrite(lost)
+        else:
+            self._file.write(line)
+            self._file.flush()
+            self._bytes += len(line.encode())
         scalars = {f"train/{key}": value for key, value in record.items() if key != "step" and value is not None}
         if self._tensorboard is not None:
             for tag, value in scalars.items():
@@ -140,6 +153,35 @@ class MetricsWriter:
             self._tensorboard.flush()  # on disk every step, as metrics.jsonl: a killed run keeps what it logged
         if self._wandb is not None:
             self._wandb.log(scalars, step=metrics.step)
+
+    def _lost(self) -> str:
+        """What happened to metrics.jsonl since the last write ("": nothing)."""
+        try:
+            found = os.stat(self.path)
+        except FileNotFoundError:
+            return "removed"
+        own = os.fstat(self._file.fileno())
+        if (found.st_dev, found.st_ino) != (own.st_dev, own.st_ino):
+            return "replaced"
+        return "cut short" if found.st_size < self._bytes else ""
+
+    def _rewrite(self, lost: str) -> None:
+        """metrics.jsonl written again from every line the run has logged, replacing whatever is there at once."""
+        self._file.close()
+        temporary = self.path.with_name(self.path.name + ".tmp")
+        temporary.write_text("".join(self._lines))
+        os.replace(temporary, self.path)
+        self._file = self.path.open("a")
+        self._bytes = self._file.tell()
+        print(f"warning: {self.path} was {lost} during the run; written again from the run's own record "
+              f"({len(self._lines)} steps)", flush=True)
+
+    def keep_copy(self, folder: Path) -> None:
+        """metrics.jsonl as it is now, into a checkpoint folder: what a resume restores should the run directory's
+        be lost (recipes.trainer.checkpoints.resume_metrics). Written whole or not at all."""
+        temporary = folder / f"{METRICS}.tmp"
+        temporary.write_text("".join(self._lines))
+        os.replace(temporary, folder / METRICS)
 
     def close(self) -> None:
         self._file.close()

@@ -14,6 +14,9 @@ back by launch/status.py and the report. Each name is spelled here only.
     train.log         the job's newest Slurm log, gathered by launch/status.py            recipes.slurm
     nemo_recipe.yaml  engine=nemo: NeMo's recipe as the job built it                      recipes.nemo.engine
     nemo/             engine=nemo: NeMo's own logs (its log.explicit_log_dir)             recipes.nemo.mapping
+    wandb/            logger.wandb.project: wandb's own files                             recipes.metrics
+
+A folder holding anything else is not a run directory, and no launch writes into it (recipes.plan.run_dir).
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ JOB_RECORD = "slurm_job.json"
 TRAIN_LOG = "train.log"
 NEMO_RECIPE = "nemo_recipe.yaml"
 NEMO_LOGS = "nemo"
+WANDB = "wandb"
+
+# What a launch writes before anything runs, all that a dry run leaves: the next launch replaces them.
+PLANNED = (CONFIG, OVERRIDES, SBATCH_SCRIPT, LOCK)
+# What a run leaves once it has been started: continued from a checkpoint, or moved aside (run.overwrite).
+RAN = (METRICS, SUMMARY, CHECKPOINTS, PROFILE, TENSORBOARD, JOB_RECORD, TRAIN_LOG, NEMO_RECIPE, NEMO_LOGS, WANDB)
 
 # nemo-run's srun logs: log-<job name>_<job id>_<restart>.out|.err, one file per start of the job (a requeue
 # starts it again); launch/status.py gathers the newest, the report reads them all.

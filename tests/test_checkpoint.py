@@ -24,6 +24,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from recipes.config import CheckpointConfig, Config, TrainerConfig, load_option, save_config
 from recipes.engine import checkpoint, torch_engine
+from recipes.trainer import loop
 from recipes.trainer.checkpoints import complete_checkpoints
 
 from test_train import REPO, launch, read_metrics
@@ -167,6 +168,43 @@ def test_a_finished_run_extended_with_more_steps_matches_an_uninterrupted_one(tm
     assert losses(run_dir) == reference
 
 
+def test_metrics_removed_or_replaced_during_a_run_are_written_again_whole(tmp_path, monkeypatch, capsys, reference):
+    run_dir = tmp_path / "run"
+    metrics = run_dir / "metrics.jsonl"
+    rate = loop.learning_rate
+
+    def meddling(step: int, trainer):  # at the start of a step, after the previous one's line was written
+        if step == 3:
+            metrics.unlink()
+        if step == 4:
+            metrics.write_text('{"step": 1, "loss": 0.0}\n')  # written over, shorter
+        if step == 5:
+            (run_dir / "other.jsonl").write_text('{"step": 1, "loss": 0.0}\n')
+            (run_dir / "other.jsonl").replace(metrics)  # another file in its place
+        return rate(step, trainer)
+
+    monkeypatch.setattr(loop, "learning_rate", meddling)
+    run(make_config(run_dir, interval=0))
+    out = capsys.readouterr().out
+    assert f"warning: {metrics} was removed during the run; written again from the run's own record (3 steps)" in out
+    assert f"warning: {metrics} was cut short during the run; written again from the run's own record (4 steps)" in out
+    assert f"warning: {metrics} was replaced during the run; written again from the run's own record (5 steps)" in out
+    assert losses(run_dir) == reference
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == STEPS
+
+
+def test_a_resume_restores_the_metrics_lost_since_from_its_checkpoint(tmp_path, capsys, reference):
+    run_dir = tmp_path / "run"
+    run(make_config(run_dir, max_steps=4, interval=4))
+    (run_dir / "metrics.jsonl").unlink()
+    capsys.readouterr()
+    run(make_config(run_dir, max_steps=STEPS, interval=4))
+    copy = run_dir / "checkpoints" / "step_00000004" / "metrics.jsonl"
+    assert f"metrics.jsonl: held 0 of steps 1..4; restored them from {copy}" in capsys.readouterr().out
+    assert losses(run_dir) == reference
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == STEPS
+
+
 def test_delayed_scaling_resumes_exactly_with_its_amax_histories(tmp_path, capsys):
     """fp8_delayed, 2 micro-batches a step: each weight is quantized in the first only, and the second's amax 0
     leaves its history and scale alone (Transformer Engine's fused update). Resumed from step 2's checkpoint, the
@@ -249,7 +287,8 @@ def test_a_checkpoint_has_a_manifest_of_its_files_sizes_and_checksums(tmp_path):
     run(make_config(tmp_path / "run", max_steps=2, interval=2))
     folder = tmp_path / "run" / "checkpoints" / "step_00000002"
     files = json.loads((folder / "manifest.json").read_text())["files"]
-    assert sorted(files) == sorted(p.name for p in folder.iterdir() if p.name != "manifest.json")
+    # all but the copy of metrics.jsonl, put beside it once it is published (recipes.trainer.loop.save)
+    assert sorted(files) == sorted(p.name for p in folder.iterdir() if p.name not in ("manifest.json", "metrics.jsonl"))
     assert {"checkpoint.pt", ".metadata", "__0_0.distcp"} <= set(files)
     for name, entry in files.items():
         data = (folder / name).read_bytes()

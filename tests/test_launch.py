@@ -4,8 +4,8 @@ Every launch runs in its own temporary directory as cwd, with FP8_RECIPES_RUNS, 
 into it, and is checked to have written nothing outside FP8_RECIPES_RUNS: no Hydra `outputs/`, `multirun/` or
 `.hydra/` folders, nothing in the repository, nothing in the home directory.
 
-The error cases are independent launches of about 1.5 s each; they run concurrently (one fixture) to keep the suite
-fast on a two-core machine.
+The error cases are independent launches, each forked from the test process with torch and Hydra imported (one
+fixture, four at a time) to keep the suite fast on a two-core machine.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import functools
 import importlib.util
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -96,7 +98,7 @@ class Launch:
         return f"{command}\n--- stdout\n{self.stdout}--- stderr\n{self.stderr}"
 
 
-def launch(cwd: Path, *args: str) -> Launch:
+def launch_environment(cwd: Path) -> dict[str, str]:
     cwd.mkdir(parents=True, exist_ok=True)
     (cwd / "home").mkdir()
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
@@ -106,10 +108,73 @@ def launch(cwd: Path, *args: str) -> Launch:
         HOME=str(cwd / "home"),
         PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
     )
+    return env
+
+
+def launch(cwd: Path, *args: str) -> Launch:
+    env = launch_environment(cwd)
     proc = subprocess.run(
         [sys.executable, str(RUN_PY), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
     return Launch(args, cwd, proc.returncode, proc.stdout, proc.stderr)
+
+
+def launches_forked(cases: dict[str, tuple[Path, tuple[str, ...]]], at_once: int = 4) -> dict[str, Launch]:
+    """launch() of each case, run as launch/run.py's `__main__` in a child forked from this process, which has
+    imported torch, Hydra and recipes already: the same code, command line, environment and working directory,
+    without the seconds of Python and torch starting up in each (the error cases are many). `at_once` children
+    at a time; this process forks them from its one thread."""
+    import runpy
+
+    import hydra._internal.utils  # noqa: F401  what launch/run.py imports, imported once here
+    import recipes.hydra_schema  # noqa: F401
+    import recipes.launcher  # noqa: F401
+    import recipes.plan.describe  # noqa: F401
+    import recipes.plan.gpu  # noqa: F401
+    import recipes.plan.run_dir  # noqa: F401
+    from hydra.core.global_hydra import GlobalHydra
+
+    def start(cwd: Path, args: tuple[str, ...]) -> int:
+        env, streams = launch_environment(cwd), [cwd.with_name(f"{cwd.name}.{stream}") for stream in ("out", "err")]
+        pid = os.fork()
+        if pid:
+            return pid
+        code = 1
+        try:
+            os.chdir(cwd)
+            os.environ.clear()
+            os.environ.update(env)
+            for fd, path in zip((1, 2), streams):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+            sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
+            sys.argv = [str(RUN_PY), *args]
+            GlobalHydra.instance().clear()  # a test before may have composed in this process
+            try:
+                runpy.run_path(str(RUN_PY), run_name="__main__")
+                code = 0
+            except SystemExit as exit_:  # as the interpreter ends: a message goes to stderr, with status 1
+                if isinstance(exit_.code, str):
+                    print(exit_.code, file=sys.stderr)
+                code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    pending, running, status = list(cases.items()), {}, {}
+    while pending or running:
+        while pending and len(running) < at_once:
+            name, (cwd, args) = pending.pop(0)
+            running[start(cwd, args)] = name
+        pid, wait_status = os.wait()
+        status[running.pop(pid)] = os.waitstatus_to_exitcode(wait_status)
+    return {name: Launch(args, cwd, status[name], *(cwd.with_name(f"{cwd.name}.{stream}").read_text()
+                                                    for stream in ("out", "err")))
+            for name, (cwd, args) in cases.items()}
 
 
 def assert_confined(result: Launch, allowed: tuple[str, ...] = ()) -> None:
@@ -246,7 +311,7 @@ def test_hydra_keeps_cwd_and_writes_no_hydra_folder(tmp_path):
     assert result.lines("run") == [f"run dir     {run_dir}"]
     assert result.lines("command") == [engine_command(run_dir / "config.yaml")]
     assert load_config(run_dir / "config.yaml").run.dir == str(run_dir)
-    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "overrides.yaml"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "overrides.yaml", "trainer.lock"]
     assert_confined(result, allowed=("rel",))
 
 
@@ -389,7 +454,8 @@ ERROR_CASES = {
     # hidden 200 keeps heads % groups and the even rotary dimension valid; only the FP8 check rejects it
     "fp8_dims": (("model.hidden_size=200", "dryrun=true"), ("divisible by 16", "hidden_size = 200")),
     "gpu_count": (_gpu_count_case(), (f"executor.gpus={max(2, torch.cuda.device_count() + 1)}",
-                                      f"has {torch.cuda.device_count()} GPU(s)")),
+                                      f"has {torch.cuda.device_count()} GPU(s)", "set executor.gpus to at most")
+                  if torch.cuda.device_count() else ("gpu=h100 but this machine has no GPU", "choose gpu=cpu")),
     # precision x GPU
     "blockwise_cpu": (("precision=fp8_blockwise", "dryrun=true"),
                       ("precision=fp8_blockwise", "Hopper", "gpu=cpu", "precision.emulate=true")),
@@ -415,22 +481,135 @@ ERROR_CASES = {
     # Transformer Engine's Float8CurrentScaling has no margin: refused, not ignored
     "margin_current": (("precision=fp8_current", "precision.margin=1", "dryrun=true"),
                        ("precision.margin=1", "precision=fp8_current", "precision=fp8_delayed")),
+    # issue 27: a run directory is the run's alone (DIRS: folders made before the launches)
+    "run_dir_in_conf": ((f"run.dir={CONF}", "dryrun=true"), (f"run.dir={CONF} is inside this checkout's source "
+                                                            "folder conf/", "run.dir=runs/NAME")),
+    "run_dir_in_conf_new": ((f"run.dir={CONF}/new", "dryrun=true"), ("inside this checkout's source folder conf/",)),
+    "run_dir_checkout": ((f"run.dir={REPO}", "dryrun=true"), (f"holds this checkout ({REPO})", "run.dir=runs/NAME")),
+    "run_dir_empty": (("run.dir=", "dryrun=true"), ("run.dir is empty", "run.dir=PATH")),
+    "run_root_empty": (("run.root=", "dryrun=true"), ("run.root is empty",)),
+    "nemo_run_home_empty": (("executor.nemo_run_home=", "dryrun=true"), ("executor.nemo_run_home is empty",)),
+    "checkpoint_dir_empty": (("trainer.checkpoint.dir=", "dryrun=true"), ("trainer.checkpoint.dir is empty",
+                                                                          "leave it unset")),
+    "sweep_dir_checkout": (("-m", f"hydra.sweep.dir={REPO}", "precision=bf16,fp8_current", "dryrun=true"),
+                           (f"hydra.sweep.dir={REPO} holds this checkout", "no point was run")),
+    "run_dir_dot": (("run.dir=.", "dryrun=true"), ("holds files that are not a run's (", "run.dir=runs/NAME")),
+    "run_dir_foreign": (("run.dir=@FOREIGN@", "dryrun=true"), ("holds files that are not a run's (notes.txt)",)),
+    "run_dir_holds_run": (("run.dir=@RAN@", "model=tiny_nemotron", "data=mock", "model.seq_length=64"),
+                          ("holds a run (metrics.jsonl, summary.json, tensorboard) with no checkpoint",
+                           "run.overwrite=true to move that run aside")),
+    "run_dir_checkpoint_dir_is_a_file": (("trainer.checkpoint.interval=1", "trainer.checkpoint.dir=/proc/version"),
+                                         ("trainer.checkpoint.dir=/proc/version", "is a file, not a folder")),
+    "checkpoint_dir_read_only": (("trainer.checkpoint.interval=1", "trainer.checkpoint.dir=/sys/fp8-ckpt"),
+                                 ("trainer.checkpoint.dir=/sys/fp8-ckpt: cannot write into /sys",)),
+    "run_root_read_only": (("run.root=/sys/fp8-runs",), ("run.root=/sys/fp8-runs: cannot write into /sys",)),
+    "nemo_run_home_read_only": (("executor.nemo_run_home=/sys/fp8-nemo",),
+                                ("executor.nemo_run_home=/sys/fp8-nemo: cannot write into /sys",)),
+    "cache_read_only": (("data.cache_dir=/sys/fp8-cache",), ("data.cache_dir (FP8_RECIPES_CACHE)=/sys/fp8-cache",
+                                                             "cannot write into /sys")),
+    # values the plan refused only after launch, or never
+    "lr_inf": (("trainer.lr=inf",), ("trainer.lr=inf is out of range",)),
+    "seed_negative": (("trainer.seed=-1",), ("trainer.seed=-1 is out of range", "in [0, 2**32)")),
+    "emulate_native": (("precision.emulate=true", "dryrun=true"),
+                       ("precision.emulate=true, but precision=fp8_current runs natively",
+                        "leave precision.emulate unset")),
+    "emulate_bf16": (("precision=bf16", "precision.emulate=true", "dryrun=true"), ("precision=bf16 runs natively",)),
+    "dataset_too_short": (("data.path=@SHORT@", "model.seq_length=512"),
+                          ("has 300 tokens, fewer than one sample of seq_length + 1 = 513", "model.seq_length")),
+    # what reached a shell, Hydra or OmegaConf
+    "run_name_metacharacter": (("run.name='a;b $(x)'", "dryrun=true"),
+                               ("run.name='a;b $(x)'", "only ASCII letters, digits", "e.g. run.name=a_b_x")),
+    "run_name_non_ascii": (("run.name='héllo'", "dryrun=true"), ("run.name='héllo'", "e.g. run.name=h_llo")),
+    "run_name_unbalanced_quote": (("run.name=it's", "dryrun=true"), ("cannot read the command line",
+                                                                      "run.name=it's", "quote a value")),
+    "deleted_group": (("~model", "dryrun=true"), ("~model deletes the model group", "model=OPTION")),
+    "unresolved_interpolation": (("run.name=${nowhere}", "dryrun=true"), ("cannot resolve the config",
+                                                                          "'nowhere' not found")),
+    "unresolved_env": (("trainer.lr=${oc.env:FP8_NO_SUCH_VARIABLE}", "dryrun=true"),
+                       ("cannot resolve the config", "FP8_NO_SUCH_VARIABLE")),
+    # every point of a sweep is planned before the first runs: bf16 never trains
+    "sweep_point": (("-m", "precision=bf16,mxfp8,fp8_current", "data=mock", "model.seq_length=64"),
+                    ("-m point 1 (precision=mxfp8 data=mock model.seq_length=64)", "Blackwell", "no point was run")),
 }
 
 
+def prepare_folders(root: Path) -> dict[str, str]:
+    """What some ERROR_CASES point at (@NAME@ in their arguments): a folder of something else, one holding a run
+    without checkpoints, an indexed dataset of 300 tokens."""
+    from recipes.data.megatron_indexed import IndexedDatasetBuilder
+
+    foreign, ran = root / "foreign", root / "ran"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine\n")
+    (ran / "tensorboard").mkdir(parents=True)
+    for name in ("config.yaml", "metrics.jsonl", "summary.json"):
+        (ran / name).write_text(f"the earlier run's {name}\n")
+    builder = IndexedDatasetBuilder(str(root / "short.bin"), dtype=np.int32)
+    builder.add_document(np.arange(300, dtype=np.int32) % 250, lengths=[300])
+    builder.finalize(str(root / "short.idx"))
+    return {"@FOREIGN@": str(foreign), "@RAN@": str(ran), "@SHORT@": str(root / "short")}
+
+
+def folder_state(root: Path) -> dict[str, bytes]:
+    return {str(path): path.read_bytes() if path.is_file() else b"/" for path in sorted(root.rglob("*"))}
+
+
 @pytest.fixture(scope="module")
-def error_launches(tmp_path_factory) -> dict[str, Launch]:
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        futures = {
-            name: pool.submit(launch, tmp_path_factory.mktemp(name), *args) for name, (args, _) in ERROR_CASES.items()
-        }
-    return {name: future.result() for name, future in futures.items()}
+def prepared(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    root = tmp_path_factory.mktemp("prepared")
+    return root, prepare_folders(root)
+
+
+@pytest.fixture(scope="module")
+def error_launches(tmp_path_factory, prepared) -> dict[str, Launch]:
+    root, names = prepared
+    before = folder_state(root), folder_state(CONF)
+    results = launches_forked({name: (tmp_path_factory.mktemp(name), tuple(
+        functools.reduce(lambda arg, item: arg.replace(*item), names.items(), arg) for arg in args))
+        for name, (args, _) in ERROR_CASES.items()})
+    assert (folder_state(root), folder_state(CONF)) == before, "a refused launch changed a folder it was pointed at"
+    return results
 
 
 @pytest.mark.parametrize("case", ERROR_CASES)
 def test_error_is_clear_and_launches_nothing(error_launches, case):
     result = error_launches[case]
     assert_clean_failure(result, *ERROR_CASES[case][1])
+    assert result.output.strip().count("\n") == 0, f"more than one line:\n{result}"
+
+
+def test_run_overwrite_moves_the_old_run_aside_and_the_plan_quotes_its_command(tmp_path, prepared):
+    run_dir = tmp_path / "old run"  # a space: the printed command must be quoted for a shell
+    shutil.copytree(prepared[0] / "ran", run_dir)
+    before = folder_state(run_dir)
+    result = launch(tmp_path / "launch", f"run.dir={run_dir}", "run.overwrite=true", "dryrun=true")
+    assert result.returncode == 0, str(result)
+    [aside] = tmp_path.glob("old run.replaced-*")
+    assert f"run.overwrite=true: the run that was in {run_dir} is now in {aside}" in result.stdout
+    assert folder_state(aside) == {path.replace(str(run_dir), str(aside)): data for path, data in before.items()}
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "overrides.yaml", "trainer.lock"]
+    (command,) = result.lines("command")
+    assert shlex.split(command.split(None, 1)[1]) == [sys.executable, "-m", "recipes.engine.torch_engine",
+                                                      str(run_dir / "config.yaml")]
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "(No such file or directory)"),
+    (b"\xff\xfe garbage", "(not YAML: "),
+    (b"[1, 2", "(not YAML: "),
+    (b"- a list", "holds no mapping"),
+    (b"{}", "lacks the required key(s) ['model', 'precision', 'gpu', 'executor', 'data']"),
+])
+def test_the_engine_refuses_a_missing_or_garbage_config_in_one_line(tmp_path, capsys, content, message):
+    from recipes.engine import torch_engine
+
+    config = tmp_path / "config.yaml"
+    if content is not None:
+        config.write_bytes(content)
+    assert torch_engine.main([str(config)]) == 1
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([] if content is None else ["config.yaml"])
 
 
 def test_mxfp8_on_a_cpu_suggests_only_what_runs_there(error_launches, hydra_compose, tmp_path):
@@ -441,7 +620,7 @@ def test_mxfp8_on_a_cpu_suggests_only_what_runs_there(error_launches, hydra_comp
 
 def test_every_value_range_refuses_its_bad_value(hydra_compose):
     """Each numeric setting of VALUE_RANGES refused just outside its range, in one line naming it; min_lr > lr."""
-    outside = {"at least 1": 0, ">= 0": -1, "> 0": 0, "in [0, 1)": 1, "in (0, 1]": 0}
+    outside = {"at least 1": 0, ">= 0": -1, "> 0": 0, "in [0, 1)": 1, "in (0, 1]": 0, "in [0, 2**32)": 2**32}
     cfg = hydra_compose()
     for name, (_, rule) in VALUE_RANGES.items():
         group, field = name.rsplit(".", 1)
@@ -451,6 +630,9 @@ def test_every_value_range_refuses_its_bad_value(hydra_compose):
         assert str(error.value).startswith(f"{name}={outside[rule]} is out of range: it must be {rule}")
     with pytest.raises(ConfigError, match="trainer.min_lr=0.01 is above trainer.lr=0.001"):
         check_values(hydra_compose("trainer.min_lr=0.01", "trainer.lr=0.001"))
+    for value in ("inf", "-inf", "nan"):  # inf passes ">= 0", NaN no test: both refused as out of range
+        with pytest.raises(ConfigError, match=f"trainer.weight_decay={value} is out of range"):
+            check_values(hydra_compose(f"trainer.weight_decay={value}"))
     check_values(cfg)  # the defaults pass
 
 

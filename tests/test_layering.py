@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Bottom to top: each layer may import from itself and from the layers before it.
 LAYERS = {
-    "schema": ("recipes.config", "recipes.run_files"),
+    "schema": ("recipes.config", "recipes.run_files", "recipes.folders"),
     "components": ("recipes.fp8", "recipes.models", "recipes.data", "recipes.metrics", "recipes.profiling",
                    "recipes.provenance", "recipes.layouts", "recipes.compute"),
     "trainer": ("recipes.trainer",),

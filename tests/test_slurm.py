@@ -141,6 +141,20 @@ def wait_for(job_id: str, states: set[str], timeout_s: float = JOB_WAIT_S) -> st
     raise AssertionError(f"job {job_id} not {states} after {timeout_s}s (state {state}); cancelled it")
 
 
+def wait_for_accounting(job_id: str, state: str, timeout_s: float = 60) -> None:
+    """Until Slurm's accounting holds the job's end as `state`: nemo-run's `nemo experiment status` reads the state
+    from there (`sacct --parsable2 -j ID`), and slurmctld hands a job's end to slurmdbd asynchronously, after its
+    own view (scontrol, what wait_for reads) says the job ended."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        shown = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], capture_output=True,
+                               text=True).stdout.split()
+        if shown and shown[0] == state:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id}: accounting says {shown} {timeout_s}s after the job ended, not {state}")
+
+
 def status(target: str | Path, tmp_path: Path) -> list[list[str]]:
     env = dict(os.environ, FP8_RECIPES_RUNS=str(tmp_path / "runs"))
     result = subprocess.run([sys.executable, str(STATUS_PY), str(target)], env=env, capture_output=True, text=True)
@@ -192,6 +206,7 @@ def test_sweep_submits_one_job_per_point_as_one_experiment(cluster, tmp_path, ne
     # nemo-run's own CLI, as the launch printed it (NEMORUN_HOME set to executor.nemo_run_home)
     commands = nemo_cli.printed(result.stdout)
     assert [c.split()[-1] for c in commands["status"]] == [r.experiment_id for r in records]
+    wait_for_accounting(records[0].job_id, "COMPLETED")
     assert "Status: SUCCEEDED" in nemo_cli.run(commands["status"][0])
     assert "step     3/3" in nemo_cli.run(commands["logs"][0])  # the job's srun log
     listed = nemo_cli.run(commands["list"][-1])

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from recipes.config import load_config
 from recipes.engine import torch_engine
 from recipes.run_files import LOCK
 from recipes.trainer import loop
@@ -111,7 +112,7 @@ def test_one_ctrl_c_stops_the_run_after_a_step_with_its_checkpoint_and_the_same_
     checkpoint = run_dir / "checkpoints" / f"step_{last:08d}"
     assert (checkpoint / "checkpoint.pt").is_file()  # the step it stopped after, saved on the way out
     [line] = stopped_lines(output)
-    assert f"after step {last}/10000; its checkpoint is {checkpoint}; the same command" in line
+    assert f"stopped by SIGINT after step {last}/10000; its checkpoint is {checkpoint}; the same command" in line
     assert (run_dir / LOCK).read_text() == ""  # released in order
 
     again = launch(tmp_path, run_dir, "trainer.checkpoint.interval=1000", f"trainer.max_steps={last + 2}")
@@ -137,8 +138,8 @@ def test_sigterm_to_the_launcher_stops_torchrun_workers_quietly(tmp_path):
 
 
 def test_a_closing_terminal_stops_a_one_process_run_like_sigterm(tmp_path):
-    """SIGHUP to the launcher of one engine process (no torchrun): passed on as SIGTERM, the step finishes, the
-    launcher returns 128 + SIGHUP."""
+    """SIGHUP to the launcher of one engine process (no torchrun): passed on, the step finishes, the engine says it
+    was SIGHUP and the launcher returns 128 + SIGHUP."""
     run_dir = tmp_path / "run"
     launcher = launch(tmp_path, run_dir, "trainer.checkpoint.interval=1000")
     wait_for_steps(run_dir, 1, launcher)
@@ -150,7 +151,7 @@ def test_a_closing_terminal_stops_a_one_process_run_like_sigterm(tmp_path):
     last = read_metrics(run_dir)[-1]["step"]
     assert (run_dir / "checkpoints" / f"step_{last:08d}" / "checkpoint.pt").is_file()
     [line] = stopped_lines(output)
-    assert f"stopped by SIGTERM after step {last}/10000; its checkpoint is" in line
+    assert f"stopped by SIGHUP after step {last}/10000; its checkpoint is" in line
 
 
 def test_the_engine_stops_when_its_launcher_is_killed(tmp_path):
@@ -239,3 +240,24 @@ def test_a_second_trainer_is_refused_with_the_holders_pid_and_a_dead_ones_lock_i
     rc, output = finish(third)
     assert rc == 143
     assert f"{LOCK}: taking over the lock of PID {first.pid} on {os.uname().nodename}, which ended" in output
+
+
+def test_of_two_launches_started_together_on_one_run_dir_one_trains_and_the_other_is_refused(tmp_path):
+    """The launcher locks the run directory before it writes anything and hands the lock to its trainer: the
+    second launch, whenever it comes, is refused in one line (the first holds the lock, or has left a finished
+    run there), and the run directory describes the one run that trained."""
+    run_dir = tmp_path / "run"
+    rates = ("0.001", "0.003")
+    launches = [launch(tmp_path, run_dir, "trainer.max_steps=2", f"trainer.lr={rate}") for rate in rates]
+    results = [finish(process) for process in launches]
+    assert sorted(rc for rc, _ in results) == [0, 1], results
+    [(winner, _)] = [(rate, output) for rate, (rc, output) in zip(rates, results) if rc == 0]
+    [refusal] = [output for rc, output in results if rc == 1]
+    assert_quiet(refusal)
+    [line] = refusal.strip().splitlines()
+    assert line.startswith(f"error: run dir {run_dir} is in use by a launch (PID ") or line.startswith(
+        f"error: run.dir={run_dir} holds a run (metrics.jsonl"), line
+    assert load_config(run_dir / "config.yaml").trainer.lr == float(winner)
+    assert f"trainer.lr={winner}" in (run_dir / "overrides.yaml").read_text()
+    assert {m["lr"] for m in read_metrics(run_dir)} <= {float(winner) * step / 10 for step in (1, 2)}
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2]

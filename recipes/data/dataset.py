@@ -15,7 +15,7 @@ import numpy as np
 from recipes.config import ConfigError, DataConfig, DataKind
 from recipes.data import tokenizer
 from recipes.data.corpus import build_corpus
-from recipes.data.index_check import existing_prefix
+from recipes.data.index_check import check_one_sample, existing_prefix
 from recipes.data.megatron_indexed import IndexedDataset
 
 
@@ -56,12 +56,8 @@ class PackedSequences:
         self._ends = np.cumsum(tokens.sequence_lengths, dtype=np.int64)
         self._starts = self._ends - tokens.sequence_lengths
         total = int(self._ends[-1])
+        check_one_sample(total, seq_length, tokens.path_prefix)
         self._num_windows = total // self._window
-        if self._num_windows == 0:
-            raise ConfigError(
-                f"the dataset at {tokens.path_prefix} has {total} tokens, fewer than one sample of "
-                f"seq_length + 1 = {self._window}; use a larger dataset (data.path) or a smaller model.seq_length"
-            )
         self._epoch_order = (-1, np.empty(0, dtype=np.int64))
 
     def __len__(self) -> int:

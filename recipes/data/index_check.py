@@ -55,6 +55,22 @@ def check_indexed_dataset(prefix: str) -> None:
                           "point data.path at an intact one")
 
 
+def check_one_sample(tokens: int, seq_length: int, where: str) -> None:
+    """ConfigError unless `tokens` hold one sample of seq_length + 1 (the plan checks it before launch too)."""
+    if tokens < seq_length + 1:
+        raise ConfigError(
+            f"the dataset at {where} has {tokens} tokens, fewer than one sample of seq_length + 1 = "
+            f"{seq_length + 1}; use a larger dataset (data.path) or a smaller model.seq_length"
+        )
+
+
+def token_count(prefix: str) -> int:
+    """The tokens of a checked indexed dataset (check_indexed_dataset): its .bin's size over its token size."""
+    with open(prefix + ".idx", "rb") as file:
+        code = struct.unpack("<QB", file.read(HEADER_BYTES)[len(HEADER):len(HEADER) + 9])[1]
+    return os.path.getsize(prefix + ".bin") // ITEM_SIZE[code]
+
+
 def _index_problem(idx_path: str, bin_size: int) -> str | None:
     idx_size = os.path.getsize(idx_path)
     with open(idx_path, "rb") as file:

@@ -39,7 +39,7 @@ class RunMetrics(Callback):
         if trainer.is_global_zero:
             # A resumed run: metrics.jsonl cut back to the checkpoint's step, as the other engines do.
             self.history = resume_metrics(self.run_dir, trainer.global_step)
-            self.writer = MetricsWriter(self.run_dir, self.cfg, trainer.global_step + 1)
+            self.writer = MetricsWriter(self.run_dir, self.cfg, trainer.global_step + 1, self.history)
         self.step_end = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -21,7 +21,7 @@ from recipes.plan.cluster import Site, check_cluster
 from recipes.plan.memory import MemoryEstimate, estimate_memory
 from recipes.plan.parallel import world_size
 from recipes.run_files import CONFIG
-from recipes.trainer.checkpoints import check_before_launch
+from recipes.trainer.checkpoints import check_before_launch, checkpoint_dir
 
 ENGINE_MODULE = {Engine.torch: "recipes.engine.torch_engine", Engine.megatron: "recipes.megatron.engine",
                  Engine.nemo: "recipes.nemo.engine"}
@@ -34,6 +34,7 @@ class Plan:
     memory: MemoryEstimate
     command: list[str]  # launch_command
     site: Optional[Site] = None  # executor=slurm: where the job runs (recipes.plan.cluster)
+    resumes: bool = False  # the run directory holds a checkpoint the run continues from
 
     @property
     def processes(self) -> int:
@@ -74,11 +75,19 @@ def _checkpoint_marker(engine: Engine) -> Optional[str]:
 def make_plan(cfg: Config, config_path: Path) -> Plan:
     """Every check, Slurm's and SSH's included, then what will run: raises ConfigError before anything launches."""
     validate(cfg)
-    marker = _checkpoint_marker(cfg.engine)
-    if marker:  # before the launcher overwrites the run directory's config.yaml
-        check_before_launch(cfg, config_path.parent, marker)
+    resumes = not cfg.run.overwrite and _resumes(cfg, config_path.parent)
     site = check_cluster(cfg, config_path.parent) if cfg.executor.name == ExecutorName.slurm else None
     parameters = count_parameters(cfg.model)
     memory = estimate_memory(cfg, parameters)
     check_host_memory(cfg, memory.total, world_size(cfg))
-    return Plan(cfg, parameters, memory, launch_command(cfg, config_path, site), site)
+    return Plan(cfg, parameters, memory, launch_command(cfg, config_path, site), site, resumes)
+
+
+def _resumes(cfg: Config, run_dir: Path) -> bool:
+    """The run continues from a checkpoint in `run_dir`; CheckpointError, before the launcher overwrites the run
+    directory's config.yaml, for one it could not continue from. engine=nemo's NeMo resumes from any it finds."""
+    marker = _checkpoint_marker(cfg.engine)
+    if marker is None:
+        folder = checkpoint_dir(cfg, run_dir)
+        return folder.is_dir() and any(folder.iterdir())
+    return check_before_launch(cfg, run_dir, marker) is not None

@@ -14,13 +14,15 @@ import torch
 from recipes.compute import check_compute_dtype
 from recipes.config import (
     Config, ConfigError, DataKind, Engine, ExecutorName, Fp8Format, GradReduce, MegatronConfig, ModelConfig, Recipe,
-    check_values,
+    Tunnel, check_values,
 )
-from recipes.data.index_check import existing_prefix
+from recipes.folders import check_writable
+from recipes.data.index_check import check_one_sample, existing_prefix, token_count
 from recipes.fp8 import Fp8Training
 from recipes.metrics import check_loggers
 from recipes.nemo import preflight as nemo_preflight
 from recipes.plan.parallel import data_parallel_size, model_parallel_size, world_size
+from recipes.trainer.checkpoints import checkpoint_dir
 
 # Engines that train megatron-core models with Transformer Engine: megatron-core's layout and FP8 rules apply.
 MEGATRON_CORE_ENGINES = (Engine.megatron, Engine.nemo)
@@ -39,12 +41,32 @@ def validate(cfg: Config) -> None:
     _validate_batch(cfg)
     if cfg.executor.name == ExecutorName.local:  # on Slurm the path is the compute nodes' (the engine checks it there)
         _validate_data(cfg)
+    _validate_folders(cfg)
 
 
 def _validate_data(cfg: Config) -> None:
-    """An indexed dataset that is missing or damaged, before launch (recipes.data.index_check)."""
+    """An indexed dataset that is missing, damaged or shorter than one sample, before launch
+    (recipes.data.index_check)."""
     if cfg.data.kind == DataKind.indexed and cfg.data.path is not None:
-        existing_prefix(cfg.data.path)
+        prefix = existing_prefix(cfg.data.path)
+        check_one_sample(token_count(prefix), cfg.model.seq_length, prefix)
+
+
+def _validate_folders(cfg: Config) -> None:
+    """The folders this machine writes besides the run directory (launch/run.py checks that one): nemo-run's
+    records, and for a run here the corpus cache and the checkpoints."""
+    slurm = cfg.executor.slurm
+    if cfg.executor.name == ExecutorName.local or (slurm is not None and slurm.tunnel == Tunnel.local):
+        check_writable("executor.nemo_run_home", cfg.executor.nemo_run_home)
+    if cfg.executor.name != ExecutorName.local:
+        return
+    if cfg.data.kind == DataKind.indexed and cfg.data.path is None:
+        check_writable("data.cache_dir (FP8_RECIPES_CACHE)", cfg.data.cache_dir)
+    if cfg.trainer.checkpoint.dir is not None and not cfg.trainer.checkpoint.dir.strip():
+        raise ConfigError("trainer.checkpoint.dir is empty: it would be the run directory itself; leave it unset "
+                          "(RUN_DIR/checkpoints) or give a folder")
+    if cfg.trainer.checkpoint.interval > 0:
+        check_writable("trainer.checkpoint.dir", str(checkpoint_dir(cfg, Path(cfg.run.dir))))
 
 
 def _validate_launch(cfg: Config) -> None:
@@ -72,8 +94,12 @@ def _validate_launch(cfg: Config) -> None:
         nemo_preflight.validate(cfg)
     if _runs_here(cfg):
         available = torch.cuda.device_count()
+        if available == 0:
+            raise ConfigError(f"gpu={cfg.gpu.name} but this machine has no GPU: choose gpu=cpu (or gpu=auto, which "
+                              "detects it), or dryrun=true to see the plan for that GPU")
         if cfg.executor.gpus > available:
-            raise ConfigError(f"executor.gpus={cfg.executor.gpus} but this machine has {available} GPU(s)")
+            raise ConfigError(f"executor.gpus={cfg.executor.gpus} but this machine has {available} GPU(s): set "
+                              f"executor.gpus to at most {available}")
 
 
 def _validate_megatron_runtime(cfg: Config) -> None:
@@ -125,11 +151,16 @@ def _native_fp8_options(arch: str, megatron: bool) -> list[str]:
 def _validate_precision(cfg: Config) -> None:
     precision, gpu, megatron = cfg.precision, cfg.gpu, cfg.engine in MEGATRON_CORE_ENGINES
     Fp8Training.check(cfg)  # what no recipe computes (a margin outside delayed scaling), an FP8 all-gather it cannot
-    if precision.recipe == Recipe.bf16:
-        return
     if megatron and precision.emulate:
         raise ConfigError(f"precision.emulate=true is the torch engine's (engine=torch): engine={cfg.engine.value} "
                           "runs Transformer Engine's kernels, which are native or absent")
+    archs = native_archs(precision.recipe)
+    if precision.emulate and (archs is None or gpu.arch in archs):
+        raise ConfigError(f"precision.emulate=true, but precision={precision.name} runs natively on gpu={gpu.name}: "
+                          "nothing would be emulated, and the run would be labelled so; leave precision.emulate "
+                          "unset (false)")
+    if precision.recipe == Recipe.bf16:
+        return
     if precision.recipe == Recipe.mxfp8 and gpu.arch not in native_archs(Recipe.mxfp8) and not precision.emulate:
         raise ConfigError(
             f"precision=mxfp8 runs natively only on Blackwell GPUs (b200, gb200); gpu={gpu.name} is {gpu.arch}. "

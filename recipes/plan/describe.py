@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 from recipes.compute import describe_compute
 from recipes.models.attention import describe_order
 from recipes.config import Config, Engine, ExecutorName, GradReduce
@@ -10,6 +12,7 @@ from recipes.plan import Plan
 from recipes.nemo import preflight as nemo_preflight
 from recipes.plan.checks import MEGATRON_CORE_ENGINES, megatron_tuning
 from recipes.plan.parallel import data_parallel_size
+from recipes.trainer.loop import learning_rate
 
 
 def _torch_engine_weight_gather(cfg: Config, processes: int) -> str:
@@ -87,6 +90,8 @@ def describe(plan: Plan) -> str:
         *(nemo_preflight.describe(cfg) if cfg.engine == Engine.nemo else []),
         f"batch       micro {t.micro_batch_size} x {dp} data-parallel x {accumulation} accumulation = "
         f"global {t.global_batch_size} sequences; {t.max_steps} steps, lr {t.lr} (warm-up {t.warmup_steps}, cosine to {t.min_lr})"
+        + (f"; the warm-up is longer than the run: the learning rate ends at {learning_rate(t.max_steps, t):.3g}, "
+           "short of trainer.lr (trainer.warmup_steps)" if t.warmup_steps > t.max_steps else "")
         + ("; activation checkpointing" if t.activation_checkpointing else "")
         + ("; gradients reduce-scattered every micro-batch"
            if t.grad_reduce == GradReduce.per_micro_batch and plan.processes > 1 and accumulation > 1 else ""),
@@ -94,7 +99,7 @@ def describe(plan: Plan) -> str:
         f"{memory} (weights {mem.weights / gib:,.1f}, grads "
         f"{mem.gradients / gib:,.1f}, optimizer {mem.optimizer / gib:,.1f}, activations {mem.activations / gib:,.1f}; "
         f"{mem.activations_full_recompute / gib:,.1f} with full recompute){over}",
-        f"run dir     {cfg.run.dir}",
-        f"command     {' '.join(plan.command)}",
+        f"run dir     {cfg.run.dir}" + (" (continues from its checkpoint)" if plan.resumes else ""),
+        f"command     {shlex.join(plan.command)}",
     ]
     return "\n".join(lines)

@@ -49,6 +49,11 @@ def checkpoint_dir(cfg: Config, run_dir: Path) -> Path:
     return run_dir / CHECKPOINTS if configured is None else run_dir / Path(configured).expanduser()
 
 
+def step_folder(directory: Path, step: int) -> Path:
+    """Where the complete checkpoint of `step` is kept in `directory`."""
+    return directory / f"step_{step:08d}"
+
+
 def is_due(cfg: Config, step: int) -> bool:
     interval = cfg.trainer.checkpoint.interval
     return interval > 0 and (step % interval == 0 or step == cfg.trainer.max_steps)
@@ -73,7 +78,7 @@ def complete_checkpoints(directory: Path, marker: str) -> list[tuple[int, Path]]
 def start_save(directory: Path, step: int, tag: str) -> Path:
     """An empty temporary folder for step `step`'s checkpoint, never read as a checkpoint (see prune)."""
     directory.mkdir(parents=True, exist_ok=True)
-    temporary = directory / f"step_{step:08d}.tmp-{tag}"
+    temporary = directory / f"{step_folder(directory, step).name}.tmp-{tag}"
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir()
     return temporary
@@ -82,7 +87,7 @@ def start_save(directory: Path, step: int, tag: str) -> Path:
 def finish_save(directory: Path, step: int, temporary: Path) -> Path:
     """Publish a fully written temporary folder as `step_<N>` with one atomic rename."""
     _fsync_dir(temporary)
-    final = directory / f"step_{step:08d}"
+    final = step_folder(directory, step)
     replaced = None
     if final.exists():  # the same step saved again: moved aside (a name that is never read), then replaced
         replaced = directory / f"{final.name}.tmp-replaced-{os.getpid()}"
@@ -256,17 +261,19 @@ def _read_verified(path: Path, marker: str, rank: int, world_size: int) -> tuple
     return state, problems
 
 
-def check_before_launch(cfg: Config, run_dir: Path, marker: str) -> None:
+def check_before_launch(cfg: Config, run_dir: Path, marker: str) -> Optional[int]:
     """Refuse, before the launcher writes anything into `run_dir`, a run that could not continue from the newest
     readable checkpoint there (another model, precision, data, ...), as the engine would after overwriting
-    config.yaml. Reads only the marker files (step and config), never the shards."""
+    config.yaml. Returns the step the run continues from (None: it starts from scratch). Reads only the marker
+    files (step and config), never the shards."""
     for step, path in reversed(complete_checkpoints(checkpoint_dir(cfg, run_dir), marker)):
         try:
             saved = read_marker(path / marker)
         except CheckpointDamaged:
             continue  # the engine falls back past it
         check_resumable(saved["config"], step, cfg, path)
-        return
+        return step
+    return None
 
 
 def check_resumable(saved: dict, step: int, cfg: Config, path: Path) -> None:
@@ -319,24 +326,36 @@ def _walk(before: dict, after: dict, prefix: str) -> list[tuple[str, Any, Any]]:
     return changes
 
 
-def resume_metrics(run_dir: Path, step: int) -> list[StepMetrics]:
+def resume_metrics(run_dir: Path, step: int, checkpoint: Optional[Path] = None) -> list[StepMetrics]:
     """Cut `metrics.jsonl` back to the steps <= `step` (a run that crashed after its last checkpoint wrote later
-    steps, which the resumed run writes again) and return what is kept. step 0: a run that starts over."""
+    steps, which the resumed run writes again) and return what is kept. step 0: a run that starts over. Where the
+    file lacks some of those steps (removed, cut short) and `checkpoint`, the folder of the checkpoint resumed from,
+    holds its copy of them all (recipes.trainer.loop.save), the copy is restored, saying so."""
     path = run_dir / METRICS
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines()
-    records = [(line, _record(line)) for line in lines]
-    kept = [(line, record) for line, record in records if record is not None and record["step"] <= step]
+    lines = path.read_text().splitlines() if path.exists() else []
+    kept = _steps_up_to(lines, step)
+    copy = checkpoint / METRICS if checkpoint is not None else None
+    if [record["step"] for _, record in kept] != list(range(1, step + 1)) and copy is not None and copy.is_file():
+        restored = _steps_up_to(copy.read_text().splitlines(), step)
+        if [record["step"] for _, record in restored] == list(range(1, step + 1)):
+            print(f"{METRICS}: held {len(kept)} of steps 1..{step}; restored them from {copy}", flush=True)
+            kept, lines = restored, []
     if len(kept) != len(lines):
         temporary = path.with_name(path.name + ".tmp")
         temporary.write_text("".join(line + "\n" for line, _ in kept))
         os.replace(temporary, path)
-        print(f"{METRICS}: dropped {len(lines) - len(kept)} line(s) after step {step}", flush=True)
+        if lines:
+            print(f"{METRICS}: dropped {len(lines) - len(kept)} line(s) after step {step}", flush=True)
     history = [StepMetrics(**record) for _, record in kept]
     if [m.step for m in history] != list(range(1, step + 1)):
         print(f"warning: {path} does not hold exactly steps 1..{step}; summary.json covers those it holds", flush=True)
     return history
+
+
+def _steps_up_to(lines: list[str], step: int) -> list[tuple[str, dict]]:
+    """The lines of metrics.jsonl of steps <= `step`, each with its record; torn lines left out."""
+    records = [(line, _record(line)) for line in lines]
+    return [(line, record) for line, record in records if record is not None and record["step"] <= step]
 
 
 def _record(line: str) -> Optional[dict]:

@@ -11,7 +11,7 @@ from typing import Callable
 from recipes.config import Config, ConfigError, check_values, load_config
 from recipes.trainer.run_lock import locked
 from recipes.trainer.loop import NonFiniteError
-from recipes.trainer.stopping import Stopped, stop_signals, stopped_line, watch_launcher
+from recipes.trainer.stopping import LAUNCHER_PID, Stopped, stop_signals, stopped_line, watch_launcher
 
 
 def engine_main(module: str, train: Callable[[Config, Path], dict], argv: list[str] | None = None,
@@ -35,10 +35,12 @@ def engine_main(module: str, train: Callable[[Config, Path], dict], argv: list[s
         print(f"error: {error}", file=sys.stderr)
         return 1
     stopping = stop_signals.installed() if stops_on_signals else nullcontext()
+    # Started by launch/run.py on this machine: trained under the lock that launcher holds (recipes.trainer.run_lock)
+    launcher = os.environ.get(LAUNCHER_PID)
     try:
-        with stopping, locked(run_dir) if logging_rank else nullcontext():
+        with stopping, locked(run_dir, handed_by=launcher) if logging_rank else nullcontext() as lock:
             if stops_on_signals:
-                watch_launcher()
+                watch_launcher(lock.take_over if lock else lambda: None)
             train(cfg, run_dir=run_dir)
     except Stopped as stopped:
         if logging_rank:

@@ -29,7 +29,7 @@ import torch
 from recipes.config import Config, TrainerConfig
 from recipes.metrics import MetricsWriter, StepMetrics, step_metrics
 from recipes.profiling import profile_step_if_due
-from recipes.trainer.checkpoints import is_due, resume_metrics
+from recipes.trainer.checkpoints import checkpoint_dir, is_due, resume_metrics, step_folder
 from recipes.trainer.console import finish_run
 from recipes.trainer.stopping import Stopped, stop_signals
 
@@ -78,13 +78,23 @@ class EngineSteps:
     facts: dict = field(default_factory=dict)  # what summary.json adds about the engine's kernels (attention, loss)
 
 
+def save(engine: EngineSteps, writer: Optional[MetricsWriter], step: int) -> Optional[Path]:
+    """The engine's checkpoint of `step`, with a copy of metrics.jsonl beside it on the logging rank: a resume from
+    it keeps every step's metrics even where the run directory's file was lost."""
+    saved = engine.save_checkpoint(step)
+    if saved and writer:
+        writer.keep_copy(saved)
+    return saved
+
+
 def train_loop(cfg: Config, run_dir: Path, engine: EngineSteps, first_step: int, rank: int, world_size: int,
                device: torch.device) -> dict:
     """Steps first_step..trainer.max_steps; returns the summary (on the logging rank, rank 0; {} elsewhere)."""
     is_logger = rank == 0
     # The whole run's steps, those of earlier attempts included; metrics.jsonl is cut back to the checkpoint.
-    history: list[StepMetrics] = resume_metrics(run_dir, first_step - 1) if is_logger else []
-    writer = MetricsWriter(run_dir, cfg, first_step) if is_logger else None
+    history: list[StepMetrics] = resume_metrics(run_dir, first_step - 1, step_folder(
+        checkpoint_dir(cfg, run_dir), first_step - 1)) if is_logger else []
+    writer = MetricsWriter(run_dir, cfg, first_step, history) if is_logger else None
     last_logged = first_step - 1
     stop_signals.graceful = True  # from here a signal stops the run after the step in progress
     try:
@@ -114,13 +124,13 @@ def train_loop(cfg: Config, run_dir: Path, engine: EngineSteps, first_step: int,
                         or step == cfg.trainer.max_steps:
                     engine.log([m for m in history if m.step > last_logged], history)
                     last_logged = step
-            saved = engine.save_checkpoint(step) if is_due(cfg, step) else None
+            saved = save(engine, writer, step) if is_due(cfg, step) else None
             if saved:
                 print(f"saved checkpoint of step {step} to {saved}", flush=True)
             signum = stop_signals.agreed(device)
             if signum and step < cfg.trainer.max_steps:
                 if cfg.trainer.checkpoint.interval > 0 and not is_due(cfg, step):
-                    saved = engine.save_checkpoint(step)
+                    saved = save(engine, writer, step)
                 raise Stopped(signum, step, saved)
     finally:
         stop_signals.graceful, stop_signals.step_in_progress = False, None

@@ -1,11 +1,17 @@
-"""One trainer per run directory: the trainer holds an exclusive lock on RUN_DIR/trainer.lock while it runs.
+"""One run per run directory: an exclusive lock on RUN_DIR/trainer.lock, held while a launch writes the directory
+and while a trainer runs in it.
 
 The lock is flock(2)'s: the kernel drops it when its holder ends, however it ends, so the lock of a dead trainer
-(killed, its machine rebooted) is simply taken over; the file itself stays, naming its last holder. In a run of
-several processes only the logging rank (global rank 0) holds it: it alone writes metrics.jsonl, summary.json and
-the file that completes each checkpoint, and the other ranks of a second run can do nothing without theirs
-(every step and every save is collective), so a second run stops at its rank 0. The launcher checks the lock
-before it writes the run's config (check_free), so a second launch does not touch a run in progress.
+(killed, its machine rebooted) is simply taken over; the file itself stays, naming its last holder. launch/run.py
+takes it before it writes anything into the run directory, so of two launches on one run.dir, however close
+together, the second is refused before it writes a byte. On this machine the launcher keeps holding it for the
+trainer it starts, which finds its launcher named as the holder and trains under that lock (handed over; should
+the launcher die, the trainer takes the lock on its way out: recipes.trainer.stopping.watch_launcher). A Slurm job
+starts after its launcher has ended: the job takes the lock itself, waiting a little for a submitting launcher
+still writing the job's record. In a run of several processes only the logging rank (global rank 0) holds it: it
+alone writes metrics.jsonl, summary.json and the file that completes each checkpoint, and the other ranks of a
+second run can do nothing without theirs (every step and every save is collective), so a second run stops at its
+rank 0.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import fcntl
 import os
 import socket
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
@@ -24,7 +31,11 @@ from recipes.run_files import LOCK
 
 
 class RunDirBusy(ConfigError):
-    """Another trainer holds the run directory."""
+    """Another trainer or launch holds the run directory."""
+
+
+LAUNCHER = "launcher"  # the lock file's third word while launch/run.py holds it
+SUBMISSION_WAIT_S = 60  # a Slurm job waits this long for the launcher that submitted it to let go
 
 
 def _holder(path: Path) -> Optional[str]:
@@ -33,10 +44,19 @@ def _holder(path: Path) -> Optional[str]:
     return f"PID {text[0]} on {text[1]}" if len(text) >= 2 else None
 
 
+def _held_by_launcher(path: Path, pid: Optional[str] = None) -> bool:
+    """The lock file names a launcher (`pid`: that one, on this machine) as its holder."""
+    text = path.read_text().split() if path.is_file() else []
+    if len(text) < 3 or text[2] != LAUNCHER:
+        return False
+    return pid is None or text[:2] == [pid, socket.gethostname()]
+
+
 def _busy(run_dir: Path) -> RunDirBusy:
     holder = _holder(run_dir / LOCK) or "starting up"
-    return RunDirBusy(f"run dir {run_dir} is in use by a trainer ({holder}): wait for it to end or stop it, "
-                      "or give this run another run.dir")
+    who = "launch" if _held_by_launcher(run_dir / LOCK) else "trainer"
+    return RunDirBusy(f"run dir {run_dir} is in use by a {who} ({holder}): wait for it to end or stop it, or give "
+                      "this run another run.dir")
 
 
 def _try_lock(fd: int) -> bool:
@@ -54,29 +74,67 @@ def _try_lock(fd: int) -> bool:
     return True
 
 
+class Lock:
+    """The run directory's lock as its holder has it: `handed` when the launcher that started this trainer holds it."""
+
+    def __init__(self, fd: int, handed: bool):
+        self.fd, self.handed = fd, handed
+
+    def take_over(self) -> None:
+        """The handing launcher has ended, and with it its lock: hold it from here to the trainer's end."""
+        if self.handed and _try_lock(self.fd):
+            _write_holder(self.fd, "")
+            self.handed = False
+
+
+def _write_holder(fd: int, role: str) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()} {role}".strip().encode() + b"\n", 0)
+
+
 @contextmanager
-def locked(run_dir: Path) -> Iterator[None]:
-    """Hold the run directory's lock for the block; RunDirBusy at once if another trainer holds it."""
+def locked(run_dir: Path, launcher: bool = False, handed_by: Optional[str] = None) -> Iterator[Lock]:
+    """Hold the run directory's lock for the block; RunDirBusy at once if another process holds it. `launcher`:
+    taken by launch/run.py (the file says so). `handed_by`: the PID of the launcher that started this trainer,
+    whose lock it trains under."""
     path = run_dir / LOCK
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
+        handed = False
         if not _try_lock(fd):
-            raise _busy(run_dir)
-        previous = _holder(path)
-        if previous:
-            print(f"{LOCK}: taking over the lock of {previous}, which ended without releasing it", flush=True)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+            handed = handed_by is not None and _held_by_launcher(path, handed_by)
+            if not (handed or _waited_for_submission(fd, path)):
+                raise _busy(run_dir)
+        if not handed:
+            previous = _holder(path)
+            if previous:
+                print(f"{LOCK}: taking over the lock of {previous}, which ended without releasing it", flush=True)
+            _write_holder(fd, LAUNCHER if launcher else "")
+        lock = Lock(fd, handed)
         try:
-            yield
+            yield lock
         finally:
-            os.ftruncate(fd, 0)  # released in order (a kill skips this): nobody to take over from
+            if not lock.handed:
+                os.ftruncate(fd, 0)  # released in order (a kill skips this): nobody to take over from
     finally:
         os.close(fd)  # releases the lock
 
 
+def _waited_for_submission(fd: int, path: Path) -> bool:
+    """A Slurm job can start while the launcher that submitted it still writes the job's record: the job waits for
+    that launcher (SUBMISSION_WAIT_S at most), and takes the lock once it is free."""
+    if "SLURM_JOB_ID" not in os.environ:
+        return False
+    deadline = time.monotonic() + SUBMISSION_WAIT_S
+    while _held_by_launcher(path) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        if _try_lock(fd):
+            return True
+    return False
+
+
 def check_free(run_dir: Path) -> None:
-    """RunDirBusy if a trainer holds the run directory now; creates nothing."""
+    """RunDirBusy if a trainer or a launch holds the run directory now; creates nothing."""
     try:
         fd = os.open(run_dir / LOCK, os.O_RDWR)
     except (FileNotFoundError, NotADirectoryError):

@@ -24,7 +24,7 @@ import signal
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -92,19 +92,22 @@ def handle_stop_signals(handler) -> dict:
             if signal.getsignal(signum) is not signal.SIG_IGN}
 
 
-def watch_launcher() -> None:
-    """Stop as on SIGTERM when the launcher named by FP8_RECIPES_LAUNCHER_PID ends (or is already gone)."""
+def watch_launcher(on_end: Callable[[], None] = lambda: None) -> None:
+    """Stop as on SIGTERM when the launcher named by FP8_RECIPES_LAUNCHER_PID ends (or is already gone), calling
+    `on_end` first (the run directory's lock, which the launcher held for this process, is taken over)."""
     pid = os.environ.get(LAUNCHER_PID)
     if not pid:
         return
     try:
         fd = os.pidfd_open(int(pid))
     except ProcessLookupError:
+        on_end()
         os.kill(os.getpid(), signal.SIGTERM)
         return
 
     def wait() -> None:
         select.select([fd], [], [])  # readable once the process has ended
+        on_end()
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=wait, name="launcher-watch", daemon=True).start()
