@@ -61,6 +61,7 @@ from typing import Optional
 
 from recipes.config import REPO_ROOT, load_config, load_option
 from recipes.plan import launch_command
+from recipes.profiling import CATEGORY_NAMES
 from recipes.provenance import git_commit, provenance
 from recipes.run_files import CONFIG, METRICS, SUMMARY, TRAIN_LOG
 
@@ -70,7 +71,6 @@ FIRST_GUESS_S = {"megatron": 90.0, "torch": 150.0}  # a run's cost before any ru
 PROFILE_SPLIT = "profile/time_rank0.json"  # recipes.profiling's split of the profiled step
 KEPT_FILES = (CONFIG, "plan.txt", METRICS, "metrics_uninterrupted.jsonl", SUMMARY, TRAIN_LOG,
               "train_resumed.log", PROFILE_SPLIT)
-SPLIT = ("gemm", "attention", "quantization", "loss", "optimizer", "communication", "other")
 CURRENT_OVER_BF16_TARGET = 1.30  # the torch engine's fp8_current speedup over its own bf16
 LOSS_WINDOW = 100  # the loss study compares the mean loss of the last 100 steps
 
@@ -264,7 +264,7 @@ def profile_split(run_dir: Optional[Path]) -> dict[str, Optional[float]]:
     """The profiled step's kernel time per category (ms), and in all; None where the run wrote no profile."""
     path = run_dir / PROFILE_SPLIT if run_dir else None
     split = json.loads(path.read_text()) if path and path.is_file() else None
-    return {f"{category}_ms": split["ms"].get(category) if split else None for category in SPLIT} | \
+    return {f"{category}_ms": split["ms"].get(category) if split else None for category in CATEGORY_NAMES} | \
         {"kernels_ms": split["total_ms"] if split else None}
 
 
@@ -407,10 +407,10 @@ def speed_tables(runs: list[Run], rows: dict[str, dict], best: Optional[str]) ->
     lines += ["", "\"torch vs megatron\": engine=megatron's s/step over the torch engine's, same recipe and model "
               "(above 1: the torch engine is faster).", "",
               "## Where the profiled step's GPU time goes (ms of kernels, recipes.profiling)", "",
-              "| run | " + " | ".join(SPLIT) + " | all kernels |", "|---|" + "---|" * (len(SPLIT) + 1)]
+              "| run | " + " | ".join(CATEGORY_NAMES) + " | all kernels |", "|---|" + "---|" * (len(CATEGORY_NAMES) + 1)]
     for run in compared:
         r = rows[run.name]
-        lines.append(f"| {run.name} | " + " | ".join(number(r.get(f"{c}_ms"), '.1f') for c in SPLIT)
+        lines.append(f"| {run.name} | " + " | ".join(number(r.get(f"{c}_ms"), '.1f') for c in CATEGORY_NAMES)
                      + f" | {number(r.get('kernels_ms'), '.1f')} |")
     lines += ["", *target_table(compared, rows)]
     ablations = [r for r in runs if r.part == "ablations" and r.name in rows]

@@ -2,15 +2,13 @@
 the 30 largest kernels each profile kept: the profiles' own "ms" split was made with CPU-range regions that counted
 kernels twice on the H200 (see docs/results/README.md), while each top kernel's time is the profiler's own.
 
-    python docs/results/h200_whole_step/split_from_top_kernels.py      (from the repository root)
+    python docs/results/h200_whole_step/split_from_top_kernels.py      (with the project installed: pip install -e .)
 """
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from recipes.profiling import CATEGORY_NAMES, kernel_category  # noqa: E402
+from recipes.profiling import CATEGORY_NAMES, kernel_category
 
 HERE = Path(__file__).parent
 COLUMNS = [c for c in CATEGORY_NAMES if c not in ("communication", "other")]
