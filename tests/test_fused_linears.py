@@ -5,6 +5,7 @@ the reference path's FP8 bytes and scales."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 
@@ -17,24 +18,29 @@ from recipes.config import TrainerConfig, load_option
 from recipes.fp8 import Fp8Training
 from recipes.fp8.blockwise import quantize_blockwise
 from recipes.fp8.convert import convert_to_fp8
+from recipes.fp8.activation_ops import OPS
 from recipes.fp8.formats import E4M3, E5M2
+from recipes.fp8.mlp import Bf16Mlp, Fp8Mlp
 from recipes.fp8.linear import (
     CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, Bf16Linear, BlockwiseScaling, DelayedScaling, Fp8Linear, TensorwiseScaling,
 )
 from recipes.fp8.training import attach_main_grads, attach_weight_caches, expose_main_grads, set_weight_cache_mode
-from recipes.models.transformer import Transformer
+from recipes.models.transformer import MLP, Transformer
+
+from fused_quantize_checks import check_op, op_inputs, same_fp8
 
 MICRO_BATCHES = 3
 
 
-def micro_batches(layer: nn.Module, inputs: list, grads: list) -> tuple[list, list]:
+def micro_batches(layer: nn.Module, inputs: list, grads: list, run=None) -> tuple[list, list]:
     """Forward and backward of each micro-batch as optimizer_step runs them (cache refreshed, then reused; the main
-    gradients become the weights' .grad at the end): the outputs and the inputs' gradients."""
+    gradients become the weights' .grad at the end): the outputs and the inputs' gradients. `run`: the layer
+    compiled, where it is."""
     xs = [x.clone().requires_grad_(True) for x in inputs]
     ys = []
     for micro, (x, dy) in enumerate(zip(xs, grads)):
         set_weight_cache_mode(layer, CACHE_REFRESH if micro == 0 else CACHE_REUSE)
-        y = layer(x)
+        y = (run or layer)(x)
         y.backward(dy)
         ys.append(y.detach())
     set_weight_cache_mode(layer, CACHE_OFF)
@@ -169,12 +175,6 @@ def kernels(monkeypatch):
     return module
 
 
-def same_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bytes, NaN positions equal whatever their sign and payload."""
-    nan_a, nan_b = torch.isnan(a.float()), torch.isnan(b.float())
-    return bool(torch.equal(nan_a, nan_b) and (a.view(torch.uint8) == b.view(torch.uint8))[~nan_a].all())
-
-
 def awkward_input(rows: int, cols: int, seed: int) -> torch.Tensor:
     """Values over 60 binades (FP8 subnormals and saturation), an all-zero tile, NaN, infinities, and a block whose
     amax is FP32-subnormal (its scale overflows FP32)."""
@@ -216,5 +216,79 @@ def test_fp8_linear_with_fused_kernels_equals_reference(kernels, recipe):
         attach_weight_caches(layer)
         outputs, input_grads = micro_batches(layer, inputs, grads)
         results.append(outputs + input_grads + [layer.weight.grad])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.fixture
+def fused_quantize(monkeypatch):
+    """recipes.fp8.fused_quantize under Triton's CPU interpreter, used by the per-tensor recipes on CPU tensors."""
+    from recipes.fp8 import fused_quantize as module
+
+    monkeypatch.setattr("recipes.fp8.linear.fused_quantize_for", lambda t: module)
+    return module
+
+
+@needs_triton
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("awkward", [False, True], ids=["plain", "awkward"])
+def test_fused_quantize_writes_the_reference_bytes(fused_quantize, op, awkward):
+    """Each op's amax, FP8 bytes (row-major and transposed, odd shape) and recorded history slot are the unfused
+    reference's: PyTorch's activation, then current scaling's cast."""
+    a, b = op_inputs(op, rows=70, cols=100, device="cpu", seed=3, awkward=awkward)
+    for dtype in (E4M3, E5M2):
+        check_op(fused_quantize, op, a, b, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_nemotron"])
+@pytest.mark.parametrize("precision", ["fp8_current", "fp8_delayed"])
+def test_fused_mlp_equals_the_unfused_one(fused_quantize, model, precision):
+    """fc1, activation and fc2 as one function with the kernels (recipes.fp8.mlp) against the three modules without
+    them: identical outputs, input and weight gradients and amax histories over micro-batches, bit for bit."""
+    cfg = dataclasses.replace(load_option("model", model), hidden_size=128, ffn_hidden_size=128)
+    torch.manual_seed(0)
+    base = MLP(cfg)
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(64, 128, generator=generator).to(torch.bfloat16) for _ in range(MICRO_BATCHES)]
+    grads = [(torch.randn(64, 128, generator=generator) * 1e-3).to(torch.bfloat16) for _ in range(MICRO_BATCHES)]
+    results = []
+    for fused in (False, True):
+        settings = dataclasses.replace(load_option("precision", precision), fused_kernels=fused, amax_history_len=4)
+        blocks = nn.ModuleList([nn.Sequential(copy.deepcopy(base))])
+        convert_to_fp8(blocks, settings)
+        mlp = blocks[0][0]
+        assert isinstance(mlp, Fp8Mlp) == fused
+        attach_weight_caches(mlp)
+        attach_main_grads(mlp)
+        outputs, input_grads = micro_batches(mlp, inputs, grads)
+        states = [m.fp8_state.amax_history for m in (mlp.fc1, mlp.fc2) if m.fp8_state is not None]
+        results.append(outputs + input_grads + [mlp.fc1.weight.grad, mlp.fc2.weight.grad] + states)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@needs_triton
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_nemotron"])
+def test_fused_bf16_mlp_equals_the_unfused_one(fused_quantize, model):
+    """The BF16 blocks' MLP as one function, its backward's activation gradient from the kernel, against the two
+    Bf16Linears and autograd's activation: identical outputs and gradients over micro-batches, bit for bit."""
+    cfg = dataclasses.replace(load_option("model", model), hidden_size=128, ffn_hidden_size=128)
+    torch.manual_seed(0)
+    base = MLP(cfg)
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(64, 128, generator=generator).to(torch.bfloat16) for _ in range(MICRO_BATCHES)]
+    grads = [(torch.randn(64, 128, generator=generator) * 1e-3).to(torch.bfloat16) for _ in range(MICRO_BATCHES)]
+    results = []
+    for fused in (False, True):
+        settings = dataclasses.replace(load_option("precision", "bf16"), fused_kernels=fused)
+        blocks = nn.ModuleList([nn.Sequential(copy.deepcopy(base))])
+        convert_to_fp8(blocks, settings, bf16_linears=True)
+        mlp = blocks[0][0]
+        assert isinstance(mlp, Bf16Mlp) == fused and type(mlp.fc1) is Bf16Linear
+        attach_weight_caches(mlp)
+        attach_main_grads(mlp)
+        outputs, input_grads = micro_batches(mlp, inputs, grads)
+        results.append(outputs + input_grads + [mlp.fc1.weight.grad, mlp.fc2.weight.grad])
     for a, b in zip(*results):
         assert torch.equal(a, b)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from recipes.fp8.current_scaling import cast_to_fp8
+from recipes.fp8.current_scaling import cast_to_fp8, fp32_quotient
 from recipes.fp8.formats import E4M3
 from recipes.fp8.tensor import Float8Tensor
 
@@ -89,7 +89,7 @@ class Fp8ShardedWeight(torch.Tensor):
         data = cast_to_fp8(self._tensor, self._scale, E4M3)
         # All-gathered as bytes: FSDP packs a layer's parameters into one buffer (bytes whenever dtypes mix), and
         # Gloo has no FP8 type.
-        return (data.view(torch.uint8),), (self._scale.reciprocal(),)
+        return (data.view(torch.uint8),), (fp32_quotient(1.0, self._scale),)
 
     @torch.no_grad()
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):

@@ -5,6 +5,8 @@ recipes; `num_layers_at_start_in_bf16` / `num_layers_at_end_in_bf16` keep whole 
 The recipe is the one the config names, never another one and never BF16 (see recipes.fp8.linear).
 With `bf16_linears`, the blocks' BF16 linears (all of them for precision=bf16) become `Bf16Linear`s, which can
 cast their weights once per optimizer step and accumulate weight gradients in FP32 inside the GEMM.
+With `precision.fused_kernels`, each MLP of per-tensor FP8 linears (or of Bf16Linears) becomes recipes.fp8.mlp's
+fused form (fc1, activation and fc2 in one function; the same parameters and buffers under the same names).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from torch import nn
 
 from recipes.config import PrecisionConfig, Recipe
 from recipes.fp8.linear import Bf16Linear, Fp8Linear, recipe_from_config
+from recipes.fp8.mlp import fused_mlp
 
 
 def fp8_layer_indices(num_layers: int, precision: PrecisionConfig) -> range:
@@ -35,4 +38,15 @@ def convert_to_fp8(layers: nn.ModuleList, precision: PrecisionConfig, bf16_linea
                 if type(child) is nn.Linear:
                     setattr(parent, name, Fp8Linear(child, recipe) if index in fp8_blocks else Bf16Linear(child))
                     replaced += index in fp8_blocks
+        if precision.fused_kernels and (index in fp8_blocks or bf16_linears):
+            fuse_mlps(layer)
     return replaced
+
+
+def fuse_mlps(layer: nn.Module) -> None:
+    """Each MLP of `layer` that recipes.fp8.mlp has a fused form for becomes that form."""
+    for parent in list(layer.modules()):
+        for name, child in parent.named_children():
+            fused = fused_mlp(child)
+            if fused is not None:
+                setattr(parent, name, fused)

@@ -49,4 +49,4 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
 
 def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype) -> Float8Tensor:
     scale = tensorwise_scale(x.abs().amax(), dtype)
-    return Float8Tensor(cast_to_fp8(x, scale, dtype), scale.reciprocal())
+    return Float8Tensor(cast_to_fp8(x, scale, dtype), fp32_quotient(1.0, scale))

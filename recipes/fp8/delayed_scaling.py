@@ -76,7 +76,7 @@ def quantize_delayed(
     open slot (in place)."""
     amax_history, scales = state
     scale = scales[role]
-    quantized = Float8Tensor(cast_to_fp8(x, scale, dtype), scale.reciprocal())
+    quantized = Float8Tensor(cast_to_fp8(x, scale, dtype), fp32_quotient(1.0, scale))
     amax_history[role, 0] = torch.maximum(amax_history[role, 0], x.abs().amax().float())  # propagates NaN
     return quantized
 

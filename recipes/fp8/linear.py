@@ -27,9 +27,10 @@ from torch import nn
 from recipes.config import AmaxComputeAlgo, ConfigError, PrecisionConfig, Recipe
 from recipes.fp8.all_gather import Fp8GatheredWeight
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise
-from recipes.fp8.current_scaling import quantize_tensorwise
+from recipes.fp8.current_scaling import fp32_quotient, quantize_tensorwise, tensorwise_scale
 from recipes.fp8.delayed_scaling import DelayedScalingState, quantize_delayed
 from recipes.fp8.formats import forward_and_backward_dtypes
+from recipes.fp8.activation_ops import reference_output
 from recipes.fp8.gemm import fp8_gemm, fp8_gemm_into, mm_into
 from recipes.fp8.mxfp8 import quantize_mx
 from recipes.fp8.tensor import Float8Tensor
@@ -78,6 +79,12 @@ class Fp8Recipe:
         quantized = self.quantize(t, role, state)
         return quantized, self.transposed(quantized, t, role, state)
 
+    def quantize_produced(self, op: str, a: torch.Tensor, b: Optional[torch.Tensor], role: int,
+                          state) -> tuple[Float8Tensor, Float8Tensor]:
+        """quantize_with_transpose of recipes.fp8.fused_quantize's op(a, b) (an MLP activation, forward or
+        backward), from the kernel that computes it where the recipe has one."""
+        return self.quantize_with_transpose(reference_output(op, a, b), role, state)
+
 
 def _kernels_for(t: torch.Tensor):
     """recipes.fp8.kernels where its kernels run on t's device (CUDA GPUs), else None."""
@@ -88,16 +95,56 @@ def _kernels_for(t: torch.Tensor):
     return kernels
 
 
-class TensorwiseScaling(Fp8Recipe):
+def fused_quantize_for(t: torch.Tensor):
+    """recipes.fp8.fused_quantize where its kernels run on t's device (CUDA GPUs), else None."""
+    if not t.is_cuda:
+        return None
+    from recipes.fp8 import fused_quantize
+
+    return fused_quantize
+
+
+class PerTensorScaling(Fp8Recipe):
+    """What the per-tensor recipes share: one scale per tensor, so the transposed copy reuses the bytes, and with
+    the fused kernels an activation (forward or backward) and a linear's incoming gradient are written in FP8,
+    both orientations, by one kernel (recipes.fp8.fused_quantize). A linear's input keeps the cast Inductor fuses
+    into the kernel that produces it (a norm, attention's layout copy)."""
+
+    def quantize_with_transpose(self, t, role, state):
+        if role == GRAD and self._fused(t) is not None:  # a gradient arrives materialized
+            return self.quantize_produced("identity", t, None, role, state)
+        return super().quantize_with_transpose(t, role, state)
+
+    def quantize_produced(self, op, a, b, role, state):
+        kernels = self._fused(a)
+        if kernels is None:
+            return super().quantize_produced(op, a, b, role, state)
+        data, data_t, scale = self.fused_cast(kernels, op, a, b, self.dtype(role), state, role)
+        scale_inv = fp32_quotient(1.0, scale)
+        return Float8Tensor(data, scale_inv), Float8Tensor(data_t, scale_inv)
+
+    def _fused(self, t: torch.Tensor):
+        return fused_quantize_for(t) if self.fused_kernels else None
+
+    def fused_cast(self, kernels, op, a, b, dtype, state, role) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(FP8 data, its transpose, the scale) of op(a, b) from recipes.fp8.fused_quantize."""
+        raise NotImplementedError
+
+
+class TensorwiseScaling(PerTensorScaling):
     """Per-tensor current scaling (TE Float8CurrentScaling; precision=fp8_current): the scale from each tensor's amax
-    now."""
+    now (fused: one pass for the amax, one for the cast)."""
 
     def quantize(self, t, role, state):
         return quantize_tensorwise(t, self.dtype(role))
 
+    def fused_cast(self, kernels, op, a, b, dtype, state, role):
+        scale = tensorwise_scale(kernels.produced_amax(op, a, b), dtype)
+        return *kernels.produce_fp8(op, a, b, scale, dtype), scale
+
 
 @dataclass(frozen=True)
-class DelayedScaling(Fp8Recipe):
+class DelayedScaling(PerTensorScaling):
     """Per-tensor delayed scaling (TE DelayedScaling): the scale from an amax history of earlier steps."""
 
     amax_history_len: int = 1024
@@ -107,6 +154,13 @@ class DelayedScaling(Fp8Recipe):
 
     def quantize(self, t, role, state):
         return quantize_delayed(t, self.dtype(role), state, role)
+
+    def fused_cast(self, kernels, op, a, b, dtype, state, role):
+        amax_history, scales = state  # the scale is known: one pass casts and records the amax
+        scale = scales[role]
+        data, data_t = kernels.produce_fp8_recording_amax(op, a, b, scale, dtype, amax_history,
+                                                          role * amax_history.shape[1])
+        return data, data_t, scale
 
 
 @dataclass(frozen=True)
@@ -177,7 +231,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             saved_x, ctx.x_block = (x_t.data, x_t.scale_inv), x_t.block
         else:
             x_fp8, saved_x = recipe.quantize(x, INPUT, state), (x, x.new_empty(()))
-        w_fp8, w_t = _weight_operands(recipe, weight, state, cache_mode, cached)
+        w_fp8, w_t = weight_operands(recipe, weight, state, cache_mode, cached)
         y = fp8_gemm(x_fp8, w_fp8, x.dtype, recipe.fast_accum_fprop, recipe.emulate)
         saved_w = w_fp8 if w_t is None else w_t
         ctx.recipe, ctx.state, ctx.weight_dtype, ctx.w_block = recipe, state, weight.dtype, saved_w.block
@@ -195,15 +249,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
             dy_fp8, dy_t = recipe.quantize_with_transpose(dy, GRAD, ctx.state)
         else:
             dy_fp8 = recipe.quantize(dy, GRAD, ctx.state)
-        w_saved = Float8Tensor(w_data, w_scale_inv, ctx.w_block)
-        w_t = w_saved if ctx.w_is_transposed else recipe.transposed(w_saved, weight, WEIGHT, ctx.state)
+        w_t = dgrad_weight(recipe, Float8Tensor(w_data, w_scale_inv, ctx.w_block), ctx.w_is_transposed, weight,
+                           ctx.state)
         dx = fp8_gemm(dy_fp8, w_t, dy.dtype, False, recipe.emulate)
         dw = None
-        if recipe.fp8_wgrad and main_grad is not None:
-            fp8_gemm_into(dy_t, Float8Tensor(x_data, x_scale_inv, ctx.x_block), main_grad, ctx.accumulate,
-                          recipe.emulate)
-        elif recipe.fp8_wgrad:
-            dw = fp8_gemm(dy_t, Float8Tensor(x_data, x_scale_inv, ctx.x_block), ctx.weight_dtype, False, recipe.emulate)
+        if recipe.fp8_wgrad:
+            dw = weight_gradient(recipe, dy_t, Float8Tensor(x_data, x_scale_inv, ctx.x_block), main_grad,
+                                 ctx.accumulate, ctx.weight_dtype)
         elif main_grad is not None:
             mm_into(dy.t(), x_data.to(dy.dtype).t(), main_grad, ctx.accumulate)
         else:
@@ -216,12 +268,35 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, state: 
     """y = x @ weight^T with the three GEMMs in FP8. `state`: a stateful recipe's (amax_history, scale) buffers.
     With `main_grad` the weight gradient goes into it (written in the step's first micro-batch, added in the
     others, inside the GEMM where it can) instead of to autograd."""
-    if cache is None:
-        return _Fp8LinearFunction.apply(x, weight, recipe, CACHE_OFF, None, main_grad, *(None,) * 4, *state)
-    return _Fp8LinearFunction.apply(x, weight, recipe, cache.mode, cache.block, main_grad, *cache.tensors(), *state)
+    return _Fp8LinearFunction.apply(x, weight, recipe, *cache_arguments(cache), main_grad, *cache_tensors(cache),
+                                    *state)
 
 
-def _weight_operands(recipe, weight, state, cache_mode, cached) -> tuple[Float8Tensor, Optional[Float8Tensor]]:
+def cache_arguments(cache: Optional["WeightCache"]) -> tuple[str, Optional[tuple]]:
+    return (CACHE_OFF, None) if cache is None else (cache.mode, cache.block)
+
+
+def cache_tensors(cache: Optional["WeightCache"]) -> tuple:
+    """The cache's four buffers (FP8 weight, its scale, the transpose and its scale), None each without one."""
+    return (None,) * 4 if cache is None else cache.tensors()
+
+
+def dgrad_weight(recipe: Fp8Recipe, saved: Float8Tensor, is_transposed: bool, weight: torch.Tensor,
+                 state) -> Float8Tensor:
+    """dgrad's W^T: what the forward saved (weight_operands' transpose, or W itself to transpose now)."""
+    return saved if is_transposed else recipe.transposed(saved, weight, WEIGHT, state)
+
+
+def weight_gradient(recipe: Fp8Recipe, dy_t: Float8Tensor, x_t: Float8Tensor, main_grad: Optional[torch.Tensor],
+                    accumulate: bool, weight_dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """wgrad in FP8: into `main_grad` (written, or added to when `accumulate`) and None, else dW for autograd."""
+    if main_grad is not None:
+        fp8_gemm_into(dy_t, x_t, main_grad, accumulate, recipe.emulate)
+        return None
+    return fp8_gemm(dy_t, x_t, weight_dtype, False, recipe.emulate)
+
+
+def weight_operands(recipe, weight, state, cache_mode, cached) -> tuple[Float8Tensor, Optional[Float8Tensor]]:
     """The FP8 weight for fprop, and its transpose for dgrad where the cache holds it (None: backward makes it).
     `cached`: the cache's (weight, transpose) buffers, read in CACHE_REUSE and filled in place in CACHE_REFRESH."""
     if isinstance(weight, Fp8GatheredWeight):  # FSDP2 all-gathered it in FP8 (recipes.fp8.all_gather)
@@ -312,9 +387,7 @@ class Fp8Linear(CachedWeightLinear):
 class _Bf16LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, cache_mode: str, cached, main_grad):
-        w = cached if cache_mode == CACHE_REUSE else weight.to(torch.bfloat16)
-        if cache_mode == CACHE_REFRESH:
-            cached.data.copy_(w)
+        w = bf16_weight(weight, cache_mode, cached)
         x = x.to(torch.bfloat16)
         ctx.weight_dtype, ctx.accumulate = weight.dtype, cache_mode == CACHE_REUSE
         ctx.save_for_backward(x, w, main_grad)
@@ -323,11 +396,25 @@ class _Bf16LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w, main_grad = ctx.saved_tensors
-        dx = dy @ w
-        if main_grad is None:
-            return dx, (dy.t() @ x).to(ctx.weight_dtype), None, None, None
-        mm_into(dy.t(), x.t(), main_grad, ctx.accumulate)
-        return dx, None, None, None, None
+        dw = bf16_weight_gradient(dy, x, main_grad, ctx.accumulate, ctx.weight_dtype)
+        return dy @ w, dw, None, None, None
+
+
+def bf16_weight(weight: torch.Tensor, cache_mode: str, cached: Optional[torch.Tensor]) -> torch.Tensor:
+    """The BF16 weight: the cache's (CACHE_REUSE), else cast now (and stored in the cache on CACHE_REFRESH)."""
+    w = cached if cache_mode == CACHE_REUSE else weight.to(torch.bfloat16)
+    if cache_mode == CACHE_REFRESH:
+        cached.data.copy_(w)
+    return w
+
+
+def bf16_weight_gradient(dy: torch.Tensor, x: torch.Tensor, main_grad: Optional[torch.Tensor], accumulate: bool,
+                         weight_dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """dy^T @ x into `main_grad` (FP32, inside the GEMM) and None, else as dW for autograd."""
+    if main_grad is None:
+        return (dy.t() @ x).to(weight_dtype)
+    mm_into(dy.t(), x.t(), main_grad, accumulate)
+    return None
 
 
 class Bf16Linear(CachedWeightLinear):

@@ -138,8 +138,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """fc1 -> activation -> fc2; recipes.fp8.convert may fuse the three (it reads `activation`)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.activation = cfg.activation
         self.gated = cfg.activation == Activation.swiglu
         fc1_out = 2 * cfg.ffn_hidden_size if self.gated else cfg.ffn_hidden_size
         self.fc1 = nn.Linear(cfg.hidden_size, fc1_out, bias=False)

@@ -1,0 +1,254 @@
+"""Per-tensor FP8 operands written by the kernel that produces them: the MLP's activation (forward and backward)
+and plain cast-transposes, each giving the row-major FP8 copy and its transpose from one read of its inputs.
+
+    produced_amax(op, a, b)                      the amax of op(a, b), without writing it (current scaling's
+                                                 first pass)
+    produce_fp8(op, a, b, scale, dtype)          op(a, b) * scale in FP8, row-major and transposed
+    produce_fp8_recording_amax(..., history, slot)   the same, and op(a, b)'s amax max-ed into history[slot]
+                                                 (delayed scaling: the scale is known, so one pass does it all)
+    produce_bf16(op, a, b)                       op(a, b) in BF16 (the BF16 MLP's backward)
+
+The ops (recipes.fp8.activation_ops) are computed with the BF16 roundings of the eager model, so that the FP8
+bytes are those of the unfused reference, `reference_output` quantized:
+
+    identity               a
+    swiglu                 bf16(bf16(silu(g)) * u)              a = fc1's output [g | u]
+    squared_relu           bf16(relu(a) * relu(a))
+    swiglu_backward        [bf16(silu'(g) * bf16(dh * u)) | bf16(dh * bf16(silu(g)))]     a = dh, b = [g | u]
+    squared_relu_backward  relu(b) > 0 ? 2 * bf16(dh * relu(b)) : 0                        a = dh, b = fc1's output
+
+silu and its derivative are computed as ATen's CUDA kernels compute them (libdevice's expf, IEEE division, and the
+one fused multiply-add nvcc makes of `1 + x * (1 - s)`). The amax is a max over FP32 bit patterns of |value|,
+which orders as the values do and keeps NaN (as torch.amax). The tile sizes are autotuned on GPUs; under Triton's
+CPU interpreter the kernels run with one tile size and NumPy's exp (recipes.fp8.kernels says how FP8 is
+converted there). The transposed copies are the per-tensor recipes'; blockwise scales would be per-tile and are
+not written here yet.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from recipes.fp8.activation_ops import OPS
+from recipes.fp8.kernels import INTERPRETED, _bytes, _format_args, _to_fp8
+
+IDENTITY, SWIGLU, SQUARED_RELU, SWIGLU_BACKWARD, SQUARED_RELU_BACKWARD = range(len(OPS))
+AMAX_ONLY, CAST, CAST_AND_RECORD = range(3)
+
+if not INTERPRETED:
+    from triton.language.extra import libdevice
+
+
+@triton.jit
+def _bf16(v):
+    """FP32 rounded to BF16 (nearest, ties to even) and back, in integer arithmetic as c10::BFloat16 rounds; NaN
+    stays NaN."""
+    bits = v.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return tl.where(v != v, v, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _exp(x, SOFTWARE: tl.constexpr):
+    if SOFTWARE:
+        return tl.exp(x)
+    return libdevice.exp(x)
+
+
+@triton.jit
+def _relu(x):
+    return tl.where(x < 0, 0.0, x)  # NaN stays NaN, as torch.relu
+
+
+@triton.jit
+def _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP: tl.constexpr, SOFTWARE: tl.constexpr):
+    """The op's values at rows r, columns c of its first output tile, and of its second (columns cols + c; only
+    swiglu_backward has one, else the first again)."""
+    first = tl.load(a + r[:, None] * a_cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    if OP == IDENTITY:
+        return first, first
+    if OP == SWIGLU:
+        up = tl.load(a + r[:, None] * a_cols + cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        silu = _bf16(tl.div_rn(first, 1.0 + _exp(-first, SOFTWARE)))
+        h = _bf16(silu * up)
+        return h, h
+    if OP == SQUARED_RELU:
+        relu = _relu(first)
+        h = _bf16(relu * relu)
+        return h, h
+    if OP == SWIGLU_BACKWARD:
+        gate = tl.load(b + r[:, None] * b_cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(b + r[:, None] * b_cols + cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        e = _exp(-gate, SOFTWARE)
+        silu = _bf16(tl.div_rn(gate, 1.0 + e))
+        sigmoid = tl.div_rn(1.0, 1.0 + e)
+        d_gate = _bf16(_bf16(first * up) * sigmoid * tl.fma(gate, 1.0 - sigmoid, 1.0))
+        d_up = _bf16(first * silu)
+        return d_gate, d_up
+    # SQUARED_RELU_BACKWARD
+    relu = _relu(tl.load(b + r[:, None] * b_cols + c[None, :], mask=mask, other=0.0).to(tl.float32))
+    product = _bf16(first * relu)
+    d = tl.where(relu <= 0, 0.0, product + product)
+    return d, d
+
+
+@triton.jit
+def _tile_amax_bits(values, mask):
+    """max |value| over the tile as FP32 bits (NaN above inf; masked elements 0)."""
+    bits = tl.where(mask, values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+    return tl.max(tl.max(bits, 1), 0)
+
+
+@triton.jit
+def _store_fp8(values, scale, out, out_t, r, c, mask, rows, out_cols, FP8_MAX: tl.constexpr,
+               MANTISSA: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr, SOFTWARE: tl.constexpr):
+    q = _to_fp8(values * scale, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
+    tl.store(out + r[:, None] * out_cols + c[None, :], q, mask=mask)
+    tl.store(out_t + c[:, None] * rows + r[None, :], tl.trans(q), mask=tl.trans(mask))
+
+
+@triton.jit
+def _fp8_producer_kernel(a, b, out, out_t, scale_ptr, amax_bits, rows, cols, a_cols, b_cols,
+                         OP: tl.constexpr, MODE: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr,
+                         BIAS: tl.constexpr, OUT: tl.constexpr, SOFTWARE: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One BLOCK_R x BLOCK_C tile of the op's output (two for swiglu_backward: columns c and cols + c)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+    if MODE != CAST:
+        amax = _tile_amax_bits(first, mask)
+        if OP == SWIGLU_BACKWARD:
+            amax = tl.maximum(amax, _tile_amax_bits(second, mask))
+        tl.atomic_max(amax_bits, amax)
+    if MODE != AMAX_ONLY:
+        scale = tl.load(scale_ptr)
+        out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
+        _store_fp8(first, scale, out, out_t, r, c, mask, rows, out_cols, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
+        if OP == SWIGLU_BACKWARD:
+            _store_fp8(second, scale, out, out_t, r, cols + c, mask, rows, out_cols, FP8_MAX, MANTISSA, BIAS, OUT,
+                       SOFTWARE)
+
+
+@triton.jit
+def _bf16_producer_kernel(a, b, out, rows, cols, a_cols, b_cols, OP: tl.constexpr, SOFTWARE: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The same tiles, stored in BF16 (row-major only)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+    out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
+    tl.store(out + r[:, None] * out_cols + c[None, :], first.to(tl.bfloat16), mask=mask)
+    if OP == SWIGLU_BACKWARD:
+        tl.store(out + r[:, None] * out_cols + cols + c[None, :], second.to(tl.bfloat16), mask=mask)
+
+
+_TILES = [triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
+          for r, c, w in ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8))]
+_INTERPRETED_TILE = {"BLOCK_R": 64, "BLOCK_C": 64}
+
+
+def _tuned(kernel, key: list[str]):
+    """The kernel autotuned over _TILES on GPUs (reruns are harmless: its stores and maxes repeat), as is under
+    the interpreter."""
+    return kernel if INTERPRETED else triton.autotune(_TILES, key=key)(kernel)
+
+
+_FP8_KERNEL = _tuned(_fp8_producer_kernel, ["rows", "cols", "OP", "MODE"])
+_BF16_KERNEL = _tuned(_bf16_producer_kernel, ["rows", "cols", "OP"])
+
+
+def _widths(op: int, a: torch.Tensor, b: Optional[torch.Tensor]) -> tuple[int, int]:
+    """(columns each program's tiles step over, the output's width)."""
+    if op == SWIGLU:
+        return a.shape[1] // 2, a.shape[1] // 2
+    if op == SWIGLU_BACKWARD:
+        return a.shape[1], 2 * a.shape[1]
+    return a.shape[1], a.shape[1]
+
+
+def _grid(op: int, a: torch.Tensor, b: torch.Tensor):
+    rows, cols = a.shape[0], _widths(op, a, b)[0]
+    return lambda meta: (triton.cdiv(rows, meta["BLOCK_R"]), triton.cdiv(cols, meta["BLOCK_C"]))
+
+
+def _launch(op_name: str, a: torch.Tensor, b: Optional[torch.Tensor], mode: int, scale: torch.Tensor,
+            amax_bits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    op = OPS.index(op_name)
+    a = a.contiguous()
+    b = a if b is None else b.contiguous()
+    (cols, width), rows = _widths(op, a, b), a.shape[0]
+    written = 0 if mode == AMAX_ONLY else width
+    out = torch.empty((rows, written), dtype=dtype, device=a.device)
+    out_t = torch.empty((written, rows), dtype=dtype, device=a.device)
+    _FP8_KERNEL[_grid(op, a, b)](a, b, _bytes(out), _bytes(out_t), scale, amax_bits, rows, cols, a.shape[1],
+                                 b.shape[1], OP=op, MODE=mode, **_format_args(dtype),
+                                 **(_INTERPRETED_TILE if INTERPRETED else {}))
+    return out, out_t
+
+
+@torch.library.custom_op("fp8_recipes::produced_amax", mutates_args=())
+def produced_amax(op: str, a: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    """max |op(a, b)| as an FP32 scalar (NaN if any value is NaN)."""
+    amax = torch.zeros((), dtype=torch.float32, device=a.device)
+    _launch(op, a, b, AMAX_ONLY, amax, amax.view(torch.int32), torch.float8_e4m3fn)
+    return amax
+
+
+@produced_amax.register_fake
+def _(op, a, b):
+    return a.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("fp8_recipes::produce_fp8", mutates_args=())
+def produce_fp8(op: str, a: torch.Tensor, b: Optional[torch.Tensor], scale: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """op(a, b) * scale cast to `dtype`, saturating (NaN stays NaN): (rows, width) and its (width, rows) copy."""
+    return _launch(op, a, b, CAST, scale, scale.view(torch.int32), dtype)
+
+
+@torch.library.custom_op("fp8_recipes::produce_fp8_recording_amax", mutates_args=("history",))
+def produce_fp8_recording_amax(op: str, a: torch.Tensor, b: Optional[torch.Tensor], scale: torch.Tensor,
+                               dtype: torch.dtype, history: torch.Tensor,
+                               slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """produce_fp8, and history.view(-1)[slot] = max(it, max |op(a, b)|): delayed scaling's open history slot."""
+    return _launch(op, a, b, CAST_AND_RECORD, scale, history.view(-1)[slot:].view(torch.int32), dtype)
+
+
+@torch.library.custom_op("fp8_recipes::produce_bf16", mutates_args=())
+def produce_bf16(op: str, a: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    """op(a, b) in BF16, one pass (the BF16 blocks' MLP backward: both halves of SwiGLU's gradient from one read)."""
+    op_index = OPS.index(op)
+    a = a.contiguous()
+    b = a if b is None else b.contiguous()
+    (cols, width), rows = _widths(op_index, a, b), a.shape[0]
+    out = torch.empty((rows, width), dtype=torch.bfloat16, device=a.device)
+    _BF16_KERNEL[_grid(op_index, a, b)](a, b, out, rows, cols, a.shape[1], b.shape[1], OP=op_index,
+                                        SOFTWARE=INTERPRETED, **(_INTERPRETED_TILE if INTERPRETED else {}))
+    return out
+
+
+@produce_bf16.register_fake
+def _(op, a, b):
+    return a.new_empty((a.shape[0], _widths(OPS.index(op), a, b)[1]), dtype=torch.bfloat16)
+
+
+def _fake_fp8(op, a, b, dtype):
+    width = _widths(OPS.index(op), a, b)[1]
+    return a.new_empty((a.shape[0], width), dtype=dtype), a.new_empty((width, a.shape[0]), dtype=dtype)
+
+
+@produce_fp8.register_fake
+def _(op, a, b, scale, dtype):
+    return _fake_fp8(op, a, b, dtype)
+
+
+@produce_fp8_recording_amax.register_fake
+def _(op, a, b, scale, dtype, history, slot):
+    return _fake_fp8(op, a, b, dtype)

@@ -1,0 +1,155 @@
+"""An MLP as one autograd function, so that its activation is written by one kernel in the form the next GEMM
+takes. FP8 (`Fp8Mlp`): the activation quantized by the kernel that computes it, so that neither its output nor
+its gradient is written in BF16:
+
+    forward   x -> FP8 (x, x^T) -> fc1 GEMM -> fc1's output (BF16, saved)
+                 -> activation + FP8 (h, h^T) in one pass -> fc2 GEMM -> y
+    backward  dy -> FP8 (dy, dy^T) -> fc2 dgrad -> dh (BF16)
+                 -> activation's backward + FP8 (d, d^T) in one pass -> fc1 dgrad -> dx;  wgrads from the FP8 pairs
+
+BF16 (`Bf16Mlp`, the BF16 blocks of the fused linears): the activation's backward writes both halves of SwiGLU's
+gradient from one read of its inputs (Inductor's kernel reads every input twice, once per half).
+
+The two linears keep their modules (recipes.fp8.linear's Fp8Linear or Bf16Linear: weight, scaling state, weight
+cache, main gradient), so checkpoints and the FP8 object see the same layers as without the fusion. Transformer
+Engine's LayerNormMLP fuses the same way. FP8: per-tensor recipes with FP8 weight gradients only (`fusable`). The
+kernels are recipes.fp8.fused_quantize's, on CUDA; elsewhere the same values come from PyTorch's operators.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recipes.config import Activation
+from recipes.fp8.activation_ops import FORWARD_AND_BACKWARD, reference_output
+from recipes.fp8 import linear
+from recipes.fp8.gemm import fp8_gemm
+from recipes.fp8.linear import (
+    CACHE_REUSE, GRAD, INPUT, Bf16Linear, Fp8Linear, PerTensorScaling, bf16_weight, bf16_weight_gradient,
+    cache_arguments, cache_tensors, dgrad_weight, weight_gradient, weight_operands,
+)
+from recipes.fp8.tensor import Float8Tensor
+
+ACTIVATION_OPS = {Activation.swiglu: "swiglu", Activation.squared_relu: "squared_relu"}
+
+
+def fused_mlp(module: nn.Module):
+    """The fused form of an MLP (a module that names its `activation`) whose fc1 and fc2 are both Bf16Linear, or
+    both Fp8Linear of a per-tensor recipe with FP8 weight gradients; None for anything else."""
+    fc1, fc2 = getattr(module, "fc1", None), getattr(module, "fc2", None)
+    if getattr(module, "activation", None) not in ACTIVATION_OPS or type(fc1) is not type(fc2):
+        return None
+    if type(fc1) is Bf16Linear:
+        return Bf16Mlp(module)
+    if type(fc1) is Fp8Linear and isinstance(fc1.recipe, PerTensorScaling) and fc1.recipe.fp8_wgrad:
+        return Fp8Mlp(module)
+    return None
+
+
+class _Fp8MlpFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, w2, recipe: PerTensorScaling, op: str, modes: tuple, blocks: tuple, main_grad1,
+                main_grad2, state_len: int, *tensors):
+        # Tensors one by one, as recipes.fp8.linear's function takes them, so that Dynamo traces this whole.
+        caches, states = (tensors[:4], tensors[4:8]), (tensors[8:8 + state_len], tensors[8 + state_len:])
+        states = tuple(state or None for state in states)
+        saved, transposed = [], []
+        h = x
+        for index, (weight, cache, state) in enumerate(zip((w1, w2), caches, states)):
+            if index == 0:
+                h_fp8, h_t = recipe.quantize_with_transpose(h, INPUT, state)
+            else:
+                fc1_out = h
+                h_fp8, h_t = recipe.quantize_produced(op, fc1_out, None, INPUT, state)
+            cached = tuple(Float8Tensor(*cache[i:i + 2], blocks[index]) for i in (0, 2))
+            w_fp8, w_t = weight_operands(recipe, weight, state, modes[index], cached)
+            h = fp8_gemm(h_fp8, w_fp8, x.dtype, recipe.fast_accum_fprop, recipe.emulate)
+            saved_w = w_fp8 if w_t is None else w_t
+            saved += [h_t.data, h_t.scale_inv, saved_w.data, saved_w.scale_inv]
+            transposed.append(w_t is not None)
+        ctx.recipe, ctx.op, ctx.states, ctx.transposed = recipe, op, states, transposed
+        ctx.accumulate = tuple(mode == CACHE_REUSE for mode in modes)
+        ctx.weight_dtypes = (w1.dtype, w2.dtype)
+        ctx.save_for_backward(*saved, fc1_out, w1, w2, main_grad1, main_grad2)
+        return h
+
+    @staticmethod
+    def backward(ctx, dy):
+        *saved, fc1_out, w1, w2, main_grad1, main_grad2 = ctx.saved_tensors
+        recipe: PerTensorScaling = ctx.recipe
+        grads = [None, None]
+        d = dy.contiguous()
+        for index, (weight, main_grad) in reversed(list(enumerate(((w1, main_grad1), (w2, main_grad2))))):
+            x_data, x_scale_inv, w_data, w_scale_inv = saved[4 * index:4 * index + 4]
+            state = ctx.states[index]
+            if index == 1:
+                d_fp8, d_t = recipe.quantize_with_transpose(d, GRAD, state)
+            else:
+                d_fp8, d_t = recipe.quantize_produced(FORWARD_AND_BACKWARD[ctx.op], d, fc1_out, GRAD, state)
+            w_t = dgrad_weight(recipe, Float8Tensor(w_data, w_scale_inv), ctx.transposed[index], weight, state)
+            d_next = fp8_gemm(d_fp8, w_t, dy.dtype, False, recipe.emulate)
+            grads[index] = weight_gradient(recipe, d_t, Float8Tensor(x_data, x_scale_inv), main_grad,
+                                           ctx.accumulate[index], ctx.weight_dtypes[index])
+            d = d_next
+        return (d, *grads) + (None,) * (len(ctx.needs_input_grad) - 3)
+
+
+class _FusedMlp(nn.Module):
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.activation = mlp.activation
+        self.fc1, self.fc2 = mlp.fc1, mlp.fc2
+
+
+class Fp8Mlp(_FusedMlp):
+    """fc1 -> activation -> fc2 of an MLP whose linears recipes.fp8.convert made FP8, as one fused function."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc1, fc2 = self.fc1, self.fc2
+        x2d = x.reshape(-1, x.shape[-1])
+        states = (fc1.state_tensors(), fc2.state_tensors())
+        (mode1, block1), (mode2, block2) = cache_arguments(fc1.weight_cache), cache_arguments(fc2.weight_cache)
+        y = _Fp8MlpFunction.apply(
+            x2d, fc1.weight, fc2.weight, fc1.recipe, ACTIVATION_OPS[self.activation], (mode1, mode2),
+            (block1, block2), fc1.main_grad, fc2.main_grad, len(states[0]), *cache_tensors(fc1.weight_cache),
+            *cache_tensors(fc2.weight_cache), *states[0], *states[1],
+        )
+        return y.view(*x.shape[:-1], fc2.out_features)
+
+
+class _Bf16MlpFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, w2, op: str, modes: tuple, cached1, cached2, main_grad1, main_grad2):
+        w1_bf16, w2_bf16 = (bf16_weight(w, mode, cached) for w, mode, cached in zip((w1, w2), modes, (cached1, cached2)))
+        x = x.to(torch.bfloat16)
+        fc1_out = F.linear(x, w1_bf16)
+        h = reference_output(op, fc1_out)  # Inductor fuses the forward well
+        ctx.op, ctx.accumulate, ctx.weight_dtypes = op, tuple(m == CACHE_REUSE for m in modes), (w1.dtype, w2.dtype)
+        ctx.save_for_backward(x, fc1_out, h, w1_bf16, w2_bf16, main_grad1, main_grad2)
+        return F.linear(h, w2_bf16)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, fc1_out, h, w1_bf16, w2_bf16, main_grad1, main_grad2 = ctx.saved_tensors
+        dy = dy.contiguous()
+        dw2 = bf16_weight_gradient(dy, h, main_grad2, ctx.accumulate[1], ctx.weight_dtypes[1])
+        dh = dy @ w2_bf16
+        backward_op = FORWARD_AND_BACKWARD[ctx.op]
+        kernels = linear.fused_quantize_for(dh)
+        d = reference_output(backward_op, dh, fc1_out) if kernels is None else kernels.produce_bf16(backward_op, dh,
+                                                                                                   fc1_out)
+        dw1 = bf16_weight_gradient(d, x, main_grad1, ctx.accumulate[0], ctx.weight_dtypes[0])
+        return d @ w1_bf16, dw1, dw2, None, None, None, None, None, None
+
+
+class Bf16Mlp(_FusedMlp):
+    """fc1 -> activation -> fc2 of an MLP of Bf16Linears (recipes.fp8.convert's fused linears), as one function."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc1, fc2 = self.fc1, self.fc2
+        (mode1, cached1), (mode2, cached2) = fc1._cache_mode(), fc2._cache_mode()
+        y = _Bf16MlpFunction.apply(x.reshape(-1, x.shape[-1]), fc1.weight, fc2.weight, ACTIVATION_OPS[self.activation],
+                                   (mode1, mode2), cached1, cached2, fc1.main_grad, fc2.main_grad)
+        return y.view(*x.shape[:-1], fc2.out_features)
