@@ -36,8 +36,9 @@ import triton.language as tl
 from recipes.fp8.activation_ops import OPS
 from recipes.fp8.kernels import INTERPRETED, _bytes, _format_args, _to_fp8
 
-IDENTITY, SWIGLU, SQUARED_RELU, SWIGLU_BACKWARD, SQUARED_RELU_BACKWARD = range(len(OPS))
-AMAX_ONLY, CAST, CAST_AND_RECORD = range(3)
+# Globals a Triton kernel reads must be constexprs; Python code compares their `.value`.
+IDENTITY, SWIGLU, SQUARED_RELU, SWIGLU_BACKWARD, SQUARED_RELU_BACKWARD = (tl.constexpr(i) for i in range(len(OPS)))
+AMAX_ONLY, CAST, CAST_AND_RECORD = (tl.constexpr(i) for i in range(3))
 
 if not INTERPRETED:
     from triton.language.extra import libdevice
@@ -55,8 +56,10 @@ def _bf16(v):
 @triton.jit
 def _exp(x, SOFTWARE: tl.constexpr):
     if SOFTWARE:
-        return tl.exp(x)
-    return libdevice.exp(x)
+        y = tl.exp(x)
+    else:
+        y = libdevice.exp(x)
+    return y
 
 
 @triton.jit
@@ -69,31 +72,30 @@ def _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP: tl.constexpr, SO
     """The op's values at rows r, columns c of its first output tile, and of its second (columns cols + c; only
     swiglu_backward has one, else the first again)."""
     first = tl.load(a + r[:, None] * a_cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    if OP == IDENTITY:
-        return first, first
+    second = first
     if OP == SWIGLU:
         up = tl.load(a + r[:, None] * a_cols + cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
         silu = _bf16(tl.div_rn(first, 1.0 + _exp(-first, SOFTWARE)))
-        h = _bf16(silu * up)
-        return h, h
-    if OP == SQUARED_RELU:
+        first = _bf16(silu * up)
+        second = first
+    elif OP == SQUARED_RELU:
         relu = _relu(first)
-        h = _bf16(relu * relu)
-        return h, h
-    if OP == SWIGLU_BACKWARD:
+        first = _bf16(relu * relu)
+        second = first
+    elif OP == SWIGLU_BACKWARD:
         gate = tl.load(b + r[:, None] * b_cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
         up = tl.load(b + r[:, None] * b_cols + cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
         e = _exp(-gate, SOFTWARE)
         silu = _bf16(tl.div_rn(gate, 1.0 + e))
         sigmoid = tl.div_rn(1.0, 1.0 + e)
-        d_gate = _bf16(_bf16(first * up) * sigmoid * tl.fma(gate, 1.0 - sigmoid, 1.0))
-        d_up = _bf16(first * silu)
-        return d_gate, d_up
-    # SQUARED_RELU_BACKWARD
-    relu = _relu(tl.load(b + r[:, None] * b_cols + c[None, :], mask=mask, other=0.0).to(tl.float32))
-    product = _bf16(first * relu)
-    d = tl.where(relu <= 0, 0.0, product + product)
-    return d, d
+        second = _bf16(first * silu)  # d_up
+        first = _bf16(_bf16(first * up) * sigmoid * tl.fma(gate, 1.0 - sigmoid, 1.0))  # d_gate
+    elif OP == SQUARED_RELU_BACKWARD:
+        relu = _relu(tl.load(b + r[:, None] * b_cols + c[None, :], mask=mask, other=0.0).to(tl.float32))
+        product = _bf16(first * relu)
+        first = tl.where(relu <= 0, 0.0, product + product)
+        second = first
+    return first, second
 
 
 @triton.jit
@@ -166,9 +168,9 @@ _BF16_KERNEL = _tuned(_bf16_producer_kernel, ["rows", "cols", "OP"])
 
 def _widths(op: int, a: torch.Tensor, b: Optional[torch.Tensor]) -> tuple[int, int]:
     """(columns each program's tiles step over, the output's width)."""
-    if op == SWIGLU:
+    if op == SWIGLU.value:
         return a.shape[1] // 2, a.shape[1] // 2
-    if op == SWIGLU_BACKWARD:
+    if op == SWIGLU_BACKWARD.value:
         return a.shape[1], 2 * a.shape[1]
     return a.shape[1], a.shape[1]
 
@@ -184,7 +186,7 @@ def _launch(op_name: str, a: torch.Tensor, b: Optional[torch.Tensor], mode: int,
     a = a.contiguous()
     b = a if b is None else b.contiguous()
     (cols, width), rows = _widths(op, a, b), a.shape[0]
-    written = 0 if mode == AMAX_ONLY else width
+    written = 0 if mode == AMAX_ONLY.value else width
     out = torch.empty((rows, written), dtype=dtype, device=a.device)
     out_t = torch.empty((written, rows), dtype=dtype, device=a.device)
     _FP8_KERNEL[_grid(op, a, b)](a, b, _bytes(out), _bytes(out_t), scale, amax_bits, rows, cols, a.shape[1],
@@ -197,7 +199,7 @@ def _launch(op_name: str, a: torch.Tensor, b: Optional[torch.Tensor], mode: int,
 def produced_amax(op: str, a: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
     """max |op(a, b)| as an FP32 scalar (NaN if any value is NaN)."""
     amax = torch.zeros((), dtype=torch.float32, device=a.device)
-    _launch(op, a, b, AMAX_ONLY, amax, amax.view(torch.int32), torch.float8_e4m3fn)
+    _launch(op, a, b, AMAX_ONLY.value, amax, amax.view(torch.int32), torch.float8_e4m3fn)
     return amax
 
 
@@ -210,7 +212,7 @@ def _(op, a, b):
 def produce_fp8(op: str, a: torch.Tensor, b: Optional[torch.Tensor], scale: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """op(a, b) * scale cast to `dtype`, saturating (NaN stays NaN): (rows, width) and its (width, rows) copy."""
-    return _launch(op, a, b, CAST, scale, scale.view(torch.int32), dtype)
+    return _launch(op, a, b, CAST.value, scale, scale.view(torch.int32), dtype)
 
 
 @torch.library.custom_op("fp8_recipes::produce_fp8_recording_amax", mutates_args=("history",))
@@ -218,7 +220,7 @@ def produce_fp8_recording_amax(op: str, a: torch.Tensor, b: Optional[torch.Tenso
                                dtype: torch.dtype, history: torch.Tensor,
                                slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """produce_fp8, and history.view(-1)[slot] = max(it, max |op(a, b)|): delayed scaling's open history slot."""
-    return _launch(op, a, b, CAST_AND_RECORD, scale, history.view(-1)[slot:].view(torch.int32), dtype)
+    return _launch(op, a, b, CAST_AND_RECORD.value, scale, history.view(-1)[slot:].view(torch.int32), dtype)
 
 
 @torch.library.custom_op("fp8_recipes::produce_bf16", mutates_args=())
