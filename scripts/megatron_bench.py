@@ -19,7 +19,8 @@ this order:
   torch       engine=torch in the same four recipes on the same model and batch (compiled)
   functional  side by side (checks, not timings): Megatron-FSDP in bf16 and fp8_current (4 layers), and a resume
               from a distributed checkpoint (llama3_100m, fp8_delayed, whose amax histories the checkpoint must
-              carry): run to step 6 with checkpoints at 3 and 6, cut back to step 3, run again; steps 4-6 repeat
+              carry): run to step 6 with checkpoints at 3 and 6, cut back to step 3, run again; steps 4-6 repeat,
+              and the run is failed unless each one's loss and gradient norm equal the uninterrupted run's
   nemotron    nemotron4_15b, 4 layers, fp8_current, on both engines: LayerNorm1p and squared ReLU
   ablations   the fastest FP8 recipe of `precisions` (or --best) with one switch changed at a time, most telling first
 Every run of these three parts profiles one step after its timed ones (`trainer.profile_step`, left out of the
@@ -296,23 +297,34 @@ def row(run: Run, run_dir: Path, outcome: Outcome) -> dict:
         **profile_split(run_dir if run.profile_step and records else None),
     }
     if run.resume and outcome.status == "ok":
-        result["note"] = resume_note(run_dir)
+        result["note"], exact = resume_check(run_dir)
+        if not exact:
+            result["status"] = "failed (resume not exact)"
     return result
 
 
-def resume_note(run_dir: Path) -> str:
-    """What the second start of a resume run did: the step it resumed from (the engine's `resuming from step N of
-    DIR` line) and how far the repeated steps' losses are from the uninterrupted run's."""
+def resume_check(run_dir: Path) -> tuple[str, bool]:
+    """What the second start of a resume run did, and whether it repeated the uninterrupted run exactly: the step it
+    resumed from (the engine's `resuming from step N of DIR` line), and each repeated step's loss and gradient norm
+    against the uninterrupted run's. On one GPU a resume repeats the same kernels on the same data and state, so the
+    bound is equality of the recorded numbers; a step missing from either run fails too."""
     log = (run_dir / "train_resumed.log").read_text(errors="replace")
     line = next((line for line in log.splitlines() if line.startswith("resuming from step ")), None)
     if line is None:
-        return "did not resume: no 'resuming from step' line in train_resumed.log"
+        return "did not resume: no 'resuming from step' line in train_resumed.log", False
     first = int(line.split()[3])
-    resumed = {m["step"]: m["loss"] for m in metrics(run_dir)}
+    resumed = {m["step"]: m for m in metrics(run_dir)}
     repeated = [m for m in metrics(run_dir, "metrics_uninterrupted.jsonl") if m["step"] > first]
-    diff = max(abs(resumed[m["step"]] - m["loss"]) / abs(m["loss"]) for m in repeated)
+    missing = [m["step"] for m in repeated if m["step"] not in resumed]
+    if not repeated or missing:
+        return f"resumed from step {first}; steps missing from the resumed run: {missing or 'all'}", False
+
+    def largest(field: str) -> float:
+        return max(abs(resumed[m["step"]][field] - m[field]) / abs(m[field]) for m in repeated)
+
+    loss, grad_norm = largest("loss"), largest("grad_norm")
     return (f"resumed from step {first}; steps {repeated[0]['step']}-{repeated[-1]['step']} repeated, "
-            f"max rel. loss diff {diff:.2e}")
+            f"max rel. diff: loss {loss:.2e}, grad norm {grad_norm:.2e}"), loss == 0 and grad_norm == 0
 
 
 def run_study(directory: Path, out: Path, parts: tuple[str, ...], budget_s: float, best: Optional[str]) -> int:

@@ -126,7 +126,7 @@ def test_prepare_then_run_each_config_in_its_own_process(tmp_path):
     assert float(timed["step_s"]) == sorted(m["step_time_s"] for m in steps[1:])[1]  # the median of three
     resumed = rows["resume-torch"]
     assert resumed["status"] == "ok" and resumed["step_s"] == ""  # side by side: no timing
-    assert resumed["note"] == "resumed from step 1; steps 2-2 repeated, max rel. loss diff 0.00e+00"  # CPU: exact
+    assert resumed["note"] == "resumed from step 1; steps 2-2 repeated, max rel. diff: loss 0.00e+00, grad norm 0.00e+00"
     table = (out / "results.md").read_text()
     assert "| torch | bf16 | " in table and "| resume-torch | 2 | " in table
     assert "failed (1) error: engine=megatron needs CUDA GPUs" in table
@@ -179,3 +179,29 @@ def test_targets_say_missed_when_the_torch_engine_is_slower_or_larger():
     assert "| torch fp8_current over torch bf16 >= 1.30x | 1.133x | missed |" in table
     rows["torch-fp8_current"]["step_s"] = None  # not timed: neither met nor missed
     assert "| torch-fp8_current: s/step <= megatron's | - vs 1.450 | - |" in "\n".join(bench.target_table(runs, rows))
+
+
+def test_a_resume_that_does_not_repeat_its_steps_is_failed(tmp_path):
+    """The resume check is equality of each repeated step's loss and gradient norm with the uninterrupted run's:
+    a repeated step whose loss is equal and gradient norm is not (as docs/results' fp8_delayed resume) is failed,
+    and so are a repeated step that is missing and a second start that did not resume."""
+    run = bench.Run("resume-x", "functional", "megatron", "fp8_delayed", ("model=llama3_100m",), side_by_side=True,
+                    resume=True)
+    uninterrupted = [{"step": s, "loss": 3.0 - s / 10, "grad_norm": 40.0 + s, "peak_memory_gib": 1.0}
+                     for s in range(1, 7)]
+
+    def resumed_run(records: list[dict], log: str = "resuming from step 3 of checkpoints/step_3\n") -> dict:
+        (tmp_path / "train_resumed.log").write_text(f"plan ...\n{log}")
+        for name, rows in (("metrics_uninterrupted.jsonl", uninterrupted), ("metrics.jsonl", records)):
+            (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return bench.row(run, tmp_path, bench.Outcome("ok", 1.0))
+
+    exact = resumed_run(uninterrupted)
+    assert exact["status"] == "ok"
+    assert exact["note"] == "resumed from step 3; steps 4-6 repeated, max rel. diff: loss 0.00e+00, grad norm 0.00e+00"
+    diverged = [dict(r, grad_norm=78.339) if r["step"] == 4 else r for r in uninterrupted]
+    result = resumed_run(diverged)
+    assert result["status"] == "failed (resume not exact)" and "grad norm 7.80e-01" in result["note"]
+    assert resumed_run(uninterrupted[:5])["note"] == "resumed from step 3; steps missing from the resumed run: [6]"
+    assert resumed_run(uninterrupted[:5])["status"] == "failed (resume not exact)"
+    assert resumed_run(uninterrupted, log="starting at step 1\n")["status"] == "failed (resume not exact)"
