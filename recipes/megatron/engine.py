@@ -84,8 +84,13 @@ def wrap(cfg: Config, config, chunks: list) -> list:
     ddp = ddp_config(cfg)
     # Only the first chunk buckets its gradients: interleaved chunks reduce whole as they finish (Megatron-LM).
     model = [wrapper(config=config, ddp_config=ddp, module=chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)]
-    for chunk in model:
-        chunk.broadcast_params()  # identical starting weights on every data-parallel rank
+    # Identical starting weights on every data-parallel rank. Megatron-FSDP's parameters are DTensor shards, which
+    # its own broadcast_params hands to c10d's broadcast (megatron-core 0.16.1: "c10d.broadcast_.default does not
+    # have a sharding strategy"); the ranks' shared seed (setup_distributed) already makes them equal, which is
+    # what Megatron-LM relies on (it broadcasts only under --data-parallel-random-init).
+    if not cfg.parallel.fsdp:
+        for chunk in model:
+            chunk.broadcast_params()
     one = len(model) == 1
     if ddp.overlap_grad_reduce:  # without it finalize_model_grads reduces synchronously, once (Megatron-LM)
         config.no_sync_func = model[0].no_sync if one else [m.no_sync for m in model]
