@@ -178,23 +178,24 @@ def _widths(op: int, a: torch.Tensor, b: Optional[torch.Tensor]) -> tuple[int, i
     return a.shape[1], a.shape[1]
 
 
-def _grid(op: int, a: torch.Tensor, b: torch.Tensor):
-    rows, cols = a.shape[0], _widths(op, a, b)[0]
-    return lambda meta: (triton.cdiv(rows, meta["BLOCK_R"]), triton.cdiv(cols, meta["BLOCK_C"]))
-
-
-def _launch(op_name: str, a: torch.Tensor, b: Optional[torch.Tensor], mode: int, scale: torch.Tensor,
-            amax_bits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _operands(op_name: str, a: torch.Tensor, b: Optional[torch.Tensor]):
+    """(op code, a, b (a where the op has one input), rows, columns the tiles step over, output width, grid)."""
     op = OPS.index(op_name)
     a = a.contiguous()
     b = a if b is None else b.contiguous()
     (cols, width), rows = _widths(op, a, b), a.shape[0]
+    grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_R"]), triton.cdiv(cols, meta["BLOCK_C"]))  # noqa: E731
+    return op, a, b, rows, cols, width, grid
+
+
+def _launch(op_name: str, a: torch.Tensor, b: Optional[torch.Tensor], mode: int, scale: torch.Tensor,
+            amax_bits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    op, a, b, rows, cols, width, grid = _operands(op_name, a, b)
     written = 0 if mode == AMAX_ONLY.value else width
     out = torch.empty((rows, written), dtype=dtype, device=a.device)
     out_t = torch.empty((written, rows), dtype=dtype, device=a.device)
-    _FP8_KERNEL[_grid(op, a, b)](a, b, _bytes(out), _bytes(out_t), scale, amax_bits, rows, cols, a.shape[1],
-                                 b.shape[1], OP=op, MODE=mode, **_format_args(dtype),
-                                 **(_INTERPRETED_TILE if INTERPRETED else {}))
+    _FP8_KERNEL[grid](a, b, _bytes(out), _bytes(out_t), scale, amax_bits, rows, cols, a.shape[1], b.shape[1], OP=op,
+                      MODE=mode, **_format_args(dtype), **(_INTERPRETED_TILE if INTERPRETED else {}))
     return out, out_t
 
 
@@ -229,13 +230,10 @@ def produce_fp8_recording_amax(op: str, a: torch.Tensor, b: Optional[torch.Tenso
 @torch.library.custom_op("fp8_recipes::produce_bf16", mutates_args=())
 def produce_bf16(op: str, a: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
     """op(a, b) in BF16, one pass (the BF16 blocks' MLP backward: both halves of SwiGLU's gradient from one read)."""
-    op_index = OPS.index(op)
-    a = a.contiguous()
-    b = a if b is None else b.contiguous()
-    (cols, width), rows = _widths(op_index, a, b), a.shape[0]
+    op_code, a, b, rows, cols, width, grid = _operands(op, a, b)
     out = torch.empty((rows, width), dtype=torch.bfloat16, device=a.device)
-    _BF16_KERNEL[_grid(op_index, a, b)](a, b, out, rows, cols, a.shape[1], b.shape[1], OP=op_index,
-                                        SOFTWARE=INTERPRETED, **(_INTERPRETED_TILE if INTERPRETED else {}))
+    _BF16_KERNEL[grid](a, b, out, rows, cols, a.shape[1], b.shape[1], OP=op_code, SOFTWARE=INTERPRETED,
+                       **(_INTERPRETED_TILE if INTERPRETED else {}))
     return out
 
 

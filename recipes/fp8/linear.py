@@ -224,18 +224,15 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, recipe: Fp8Recipe, cache_mode: str, cache_block, main_grad, *cache_and_state):
         # Tensors are passed one by one (not as a module or tuple) so that Dynamo traces this function whole.
-        (data, scale_inv, t_data, t_scale_inv), state = cache_and_state[:4], cache_and_state[4:] or None
-        cached = Float8Tensor(data, scale_inv, cache_block), Float8Tensor(t_data, t_scale_inv, cache_block)
+        cache, state = cache_and_state[:4], cache_and_state[4:] or None
         if recipe.fp8_wgrad:
             x_fp8, x_t = recipe.quantize_with_transpose(x, INPUT, state)
             saved_x, ctx.x_block = (x_t.data, x_t.scale_inv), x_t.block
         else:
             x_fp8, saved_x = recipe.quantize(x, INPUT, state), (x, x.new_empty(()))
-        w_fp8, w_t = weight_operands(recipe, weight, state, cache_mode, cached)
-        y = fp8_gemm(x_fp8, w_fp8, x.dtype, recipe.fast_accum_fprop, recipe.emulate)
-        saved_w = w_fp8 if w_t is None else w_t
+        y, saved_w, ctx.w_is_transposed = fprop(recipe, x_fp8, weight, state, cache_mode, cache, cache_block,
+                                                x.dtype)
         ctx.recipe, ctx.state, ctx.weight_dtype, ctx.w_block = recipe, state, weight.dtype, saved_w.block
-        ctx.w_is_transposed = w_t is not None
         ctx.accumulate = cache_mode == CACHE_REUSE  # not the step's first micro-batch: add to main_grad
         ctx.save_for_backward(*saved_x, saved_w.data, saved_w.scale_inv, weight, main_grad)
         return y
@@ -249,9 +246,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             dy_fp8, dy_t = recipe.quantize_with_transpose(dy, GRAD, ctx.state)
         else:
             dy_fp8 = recipe.quantize(dy, GRAD, ctx.state)
-        w_t = dgrad_weight(recipe, Float8Tensor(w_data, w_scale_inv, ctx.w_block), ctx.w_is_transposed, weight,
-                           ctx.state)
-        dx = fp8_gemm(dy_fp8, w_t, dy.dtype, False, recipe.emulate)
+        dx = dgrad(recipe, dy_fp8, Float8Tensor(w_data, w_scale_inv, ctx.w_block), ctx.w_is_transposed, weight,
+                   ctx.state, dy.dtype)
         dw = None
         if recipe.fp8_wgrad:
             dw = weight_gradient(recipe, dy_t, Float8Tensor(x_data, x_scale_inv, ctx.x_block), main_grad,
@@ -281,10 +277,21 @@ def cache_tensors(cache: Optional["WeightCache"]) -> tuple:
     return (None,) * 4 if cache is None else cache.tensors()
 
 
-def dgrad_weight(recipe: Fp8Recipe, saved: Float8Tensor, is_transposed: bool, weight: torch.Tensor,
-                 state) -> Float8Tensor:
-    """dgrad's W^T: what the forward saved (weight_operands' transpose, or W itself to transpose now)."""
-    return saved if is_transposed else recipe.transposed(saved, weight, WEIGHT, state)
+def fprop(recipe: Fp8Recipe, x_fp8: Float8Tensor, weight: torch.Tensor, state, cache_mode: str, cache: tuple,
+          cache_block, out_dtype: torch.dtype) -> tuple[torch.Tensor, Float8Tensor, bool]:
+    """y = x @ W^T for a quantized x; `cache`: the weight cache's four buffers (cache_tensors). Returns y, the
+    weight operand to save for dgrad, and whether that is already W^T."""
+    cached = Float8Tensor(cache[0], cache[1], cache_block), Float8Tensor(cache[2], cache[3], cache_block)
+    w_fp8, w_t = _weight_operands(recipe, weight, state, cache_mode, cached)
+    y = fp8_gemm(x_fp8, w_fp8, out_dtype, recipe.fast_accum_fprop, recipe.emulate)
+    return y, (w_fp8 if w_t is None else w_t), w_t is not None
+
+
+def dgrad(recipe: Fp8Recipe, dy_fp8: Float8Tensor, saved_w: Float8Tensor, is_transposed: bool, weight: torch.Tensor,
+          state, out_dtype: torch.dtype) -> torch.Tensor:
+    """dx = dy @ W, with what fprop saved (W^T already, or W to transpose now)."""
+    w_t = saved_w if is_transposed else recipe.transposed(saved_w, weight, WEIGHT, state)
+    return fp8_gemm(dy_fp8, w_t, out_dtype, False, recipe.emulate)
 
 
 def weight_gradient(recipe: Fp8Recipe, dy_t: Float8Tensor, x_t: Float8Tensor, main_grad: Optional[torch.Tensor],
@@ -296,7 +303,7 @@ def weight_gradient(recipe: Fp8Recipe, dy_t: Float8Tensor, x_t: Float8Tensor, ma
     return fp8_gemm(dy_t, x_t, weight_dtype, False, recipe.emulate)
 
 
-def weight_operands(recipe, weight, state, cache_mode, cached) -> tuple[Float8Tensor, Optional[Float8Tensor]]:
+def _weight_operands(recipe, weight, state, cache_mode, cached) -> tuple[Float8Tensor, Optional[Float8Tensor]]:
     """The FP8 weight for fprop, and its transpose for dgrad where the cache holds it (None: backward makes it).
     `cached`: the cache's (weight, transpose) buffers, read in CACHE_REUSE and filled in place in CACHE_REFRESH."""
     if isinstance(weight, Fp8GatheredWeight):  # FSDP2 all-gathered it in FP8 (recipes.fp8.all_gather)
@@ -426,7 +433,7 @@ class Bf16Linear(CachedWeightLinear):
         return WeightCache({"weight": torch.empty_like(self.weight, dtype=torch.bfloat16, device="meta")},
                            self.weight.device)
 
-    def _cache_mode(self) -> tuple[str, Optional[torch.Tensor]]:
+    def cache_mode(self) -> tuple[str, Optional[torch.Tensor]]:
         cache = self.weight_cache
         return (CACHE_OFF, None) if cache is None else (cache.mode, cache.weight)
 
@@ -434,11 +441,11 @@ class Bf16Linear(CachedWeightLinear):
         """For a caller that runs this layer's GEMMs itself (recipes.models.loss, the output layer): the BF16 weight
         cache to use (None: cast the weight), whether to refresh it from the weight first, the FP32 main gradient
         to write the weight gradient into (None: return it to autograd), and whether to add to it."""
-        mode, cached = self._cache_mode()
+        mode, cached = self.cache_mode()
         return (None if mode == CACHE_OFF else cached), mode == CACHE_REFRESH, self.main_grad, mode == CACHE_REUSE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
-        mode, cached = self._cache_mode()
+        mode, cached = self.cache_mode()
         y = _Bf16LinearFunction.apply(x2d, self.weight, mode, cached, self.main_grad)
         return y.view(*x.shape[:-1], self.out_features)

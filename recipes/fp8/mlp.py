@@ -12,7 +12,7 @@ gradient from one read of its inputs (Inductor's kernel reads every input twice,
 
 The two linears keep their modules (recipes.fp8.linear's Fp8Linear or Bf16Linear: weight, scaling state, weight
 cache, main gradient), so checkpoints and the FP8 object see the same layers as without the fusion. Transformer
-Engine's LayerNormMLP fuses the same way. FP8: per-tensor recipes with FP8 weight gradients only (`fusable`). The
+Engine's LayerNormMLP fuses the same way. FP8: per-tensor recipes with FP8 weight gradients only (`fused_mlp`). The
 kernels are recipes.fp8.fused_quantize's, on CUDA; elsewhere the same values come from PyTorch's operators.
 """
 
@@ -25,10 +25,9 @@ from torch import nn
 from recipes.config import Activation
 from recipes.fp8.activation_ops import FORWARD_AND_BACKWARD, reference_output
 from recipes.fp8 import linear
-from recipes.fp8.gemm import fp8_gemm
 from recipes.fp8.linear import (
     CACHE_REUSE, GRAD, INPUT, Bf16Linear, Fp8Linear, PerTensorScaling, bf16_weight, bf16_weight_gradient,
-    cache_arguments, cache_tensors, dgrad_weight, weight_gradient, weight_operands,
+    cache_arguments, cache_tensors, dgrad, fprop, weight_gradient,
 )
 from recipes.fp8.tensor import Float8Tensor
 
@@ -53,47 +52,35 @@ class _Fp8MlpFunction(torch.autograd.Function):
     def forward(ctx, x, w1, w2, recipe: PerTensorScaling, op: str, modes: tuple, blocks: tuple, main_grad1,
                 main_grad2, state_len: int, *tensors):
         # Tensors one by one, as recipes.fp8.linear's function takes them, so that Dynamo traces this whole.
-        caches, states = (tensors[:4], tensors[4:8]), (tensors[8:8 + state_len], tensors[8 + state_len:])
-        states = tuple(state or None for state in states)
-        saved, transposed = [], []
-        h = x
-        for index, (weight, cache, state) in enumerate(zip((w1, w2), caches, states)):
-            if index == 0:
-                h_fp8, h_t = recipe.quantize_with_transpose(h, INPUT, state)
-            else:
-                fc1_out = h
-                h_fp8, h_t = recipe.quantize_produced(op, fc1_out, None, INPUT, state)
-            cached = tuple(Float8Tensor(*cache[i:i + 2], blocks[index]) for i in (0, 2))
-            w_fp8, w_t = weight_operands(recipe, weight, state, modes[index], cached)
-            h = fp8_gemm(h_fp8, w_fp8, x.dtype, recipe.fast_accum_fprop, recipe.emulate)
-            saved_w = w_fp8 if w_t is None else w_t
-            saved += [h_t.data, h_t.scale_inv, saved_w.data, saved_w.scale_inv]
-            transposed.append(w_t is not None)
-        ctx.recipe, ctx.op, ctx.states, ctx.transposed = recipe, op, states, transposed
+        cache1, cache2 = tensors[:4], tensors[4:8]
+        state1, state2 = tensors[8:8 + state_len] or None, tensors[8 + state_len:] or None
+        x_fp8, x_t = recipe.quantize_with_transpose(x, INPUT, state1)
+        fc1_out, saved_w1, transposed1 = fprop(recipe, x_fp8, w1, state1, modes[0], cache1, blocks[0], x.dtype)
+        h_fp8, h_t = recipe.quantize_produced(op, fc1_out, None, INPUT, state2)
+        y, saved_w2, transposed2 = fprop(recipe, h_fp8, w2, state2, modes[1], cache2, blocks[1], x.dtype)
+        ctx.recipe, ctx.op, ctx.states, ctx.transposed = recipe, op, (state1, state2), (transposed1, transposed2)
         ctx.accumulate = tuple(mode == CACHE_REUSE for mode in modes)
         ctx.weight_dtypes = (w1.dtype, w2.dtype)
-        ctx.save_for_backward(*saved, fc1_out, w1, w2, main_grad1, main_grad2)
-        return h
+        ctx.save_for_backward(x_t.data, x_t.scale_inv, saved_w1.data, saved_w1.scale_inv, h_t.data, h_t.scale_inv,
+                              saved_w2.data, saved_w2.scale_inv, fc1_out, w1, w2, main_grad1, main_grad2)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
-        *saved, fc1_out, w1, w2, main_grad1, main_grad2 = ctx.saved_tensors
+        (x_data, x_scale_inv, w1_data, w1_scale_inv, h_data, h_scale_inv, w2_data, w2_scale_inv, fc1_out, w1, w2,
+         main_grad1, main_grad2) = ctx.saved_tensors
         recipe: PerTensorScaling = ctx.recipe
-        grads = [None, None]
-        d = dy.contiguous()
-        for index, (weight, main_grad) in reversed(list(enumerate(((w1, main_grad1), (w2, main_grad2))))):
-            x_data, x_scale_inv, w_data, w_scale_inv = saved[4 * index:4 * index + 4]
-            state = ctx.states[index]
-            if index == 1:
-                d_fp8, d_t = recipe.quantize_with_transpose(d, GRAD, state)
-            else:
-                d_fp8, d_t = recipe.quantize_produced(FORWARD_AND_BACKWARD[ctx.op], d, fc1_out, GRAD, state)
-            w_t = dgrad_weight(recipe, Float8Tensor(w_data, w_scale_inv), ctx.transposed[index], weight, state)
-            d_next = fp8_gemm(d_fp8, w_t, dy.dtype, False, recipe.emulate)
-            grads[index] = weight_gradient(recipe, d_t, Float8Tensor(x_data, x_scale_inv), main_grad,
-                                           ctx.accumulate[index], ctx.weight_dtypes[index])
-            d = d_next
-        return (d, *grads) + (None,) * (len(ctx.needs_input_grad) - 3)
+        (state1, state2), (transposed1, transposed2) = ctx.states, ctx.transposed
+        dy = dy.contiguous()
+        dy_fp8, dy_t = recipe.quantize_with_transpose(dy, GRAD, state2)
+        dh = dgrad(recipe, dy_fp8, Float8Tensor(w2_data, w2_scale_inv), transposed2, w2, state2, dy.dtype)
+        dw2 = weight_gradient(recipe, dy_t, Float8Tensor(h_data, h_scale_inv), main_grad2, ctx.accumulate[1],
+                              ctx.weight_dtypes[1])
+        d_fp8, d_t = recipe.quantize_produced(FORWARD_AND_BACKWARD[ctx.op], dh, fc1_out, GRAD, state1)
+        dx = dgrad(recipe, d_fp8, Float8Tensor(w1_data, w1_scale_inv), transposed1, w1, state1, dy.dtype)
+        dw1 = weight_gradient(recipe, d_t, Float8Tensor(x_data, x_scale_inv), main_grad1, ctx.accumulate[0],
+                              ctx.weight_dtypes[0])
+        return (dx, dw1, dw2) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
 class _FusedMlp(nn.Module):
@@ -149,7 +136,7 @@ class Bf16Mlp(_FusedMlp):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = self.fc1, self.fc2
-        (mode1, cached1), (mode2, cached2) = fc1._cache_mode(), fc2._cache_mode()
+        (mode1, cached1), (mode2, cached2) = fc1.cache_mode(), fc2.cache_mode()
         y = _Bf16MlpFunction.apply(x.reshape(-1, x.shape[-1]), fc1.weight, fc2.weight, ACTIVATION_OPS[self.activation],
                                    (mode1, mode2), cached1, cached2, fc1.main_grad, fc2.main_grad)
         return y.view(*x.shape[:-1], fc2.out_features)
