@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from recipes.fp8.activation_ops import OPS, reference_output
+from recipes.fp8.activation_ops import reference_output
 from recipes.fp8.current_scaling import cast_to_fp8, tensorwise_scale
 
 
