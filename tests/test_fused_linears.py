@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -317,3 +318,24 @@ def test_fused_quantize_tiles_compile_for_hopper_without_register_spills(tmp_pat
     result = subprocess.run([sys.executable, "-c", HOPPER_SPILL_CHECK, str(tmp_path / "kernel.ptx")], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+
+
+@needs_triton
+def test_fused_quantize_bench_times_each_op_and_mode_of_a_model(fused_quantize, tmp_path):
+    """scripts/fused_quantize_bench.py runs the product's kernels (here in the interpreter) for each op and mode of
+    the model's MLP and counts the bytes each call moves."""
+    spec = importlib.util.spec_from_file_location("fused_quantize_bench",
+                                                  Path(__file__).parents[1] / "scripts" / "fused_quantize_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--model", "tiny_nemotron", "--seq-length", "16", "--warmup", "0", "--iterations", "1",
+                       "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["op"], r["mode"]) for r in rows] == [
+        ("squared_relu", m) for m in ("amax", "cast", "cast_and_record")] + [
+        ("squared_relu_backward", m) for m in ("amax", "cast", "cast_and_record", "bf16")] + [
+        ("identity", m) for m in ("amax", "cast", "cast_and_record")]
+    ffn = load_option("model", "tiny_nemotron").ffn_hidden_size
+    cast = rows[1]  # squared ReLU: reads BF16 (16, ffn), writes FP8 (16, ffn) and its transpose
+    assert cast["bytes"] == 16 * ffn * 2 + 2 * 16 * ffn and cast["ms"] > 0
+    assert (tmp_path / "results.md").read_text().count("| tiny_nemotron |") == len(rows)

@@ -1,0 +1,150 @@
+"""Time each kernel of recipes.fp8.fused_quantize at a model's MLP shapes, against the GPU's copy bandwidth.
+
+    python scripts/fused_quantize_bench.py --model llama3_8b --model nemotron4_15b --out docs/results/fused_quantize
+
+One row per op and mode, as recipes.fp8.mlp and recipes.fp8.linear call them for one micro-batch (the model's
+sequence length): the activation forward on fc1's output, its backward on (dh, fc1's output), and the identity
+cast-transpose of a linear's incoming gradient; modes `amax` (current scaling's first pass), `cast` (its second),
+`cast_and_record` (delayed scaling's one pass) and, for the backward ops, `bf16` (the BF16 MLP's). GB/s counts
+the bytes each call must move (its inputs read once, its outputs written once); `of copy` divides that by a
+device-to-device copy's rate measured in the same run. Median of --iterations calls after --warmup (autotuning
+included in warm-up); the tile the autotuner chose is reported. Without CUDA the kernels run in Triton's
+interpreter (TRITON_INTERPRET=1) and the times mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from recipes.config import Activation, ModelConfig, load_option
+from recipes.fp8.formats import E4M3, E5M2
+from recipes.provenance import provenance
+
+FORWARD_OPS = {Activation.swiglu: "swiglu", Activation.squared_relu: "squared_relu"}
+MODES = ("amax", "cast", "cast_and_record", "bf16")
+
+
+def op_shapes(cfg: ModelConfig, tokens: int) -> list[tuple[str, tuple[int, int], tuple[int, int] | None, int]]:
+    """(op, a's shape, b's shape or None, output columns) of one micro-batch's MLP."""
+    forward = FORWARD_OPS[cfg.activation]
+    fc1_cols = 2 * cfg.ffn_hidden_size if forward == "swiglu" else cfg.ffn_hidden_size
+    return [
+        (forward, (tokens, fc1_cols), None, cfg.ffn_hidden_size),
+        (f"{forward}_backward", (tokens, cfg.ffn_hidden_size if forward == "swiglu" else fc1_cols),
+         (tokens, fc1_cols), fc1_cols),
+        ("identity", (tokens, cfg.hidden_size), None, cfg.hidden_size),
+    ]
+
+
+def _call(kernels, op: str, mode: str, a, b, dtype) -> Callable[[], object]:
+    scale = torch.ones((), dtype=torch.float32, device=a.device)
+    history = torch.zeros((2, 16), dtype=torch.float32, device=a.device)
+    return {
+        "amax": lambda: kernels.produced_amax(op, a, b),
+        "cast": lambda: kernels.produce_fp8(op, a, b, scale, dtype),
+        "cast_and_record": lambda: kernels.produce_fp8_recording_amax(op, a, b, scale, dtype, history, 0),
+        "bf16": lambda: kernels.produce_bf16(op, a, b),
+    }[mode]
+
+
+def median_ms(fn: Callable[[], object], warmup: int, iterations: int, device: torch.device) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iterations):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def copy_gb_per_s(device: torch.device, warmup: int, iterations: int) -> float:
+    """A device-to-device copy's rate (bytes read plus written), the roof for these kernels."""
+    src = torch.empty(256 << 20 if device.type == "cuda" else 1 << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / median_ms(lambda: dst.copy_(src), warmup, iterations, device) / 1e6
+
+
+def bench_model(cfg: ModelConfig, name: str, args, device: torch.device, copy_rate: float) -> list[dict]:
+    from recipes.fp8 import fused_quantize as kernels
+
+    rows = []
+    for op, a_shape, b_shape, out_cols in op_shapes(cfg, args.seq_length or cfg.seq_length):
+        generator = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(a_shape, generator=generator, device=device).to(torch.bfloat16)
+        b = None if b_shape is None else torch.randn(b_shape, generator=generator, device=device).to(torch.bfloat16)
+        backward = op.endswith("_backward") or op == "identity"
+        dtype = E5M2 if backward else E4M3
+        read = a.numel() * 2 + (0 if b is None else b.numel() * 2)
+        for mode in MODES:
+            if mode == "bf16" and not op.endswith("_backward"):
+                continue
+            written = 0 if mode == "amax" else 2 * a_shape[0] * out_cols  # FP8 and its transpose, or BF16
+            ms = median_ms(_call(kernels, op, mode, a, b, dtype), args.warmup, args.iterations, device)
+            tuned = kernels._BF16_KERNEL if mode == "bf16" else kernels._FP8_KERNEL
+            config = getattr(tuned, "best_config", None)
+            gb_per_s = (read + written) / ms / 1e6
+            rows.append({"model": name, "op": op, "mode": mode, "a": list(a_shape), "b": b_shape and list(b_shape),
+                         "ms": round(ms, 4), "bytes": read + written,
+                         "gb_per_s": round(gb_per_s, 1), "of_copy": round(gb_per_s / copy_rate, 3),
+                         "tile": str(config) if config is not None else "interpreter"})
+            print(f"{name} {op} {mode}: {ms:.3f} ms, {gb_per_s:.0f} GB/s ({gb_per_s / copy_rate:.2f} of copy), "
+                  f"{rows[-1]['tile']}", flush=True)
+    return rows
+
+
+def markdown(rows: list[dict], copy_rate: float) -> str:
+    lines = [f"Device-to-device copy: {copy_rate:.0f} GB/s", "",
+             "| model | op | mode | a | ms | GB | GB/s | of copy | tile |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['op']} | {r['mode']} | {'x'.join(map(str, r['a']))} | {r['ms']:.3f} | "
+                     f"{r['bytes'] / 1e9:.3f} | {r['gb_per_s']:.0f} | {r['of_copy']:.2f} | {r['tile']} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", action="append", help="conf/model option(s) (default llama3_8b)")
+    parser.add_argument("--seq-length", type=int, help="tokens per call instead of the model's sequence length")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--out", type=Path, help="directory for results.json and results.md")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    names = args.model or ["llama3_8b"]
+    configs = [load_option("model", name) for name in names]
+    copy_rate = copy_gb_per_s(device, args.warmup, args.iterations)
+    print(f"device-to-device copy: {copy_rate:.0f} GB/s", flush=True)
+    rows = [row for cfg, name in zip(configs, names) for row in bench_model(cfg, name, args, device, copy_rate)]
+    table = markdown(rows, copy_rate)
+    print(table)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps({"copy_gb_per_s": copy_rate, "rows": rows}, indent=1))
+        (args.out / "results.md").write_text(table)
+        (args.out / "provenance.json").write_text(json.dumps({"command": sys.argv, **provenance()}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
