@@ -45,7 +45,7 @@ def micro_batches(layer: nn.Module, inputs: list, grads: list, run=None) -> tupl
     ys = []
     for micro, (x, dy) in enumerate(zip(xs, grads)):
         set_weight_cache_mode(layer, CACHE_REFRESH if micro == 0 else CACHE_REUSE)
-        y = (run or layer)(x)
+        y = (layer if run is None else run)(x)  # not `run or layer`: a compiled module has no truth value
         y.backward(dy)
         ys.append(y.detach())
     set_weight_cache_mode(layer, CACHE_OFF)
@@ -284,7 +284,7 @@ from recipes.fp8 import fused_quantize as fq
 
 pointers = {"a": "*bf16", "b": "*bf16"}
 sizes = {"rows": "i32", "cols": "i32", "a_cols": "i32", "b_cols": "i32"}
-kernels = [(fq._fp8_producer_kernel, {**pointers, "out": "*fp8e4nv", "out_t": "*fp8e4nv", "scale_ptr": "*fp32",
+kernels = [(fq._fp8_producer_kernel, {**pointers, "out": "*fp8e4nv", "scale_ptr": "*fp32",
                                       "amax_bits": "*i32", **sizes},
             dict(FP8_MAX=448.0, MANTISSA=3, BIAS=7, OUT=triton.language.float8e4nv, SOFTWARE=False), (0, 1, 2)),
            (fq._bf16_producer_kernel, {**pointers, "out": "*bf16", **sizes}, dict(SOFTWARE=False), (None,))]

@@ -1,5 +1,6 @@
 """Per-tensor FP8 operands written by the kernel that produces them: the MLP's activation (forward and backward)
-and plain cast-transposes, each giving the row-major FP8 copy and its transpose from one read of its inputs.
+and a linear's incoming gradient (identity), the row-major FP8 copy from one read of the op's inputs, then its
+transpose by recipes.fp8.kernels.transpose_fp8, which reads the FP8 bytes.
 
     produced_amax(op, a, b)                      the amax of op(a, b), without writing it (current scaling's
                                                  first pass)
@@ -23,6 +24,11 @@ which orders as the values do and keeps NaN (as torch.amax). The tile sizes are 
 CPU interpreter the kernels run with one tile size and NumPy's exp (recipes.fp8.kernels says how FP8 is
 converted there). The transposed copies are the per-tensor recipes'; blockwise scales would be per-tile and are
 not written here yet.
+
+The transpose is a second kernel because on an H200 (Triton 3.6.0) every tile of this kernel that also stored
+its tile transposed (FP8 or FP32 transposed, cast before or after) wrote up to a quarter of the transposed bytes
+wrong for SwiGLU, its gradient and squared ReLU's gradient, while the plain transpose kernel writes every byte
+(docs/results, issue 24; compare triton-lang/triton#11111).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import triton
 import triton.language as tl
 
 from recipes.fp8.activation_ops import OPS
-from recipes.fp8.kernels import INTERPRETED, _bytes, _format_args, _to_fp8
+from recipes.fp8.kernels import INTERPRETED, _bytes, _format_args, _to_fp8, transpose_fp8
 
 # Globals a Triton kernel reads must be constexprs; Python code compares their `.value`.
 IDENTITY, SWIGLU, SQUARED_RELU, SWIGLU_BACKWARD, SQUARED_RELU_BACKWARD = (tl.constexpr(i) for i in range(len(OPS)))
@@ -106,15 +112,14 @@ def _tile_amax_bits(values, mask):
 
 
 @triton.jit
-def _store_fp8(values, scale, out, out_t, r, c, mask, rows, out_cols, FP8_MAX: tl.constexpr,
-               MANTISSA: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr, SOFTWARE: tl.constexpr):
-    q = _to_fp8(values * scale, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
-    tl.store(out + r[:, None] * out_cols + c[None, :], q, mask=mask)
-    tl.store(out_t + c[:, None] * rows + r[None, :], tl.trans(q), mask=tl.trans(mask))
+def _store_fp8(values, scale, out, r, c, mask, out_cols, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr,
+               BIAS: tl.constexpr, OUT: tl.constexpr, SOFTWARE: tl.constexpr):
+    tl.store(out + r[:, None] * out_cols + c[None, :], _to_fp8(values * scale, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE),
+             mask=mask)
 
 
 @triton.jit
-def _fp8_producer_kernel(a, b, out, out_t, scale_ptr, amax_bits, rows, cols, a_cols, b_cols,
+def _fp8_producer_kernel(a, b, out, scale_ptr, amax_bits, rows, cols, a_cols, b_cols,
                          OP: tl.constexpr, MODE: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr,
                          BIAS: tl.constexpr, OUT: tl.constexpr, SOFTWARE: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -131,10 +136,9 @@ def _fp8_producer_kernel(a, b, out, out_t, scale_ptr, amax_bits, rows, cols, a_c
     if MODE != AMAX_ONLY:
         scale = tl.load(scale_ptr)
         out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
-        _store_fp8(first, scale, out, out_t, r, c, mask, rows, out_cols, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
+        _store_fp8(first, scale, out, r, c, mask, out_cols, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
         if OP == SWIGLU_BACKWARD:
-            _store_fp8(second, scale, out, out_t, r, cols + c, mask, rows, out_cols, FP8_MAX, MANTISSA, BIAS, OUT,
-                       SOFTWARE)
+            _store_fp8(second, scale, out, r, cols + c, mask, out_cols, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
 
 
 @triton.jit
@@ -151,11 +155,11 @@ def _bf16_producer_kernel(a, b, out, rows, cols, a_cols, b_cols, OP: tl.constexp
         tl.store(out + r[:, None] * out_cols + cols + c[None, :], second.to(tl.bfloat16), mask=mask)
 
 
-# Few elements per thread: every op holds up to five FP32 tiles, and larger tiles spilled registers (ptxas for
-# sm_90a: 64x128 tiles with 4 warps spilled 236-2284 bytes per thread); these compile with at most 193 registers
-# and no spill in every op and mode (docs/results, issue 24).
+# Few elements per thread, so that no op spills registers (ptxas for sm_90a: 64x128 tiles with 4 warps spilled
+# 236-2284 bytes per thread), and at most 32 rows: on an H200 (Triton 3.6) tiles of 64 and 128 rows wrote some of
+# SwiGLU's gradient wrong while these wrote every byte right (docs/results, issue 24).
 _TILES = [triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
-          for r, c, w in ((64, 64, 8), (64, 64, 16), (32, 64, 4), (32, 32, 4), (32, 128, 8))]
+          for r, c, w in ((32, 64, 4), (32, 32, 4), (32, 128, 8), (16, 128, 4))]
 _INTERPRETED_TILE = {"BLOCK_R": 64, "BLOCK_C": 64}
 
 
@@ -189,14 +193,13 @@ def _operands(op_name: str, a: torch.Tensor, b: Optional[torch.Tensor]):
 
 
 def _launch(op_name: str, a: torch.Tensor, b: Optional[torch.Tensor], mode: int, scale: torch.Tensor,
-            amax_bits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            amax_bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     op, a, b, rows, cols, width, grid = _operands(op_name, a, b)
     written = 0 if mode == AMAX_ONLY.value else width
     out = torch.empty((rows, written), dtype=dtype, device=a.device)
-    out_t = torch.empty((written, rows), dtype=dtype, device=a.device)
-    _FP8_KERNEL[grid](a, b, _bytes(out), _bytes(out_t), scale, amax_bits, rows, cols, a.shape[1], b.shape[1], OP=op,
-                      MODE=mode, **_format_args(dtype), **(_INTERPRETED_TILE if INTERPRETED else {}))
-    return out, out_t
+    _FP8_KERNEL[grid](a, b, _bytes(out), scale, amax_bits, rows, cols, a.shape[1], b.shape[1], OP=op, MODE=mode,
+                      **_format_args(dtype), **(_INTERPRETED_TILE if INTERPRETED else {}))
+    return out
 
 
 @torch.library.custom_op("fp8_recipes::produced_amax", mutates_args=())
@@ -216,7 +219,8 @@ def _(op, a, b):
 def produce_fp8(op: str, a: torch.Tensor, b: Optional[torch.Tensor], scale: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """op(a, b) * scale cast to `dtype`, saturating (NaN stays NaN): (rows, width) and its (width, rows) copy."""
-    return _launch(op, a, b, CAST.value, scale, scale.view(torch.int32), dtype)
+    out = _launch(op, a, b, CAST.value, scale, scale.view(torch.int32), dtype)
+    return out, transpose_fp8(out)
 
 
 @torch.library.custom_op("fp8_recipes::produce_fp8_recording_amax", mutates_args=("history",))
@@ -224,7 +228,8 @@ def produce_fp8_recording_amax(op: str, a: torch.Tensor, b: Optional[torch.Tenso
                                dtype: torch.dtype, history: torch.Tensor,
                                slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """produce_fp8, and history.view(-1)[slot] = max(it, max |op(a, b)|): delayed scaling's open history slot."""
-    return _launch(op, a, b, CAST_AND_RECORD.value, scale, history.view(-1)[slot:].view(torch.int32), dtype)
+    out = _launch(op, a, b, CAST_AND_RECORD.value, scale, history.view(-1)[slot:].view(torch.int32), dtype)
+    return out, transpose_fp8(out)
 
 
 @torch.library.custom_op("fp8_recipes::produce_bf16", mutates_args=())

@@ -60,9 +60,10 @@ def _fp8_bits(y, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
 @triton.jit
 def _to_fp8(y, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
             SOFTWARE: tl.constexpr):
-    """The reference's `(y).clamp(-max, max).to(fp8)`: NaN stays NaN, infinities saturate."""
-    y = tl.minimum(tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
-                   propagate_nan=tl.PropagateNan.ALL)
+    """The reference's `(y).clamp(-max, max).to(fp8)`: NaN stays NaN (its comparisons are false), infinities
+    saturate. Compare-and-select, not NaN-propagating min/max: with those, Triton 3.6 corrupts a transposed store
+    of the result (triton-lang/triton#11111)."""
+    y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
     if SOFTWARE:
         return _fp8_bits(y, MANTISSA, BIAS)
     return y.to(OUT, fp_downcast_rounding="rtne")

@@ -106,9 +106,9 @@ def fused_quantize_for(t: torch.Tensor):
 
 class PerTensorScaling(Fp8Recipe):
     """What the per-tensor recipes share: one scale per tensor, so the transposed copy reuses the bytes, and with
-    the fused kernels an activation (forward or backward) and a linear's incoming gradient are written in FP8,
-    both orientations, by one kernel (recipes.fp8.fused_quantize). A linear's input keeps the cast Inductor fuses
-    into the kernel that produces it (a norm, attention's layout copy)."""
+    the fused kernels an activation (forward or backward) and a linear's incoming gradient are written in FP8 by
+    the kernel that computes them, then transposed (recipes.fp8.fused_quantize). A linear's input keeps the cast
+    Inductor fuses into the kernel that produces it (a norm, attention's layout copy)."""
 
     def quantize_with_transpose(self, t, role, state):
         if role == GRAD and self._fused(t) is not None:  # a gradient arrives materialized

@@ -3,9 +3,10 @@ takes. FP8 (`Fp8Mlp`): the activation quantized by the kernel that computes it, 
 its gradient is written in BF16:
 
     forward   x -> FP8 (x, x^T) -> fc1 GEMM -> fc1's output (BF16, saved)
-                 -> activation + FP8 (h, h^T) in one pass -> fc2 GEMM -> y
+                 -> activation + FP8 h in one pass (h^T from h's bytes) -> fc2 GEMM -> y
     backward  dy -> FP8 (dy, dy^T) -> fc2 dgrad -> dh (BF16)
-                 -> activation's backward + FP8 (d, d^T) in one pass -> fc1 dgrad -> dx;  wgrads from the FP8 pairs
+                 -> activation's backward + FP8 d in one pass (d^T from d's bytes) -> fc1 dgrad -> dx;
+                 wgrads from the FP8 pairs
 
 BF16 (`Bf16Mlp`, the BF16 blocks of the fused linears): the activation's backward writes both halves of SwiGLU's
 gradient from one read of its inputs (Inductor's kernel reads every input twice, once per half).
