@@ -25,22 +25,23 @@ from typing import Callable
 
 import torch
 
-from recipes.config import Activation, ModelConfig, load_option
+from recipes.config import ModelConfig, load_option
+from recipes.fp8.activation_ops import FORWARD_AND_BACKWARD
 from recipes.fp8.formats import E4M3, E5M2
+from recipes.fp8.mlp import ACTIVATION_OPS
 from recipes.profiling import profile_kernels
 from recipes.provenance import provenance
 
-FORWARD_OPS = {Activation.swiglu: "swiglu", Activation.squared_relu: "squared_relu"}
 MODES = ("amax", "cast", "cast_and_record", "bf16")
 
 
 def op_shapes(cfg: ModelConfig, tokens: int) -> list[tuple[str, tuple[int, int], tuple[int, int] | None, int]]:
     """(op, a's shape, b's shape or None, output columns) of one micro-batch's MLP."""
-    forward = FORWARD_OPS[cfg.activation]
+    forward = ACTIVATION_OPS[cfg.activation]
     fc1_cols = 2 * cfg.ffn_hidden_size if forward == "swiglu" else cfg.ffn_hidden_size
     return [
         (forward, (tokens, fc1_cols), None, cfg.ffn_hidden_size),
-        (f"{forward}_backward", (tokens, cfg.ffn_hidden_size if forward == "swiglu" else fc1_cols),
+        (FORWARD_AND_BACKWARD[forward], (tokens, cfg.ffn_hidden_size if forward == "swiglu" else fc1_cols),
          (tokens, fc1_cols), fc1_cols),
         ("identity", (tokens, cfg.hidden_size), None, cfg.hidden_size),
     ]

@@ -61,8 +61,8 @@ def _fp8_bits(y, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
 def _to_fp8(y, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
             SOFTWARE: tl.constexpr):
     """The reference's `(y).clamp(-max, max).to(fp8)`: NaN stays NaN (its comparisons are false), infinities
-    saturate. Compare-and-select, not NaN-propagating min/max: with those, Triton 3.6 corrupts a transposed store
-    of the result (triton-lang/triton#11111)."""
+    saturate. Compare-and-select rather than NaN-propagating min/max, the form triton-lang/triton#11111 reports
+    corrupting a later store (it did not cause this project's wrong transposed bytes: docs/results, issue 24)."""
     y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
     if SOFTWARE:
         return _fp8_bits(y, MANTISSA, BIAS)
