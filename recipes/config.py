@@ -198,6 +198,10 @@ class MegatronConfig:
     grad_reduce_in_fp32: bool = True  # FP32 gradient buffer and reduction (NeMo's performance scripts: false, BF16)
     tp_comm_overlap: bool = False  # Transformer Engine's userbuffers overlap TP communication with GEMMs (tp > 1, sp)
     cuda_graphs: bool = False  # megatron-core's per-layer CUDA graphs (cuda_graph_impl=local; NeMo: off on H100)
+    # Bit-reproducible steps: Transformer Engine's deterministic attention backward (NVTE_ALLOW_NONDETERMINISTIC_ALGO
+    # =0, megatron-core's deterministic_mode). Off, cuDNN's attention backward sums in a varying order: a repeated
+    # step's gradients differ in the last bits (Megatron-LM's --deterministic-mode)
+    deterministic: bool = False
 
 
 @dataclass

@@ -18,9 +18,10 @@ this order:
   precisions  engine=megatron bf16, fp8_current, fp8_delayed, fp8_blockwise with the tuned defaults (cfg.megatron)
   torch       engine=torch in the same four recipes on the same model and batch (compiled)
   functional  side by side (checks, not timings): Megatron-FSDP in bf16 and fp8_current (4 layers), and a resume
-              from a distributed checkpoint (llama3_100m, fp8_delayed, whose amax histories the checkpoint must
-              carry): run to step 6 with checkpoints at 3 and 6, cut back to step 3, run again; steps 4-6 repeat,
-              and the run is failed unless each one's loss and gradient norm equal the uninterrupted run's
+              from a distributed checkpoint in every Hopper recipe and bf16, with the distributed optimizer and
+              without (llama3_100m): run to step 6 with checkpoints at 3 and 6, cut back to step 3, run again;
+              steps 4-6 repeat, and the run is failed unless each one's loss and gradient norm equal the
+              uninterrupted run's
   nemotron    nemotron4_15b, 4 layers, fp8_current, on both engines: LayerNorm1p and squared ReLU
   ablations   the fastest FP8 recipe of `precisions` (or --best) with one switch changed at a time, most telling first
 Every run of these three parts profiles one step after its timed ones (`trainer.profile_step`, left out of the
@@ -74,6 +75,7 @@ KEPT_FILES = (CONFIG, "plan.txt", METRICS, "metrics_uninterrupted.jsonl", SUMMAR
               "train_resumed.log", PROFILE_SPLIT)
 CURRENT_OVER_BF16_TARGET = 1.30  # the torch engine's fp8_current speedup over its own bf16
 LOSS_WINDOW = 100  # the loss study compares the mean loss of the last 100 steps
+LOSS_GAP_TARGET = 0.02  # each FP8 recipe's mean loss within 2% of its references' (loss_references)
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,9 @@ class Run:
     def model(self) -> str:
         return next(o.split("=", 1)[1] for o in self.overrides if o.startswith("model="))
 
+
+# The resume checks' second optimizer: megatron-core's unsharded one, which updates no FP8 weights (so none kept).
+RESUME_WITHOUT_DISTRIBUTED_OPTIMIZER = ("parallel.distributed_optimizer=false", "precision.fp8_param_gather=false")
 
 # One switch at a time on the fastest FP8 recipe, most telling first (the budget may stop the list early).
 ABLATIONS = (
@@ -131,11 +136,13 @@ def speed_runs(gpu: str, steps: int) -> list[Run]:
                                                              f"precision={p}", *own_cache),
                  side_by_side=True, timeout_s=150.0)
              for p in ("bf16", "fp8_current")]
-    runs.append(Run("resume-llama3_100m-fp8_delayed", "functional", "megatron", "fp8_delayed",
-                    ("engine=megatron", f"gpu={gpu}", "model=llama3_100m", "data=mock", "precision=fp8_delayed",
-                     "trainer.micro_batch_size=8", "trainer.global_batch_size=8", "trainer.max_steps=6",
-                     "trainer.checkpoint.interval=3", "trainer.log_interval=1", *own_cache),
-                    side_by_side=True, resume=True, timeout_s=150.0))
+    resume = ("engine=megatron", f"gpu={gpu}", "model=llama3_100m", "data=mock", "trainer.micro_batch_size=8",
+              "trainer.global_batch_size=8", "trainer.max_steps=6", "trainer.checkpoint.interval=3",
+              "trainer.log_interval=1", "megatron.deterministic=true", *own_cache)
+    for optimizer, switch in (("", ()), ("-no_distopt", RESUME_WITHOUT_DISTRIBUTED_OPTIMIZER)):
+        runs += [Run(f"resume-llama3_100m-{p}{optimizer}", "functional", "megatron", p,
+                     (*resume, f"precision={p}", *switch), side_by_side=True, resume=True, timeout_s=150.0)
+                 for p in ("bf16", *FP8_RECIPES)]
     runs += [profiled(f"{engine}-nemotron4_15b-fp8_current", "nemotron", engine, "fp8_current", "nemotron4_15b", 4)
              for engine in ("megatron", "torch")]
     for recipe in FP8_RECIPES:
@@ -375,6 +382,8 @@ def run_study(directory: Path, out: Path, parts: tuple[str, ...], budget_s: floa
         start(group)
 
     done = [r for r in runs if r.name in rows]
+    if study == "loss":
+        judge_losses(done, rows)
     write_results(study, done, rows, out, directory, best, commit)
     print((out / "results.md").read_text())
     return 0 if all(rows[r.name]["status"] == "ok" for r in done) else 1
@@ -466,23 +475,50 @@ def target_table(compared: list[Run], rows: dict[str, dict]) -> list[str]:
     return lines
 
 
-def loss_tables(runs: list[Run], rows: dict[str, dict]) -> list[str]:
-    def loss(engine: str, precision: str) -> Optional[float]:
-        return rows.get(f"{engine}-llama3_100m-{precision}", {}).get("mean_loss_last_100")
+SAME_ENGINE_BF16, TORCH_SAME_RECIPE = "same engine's bf16", "torch engine, same recipe"
 
-    def gap(value: Optional[float], reference: Optional[float]) -> str:
-        return f"{value / reference - 1:+.2%}" if value and reference else "-"
+
+def loss_references(run: Run) -> dict[str, str]:
+    """What a loss-study run is compared with: its engine's BF16 run and, on engine=megatron, the torch engine's run
+    of the same recipe (label: run name)."""
+    references = {} if run.precision == "bf16" else {SAME_ENGINE_BF16: f"{run.engine}-llama3_100m-bf16"}
+    if run.engine != "torch":
+        references[TORCH_SAME_RECIPE] = f"torch-llama3_100m-{run.precision}"
+    return references
+
+
+def loss_gap(rows: dict[str, dict], name: str, reference: str) -> Optional[float]:
+    own, theirs = (rows.get(n, {}).get("mean_loss_last_100") for n in (name, reference))
+    return own / theirs - 1 if own and theirs else None
+
+
+def judge_losses(runs: list[Run], rows: dict[str, dict]) -> None:
+    """An FP8 run of the loss study that finished is failed where its mean loss is more than LOSS_GAP_TARGET away
+    from a reference's (loss_references), or where a reference has no loss to compare with."""
+    for run in runs:
+        if run.precision == "bf16" or rows[run.name]["status"] != "ok":
+            continue
+        gaps = [loss_gap(rows, run.name, reference) for reference in loss_references(run).values()]
+        if any(gap is None or abs(gap) > LOSS_GAP_TARGET for gap in gaps):
+            rows[run.name]["status"] = f"failed (loss gap over {LOSS_GAP_TARGET:.0%} or no reference)"
+
+
+def loss_tables(runs: list[Run], rows: dict[str, dict]) -> list[str]:
+    def gap(run: Run, label: str) -> str:
+        reference = loss_references(run).get(label)
+        value = loss_gap(rows, run.name, reference) if reference else None
+        return "-" if reference is None else f"{value:+.2%}" if value is not None else "no loss"
 
     lines = [f"## Loss: llama3_100m on the bundled text, mean loss of the last {LOSS_WINDOW} steps", "",
+             f"An FP8 run is failed where it is more than {LOSS_GAP_TARGET:.0%} from its engine's BF16 run or, on "
+             "engine=megatron, from the torch engine's run of the same recipe.", "",
              "| engine | precision | steps | mean loss | vs same engine's bf16 | vs torch engine, same recipe "
              "| status |",
              "|---|---|---|---|---|---|---|"]
     for run in runs:
         r = rows[run.name]
-        own = loss(run.engine, run.precision)
-        lines.append(f"| {run.engine} | {run.precision} | {r['steps']} | {number(own, '.4f')} | "
-                     f"{gap(own, loss(run.engine, 'bf16')) if run.precision != 'bf16' else '-'} | "
-                     f"{gap(own, loss('torch', run.precision)) if run.engine != 'torch' else '-'} | "
+        lines.append(f"| {run.engine} | {run.precision} | {r['steps']} | {number(r['mean_loss_last_100'], '.4f')} | "
+                     f"{gap(run, SAME_ENGINE_BF16)} | {gap(run, TORCH_SAME_RECIPE)} | "
                      f"{r['status']} {r['error']} |")
     return lines
 

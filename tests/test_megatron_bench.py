@@ -1,20 +1,25 @@
 """scripts/megatron_bench.py on the CPU: the studies it plans, the configs `prepare` composes, and `run` starting
 each config as its own engine process (the torch engine on tiny_llama; engine=megatron, which needs CUDA, fails
-there and is reported as failed), the resume check, the budget, and the tables. No megatron training on the CPU."""
+there and is reported as failed), the resume check, the loss study's verdict, the budget, and the tables. No
+megatron training on the CPU; on a GPU with Transformer Engine (`pytest -m gpu`), the resume check of every recipe.
+"""
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import json
 import os
 import subprocess
 import sys
 import tarfile
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
-from recipes.config import REPO_ROOT, load_config
+from recipes.config import REPO_ROOT, load_config, save_config
 from recipes.hydra_schema import check_override_keys, register_schema
 
 spec = importlib.util.spec_from_file_location("megatron_bench", REPO_ROOT / "scripts" / "megatron_bench.py")
@@ -48,9 +53,12 @@ def test_speed_study_is_the_issues_list():
     assert all(r.side_by_side for r in functional)
     assert {(overrides_of(r).get("parallel.fsdp"), r.precision) for r in functional if not r.resume} == \
         {("true", "bf16"), ("true", "fp8_current")}
-    (resume,) = [r for r in functional if r.resume]
-    resume_steps = overrides_of(resume)
-    assert (resume_steps["trainer.checkpoint.interval"], resume_steps["trainer.max_steps"]) == ("3", "6")
+    resumes = [r for r in functional if r.resume]
+    assert {(r.precision, overrides_of(r).get("parallel.distributed_optimizer", "true")) for r in resumes} == \
+        {(p, optimizer) for p in ("bf16", *bench.FP8_RECIPES) for optimizer in ("true", "false")}
+    for resume in resumes:
+        o = overrides_of(resume)
+        assert (o["trainer.checkpoint.interval"], o["trainer.max_steps"], o["model"]) == ("3", "6", "llama3_100m")
     for recipe in bench.FP8_RECIPES:  # each ablation is its tuned run with exactly its own switch changed
         tuned = set(next(r for r in by_part["precisions"] if r.precision == recipe).overrides)
         ablations = [r for r in by_part["ablations"] if r.precision == recipe]
@@ -125,7 +133,7 @@ def test_prepare_then_run_each_config_in_its_own_process(tmp_path):
     steps = [json.loads(line) for line in (study / "torch-bf16" / "metrics.jsonl").read_text().splitlines()]
     assert float(timed["step_s"]) == sorted(m["step_time_s"] for m in steps[1:])[1]  # the median of three
     resumed = rows["resume-torch"]
-    assert resumed["status"] == "ok" and resumed["step_s"] == ""  # side by side: no timing
+    assert resumed["status"] == "ok" and resumed["step_s"] == "", resumed["note"]  # side by side: no timing
     assert resumed["note"] == "resumed from step 1; steps 2-2 repeated, max rel. diff: loss 0.00e+00, grad norm 0.00e+00"
     table = (out / "results.md").read_text()
     assert "| torch | bf16 | " in table and "| resume-torch | 2 | " in table
@@ -205,3 +213,50 @@ def test_a_resume_that_does_not_repeat_its_steps_is_failed(tmp_path):
     assert resumed_run(uninterrupted[:5])["note"] == "resumed from step 3; steps missing from the resumed run: [6]"
     assert resumed_run(uninterrupted[:5])["status"] == "failed (resume not exact)"
     assert resumed_run(uninterrupted, log="starting at step 1\n")["status"] == "failed (resume not exact)"
+
+
+def test_a_loss_more_than_two_percent_from_its_references_is_failed():
+    """The loss study's condition: each FP8 run's mean loss within 2% of its engine's BF16 run and, on
+    engine=megatron, of the torch engine's run of the same recipe; a run without a reference to compare is failed."""
+    runs = bench.loss_runs("h200", steps=500)
+    losses = {"torch-llama3_100m-bf16": 3.00, "torch-llama3_100m-fp8_current": 3.05,  # +1.7%
+              "torch-llama3_100m-fp8_delayed": 3.07,  # +2.3%
+              "megatron-llama3_100m-bf16": 3.02, "megatron-llama3_100m-fp8_current": 3.04,
+              "megatron-llama3_100m-fp8_delayed": 3.03,  # within 2% of its bf16 and of torch's delayed
+              "megatron-llama3_100m-fp8_blockwise": 3.02}  # torch's blockwise run has no loss
+    rows = {r.name: {"status": "ok", "mean_loss_last_100": losses.get(r.name)} for r in runs}
+    bench.judge_losses(runs, rows)
+    status = {name: row["status"] for name, row in rows.items()}
+    assert status["torch-llama3_100m-fp8_current"] == status["megatron-llama3_100m-fp8_current"] == "ok"
+    assert status["megatron-llama3_100m-fp8_delayed"] == "ok"
+    assert status["torch-llama3_100m-fp8_delayed"].startswith("failed (loss gap over 2%")
+    assert status["megatron-llama3_100m-fp8_blockwise"].startswith("failed")
+    table = "\n".join(bench.loss_tables(runs, {name: {**row, "steps": 500, "error": ""} for name, row in rows.items()}))
+    assert "| torch | fp8_delayed | 500 | 3.0700 | +2.33% | - | failed" in table
+    assert "| megatron | fp8_blockwise | 500 | 3.0200 | +0.00% | no loss | failed" in table
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_megatron_resume_repeats_the_uninterrupted_steps_in_every_recipe_on_gpu(hydra_compose, tmp_path):
+    """engine=megatron with Transformer Engine, the benchmark's resume check on tiny_llama: run to step 4 with
+    checkpoints at 2 and 4, cut back to step 2, run again. In BF16 and every Hopper recipe, with the distributed
+    optimizer (and the FP8 weights it keeps where the recipe's preset has them) and without, steps 3 and 4 repeat
+    with the same loss and gradient norm, bit for bit. Hydra from the wheels carried to the GPU machine."""
+    pytest.importorskip("transformer_engine")
+    runs = []
+    for precision in ("bf16", *bench.FP8_RECIPES):
+        for name, optimizer in ((precision, ()), (f"{precision}-no_distopt", bench.RESUME_WITHOUT_DISTRIBUTED_OPTIMIZER)):
+            cfg = hydra_compose("engine=megatron", "gpu=h200", "model=tiny_llama", "data=mock", f"precision={precision}",
+                                *optimizer, "trainer.micro_batch_size=2", "trainer.global_batch_size=4",
+                                "trainer.max_steps=4", "trainer.checkpoint.interval=2", "trainer.log_interval=1",
+                                "megatron.deterministic=true", "data.cache_dir=cache", "dryrun=true")
+            run_dir = tmp_path / name
+            run_dir.mkdir()
+            save_config(dataclasses.replace(cfg, dryrun=False), run_dir / "config.yaml")
+            runs.append(bench.Run(name, "functional", "megatron", precision, (), side_by_side=True, resume=True))
+    with ThreadPoolExecutor(len(runs)) as pool:
+        outcomes = list(pool.map(lambda run: bench.execute(run, tmp_path / run.name, 300.0, "test"), runs))
+    results = {run.name: (outcome.status, outcome.error, bench.resume_check(tmp_path / run.name))
+               for run, outcome in zip(runs, outcomes)}
+    assert all(status == "ok" and exact for status, _, (_, exact) in results.values()), results

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from recipes.config import Config, to_dict
 from recipes.trainer import checkpoints
 from megatron.core import dist_checkpointing
+from megatron.core.fp8_utils import is_float8tensor, post_all_gather_processing
 
 MARKER = "run.pt"
 
@@ -56,6 +57,10 @@ def save(directory: Path, step: int, model: list, optimizer, cfg: Config) -> Opt
     overlapped = [chunk for chunk in model if chunk.ddp_config.overlap_param_gather]
     for chunk in overlapped:
         chunk.disable_forward_pre_hook(param_sync=True)
+        # megatron-core 0.16.1's forced all-gather skips what its overlapped one does after it: FP8 weights'
+        # transposes (what dgrad reads on Hopper) would stay the previous step's, still marked valid, and the step
+        # after every checkpoint would train on them (found comparing resumed runs: docs/results).
+        post_all_gather_processing([param for param in chunk.parameters() if is_float8tensor(param)])
     dist.barrier()
     dist_checkpointing.save(sharded_state_dict(model, optimizer), str(temporary))
     for chunk in overlapped:

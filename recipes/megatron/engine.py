@@ -51,6 +51,9 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 
+NONDETERMINISTIC_TE = "NVTE_ALLOW_NONDETERMINISTIC_ALGO"
+
+
 def _rendezvous() -> str | None:
     """torchrun's (None: the env:// variables it set), or for one process started without it (the plan's command
     on one GPU) a local TCP store on a free port: megatron-core needs a process group even for one process."""
@@ -66,6 +69,8 @@ def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     if not torch.cuda.is_available():
         raise ConfigError("engine=megatron needs CUDA GPUs (megatron-core's rotary embedding and RNG tracker call "
                           "torch.cuda); on a CPU use engine=torch")
+    if cfg.megatron.deterministic:  # read when TE's attention is built; megatron-core's deterministic_mode checks it
+        os.environ[NONDETERMINISTIC_TE] = "0"
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)

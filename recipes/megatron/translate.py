@@ -249,7 +249,7 @@ def describe_tuning(cfg: Config, kernels: Optional[Kernels]) -> str:
               f"param all-gather {'overlapped' if overlap_param_gather(cfg) else 'not overlapped'}"
               + (", aligned over stages" if align_param_gather(cfg) else ""),
               f"CUDA graphs {'on' if m.cuda_graphs else 'off'}",
-              f"TP comm overlap {'on' if m.tp_comm_overlap else 'off'}"]
+              f"TP comm overlap {'on' if m.tp_comm_overlap else 'off'}"] + (["deterministic"] if m.deterministic else [])
     return "; ".join(parts)
 
 
@@ -298,6 +298,7 @@ def transformer_config(cfg: Config, kernels: Kernels = NO_KERNELS, *, use_cpu_in
         tp_comm_overlap=cfg.megatron.tp_comm_overlap,
         cuda_graph_impl="local" if cuda_graphs else "none",
         use_te_rng_tracker=cuda_graphs,  # graph-safe RNG states (the engine seeds that tracker)
+        deterministic_mode=cfg.megatron.deterministic,
         use_cpu_initialization=use_cpu_initialization,
     )
 
