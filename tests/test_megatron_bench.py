@@ -239,24 +239,19 @@ def test_a_loss_more_than_two_percent_from_its_references_is_failed():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_megatron_resume_repeats_the_uninterrupted_steps_in_every_recipe_on_gpu(hydra_compose, tmp_path):
-    """engine=megatron with Transformer Engine, the benchmark's resume check on tiny_llama: run to step 4 with
-    checkpoints at 2 and 4, cut back to step 2, run again. In BF16 and every Hopper recipe, with the distributed
-    optimizer (and the FP8 weights it keeps where the recipe's preset has them) and without, steps 3 and 4 repeat
-    with the same loss and gradient norm, bit for bit. Hydra from the wheels carried to the GPU machine."""
+    """engine=megatron with Transformer Engine, the benchmark's own resume runs (llama3_100m, megatron.deterministic):
+    run to step 6 with checkpoints at 3 and 6, cut back to step 3, run again. In BF16 and every Hopper recipe, with
+    the distributed optimizer (and the FP8 weights it keeps where the recipe's preset has them) and without, steps
+    4-6 repeat with the same loss and gradient norm, bit for bit. Hydra from the wheels carried to the GPU machine."""
     pytest.importorskip("transformer_engine")
-    runs = []
-    for precision in ("bf16", *bench.FP8_RECIPES):
-        for name, optimizer in ((precision, ()), (f"{precision}-no_distopt", bench.RESUME_WITHOUT_DISTRIBUTED_OPTIMIZER)):
-            cfg = hydra_compose("engine=megatron", "gpu=h200", "model=tiny_llama", "data=mock", f"precision={precision}",
-                                *optimizer, "trainer.micro_batch_size=2", "trainer.global_batch_size=4",
-                                "trainer.max_steps=4", "trainer.checkpoint.interval=2", "trainer.log_interval=1",
-                                "megatron.deterministic=true", "data.cache_dir=cache", "dryrun=true")
-            run_dir = tmp_path / name
-            run_dir.mkdir()
-            save_config(dataclasses.replace(cfg, dryrun=False), run_dir / "config.yaml")
-            runs.append(bench.Run(name, "functional", "megatron", precision, (), side_by_side=True, resume=True))
+    runs = [run for run in bench.speed_runs("h200", steps=6) if run.resume]
+    for run in runs:
+        cfg = hydra_compose(*run.overrides, "dryrun=true")
+        (tmp_path / run.name).mkdir()
+        save_config(dataclasses.replace(cfg, dryrun=False), tmp_path / run.name / "config.yaml")
     with ThreadPoolExecutor(len(runs)) as pool:
-        outcomes = list(pool.map(lambda run: bench.execute(run, tmp_path / run.name, 300.0, "test"), runs))
-    results = {run.name: (outcome.status, outcome.error, bench.resume_check(tmp_path / run.name))
-               for run, outcome in zip(runs, outcomes)}
-    assert all(status == "ok" and exact for status, _, (_, exact) in results.values()), results
+        outcomes = list(pool.map(lambda run: bench.execute(run, tmp_path / run.name, run.timeout_s, "test"), runs))
+    results = {run.name: (outcome.status, outcome.error) for run, outcome in zip(runs, outcomes)}
+    assert all(status == "ok" for status, _ in results.values()), results
+    checks = {run.name: bench.resume_check(tmp_path / run.name) for run in runs}
+    assert all(exact for _, exact in checks.values()), checks

@@ -120,6 +120,7 @@ def test_the_plan_says_which_kernels_run(hydra_compose, apex_importable):
         "fused: wgrad accumulation (TE's layers; the output layer's needs Apex), cross-entropy, RoPE, SwiGLU, "
         "residual add; unfused: softmax; grads reduced in FP32, overlapped; param all-gather overlapped; "
         "CUDA graphs off; TP comm overlap off")
+    assert megatron_tuning(hydra_compose(*BASE, "megatron.deterministic=true")).endswith("; deterministic")
 
 
 # ---- every switch reaches megatron-core's config objects ----
@@ -156,6 +157,7 @@ SWITCHES = {
     "tp comm overlap": (("parallel.tp=2", "executor.gpus=2", "megatron.tp_comm_overlap=true"),
                         {"tc": dict(tp_comm_overlap=True, sequence_parallel=True)}),
     "wgrad fusion with apex": (("megatron.gradient_accumulation_fusion=true",), "apex"),
+    "deterministic": (("megatron.deterministic=true",), {"tc": dict(deterministic_mode=True)}),
 }
 
 

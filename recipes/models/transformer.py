@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -98,11 +99,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.device(device):
+        # Made on the CPU, cosine and sine by NumPy in one thread: PyTorch's multithreaded cosine on a CPU (FP32 and
+        # FP64) gave one of two results from one process to the next (a quarter of the starts of tiny_llama's
+        # table), which made CPU runs, and their resumes, irreproducible. The same tables on every device.
+        with torch.device("cpu"):
             inv_freq = rope_inverse_frequencies(self.rotary_dim, self.cfg.rope_base, self.cfg.rope_scaling)
             angles = torch.outer(torch.arange(self.cfg.seq_length, dtype=torch.float32), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)  # (seq, rotary_dim)
-        return angles.cos(), angles.sin()
+            angles = torch.cat([angles, angles], dim=-1).double().numpy()  # (seq, rotary_dim)
+            cos, sin = (torch.from_numpy(table).float() for table in (np.cos(angles), np.sin(angles)))
+        return cos.to(device), sin.to(device)
 
     def reset_constants(self) -> None:
         """Recompute the tables in place (after a model built on the meta device is materialised)."""
