@@ -97,8 +97,9 @@ class Run:
         return next(o.split("=", 1)[1] for o in self.overrides if o.startswith("model="))
 
 
-# The resume checks' second optimizer: megatron-core's unsharded one, which updates no FP8 weights (so none kept).
-RESUME_WITHOUT_DISTRIBUTED_OPTIMIZER = ("parallel.distributed_optimizer=false", "precision.fp8_param_gather=false")
+# megatron-core's unsharded optimizer, which updates no FP8 weights (so none kept): an ablation, and the resume
+# checks' second optimizer.
+WITHOUT_DISTRIBUTED_OPTIMIZER = ("parallel.distributed_optimizer=false", "precision.fp8_param_gather=false")
 
 # One switch at a time on the fastest FP8 recipe, most telling first (the budget may stop the list early).
 ABLATIONS = (
@@ -109,7 +110,7 @@ ABLATIONS = (
     ("bias_activation_fusion=false", ("megatron.bias_activation_fusion=false",)),
     ("grad_reduce_in_fp32=false", ("megatron.grad_reduce_in_fp32=false",)),  # NeMo's performance scripts' value
     ("cuda_graphs=true", ("megatron.cuda_graphs=true",)),
-    ("distributed_optimizer=false", ("parallel.distributed_optimizer=false", "precision.fp8_param_gather=false")),
+    ("distributed_optimizer=false", WITHOUT_DISTRIBUTED_OPTIMIZER),
     ("bias_dropout_fusion=false", ("megatron.bias_dropout_fusion=false",)),
     ("overlaps=false", ("megatron.overlap_grad_reduce=false", "megatron.overlap_param_gather=false")),
 )
@@ -139,7 +140,7 @@ def speed_runs(gpu: str, steps: int) -> list[Run]:
     resume = ("engine=megatron", f"gpu={gpu}", "model=llama3_100m", "data=mock", "trainer.micro_batch_size=8",
               "trainer.global_batch_size=8", "trainer.max_steps=6", "trainer.checkpoint.interval=3",
               "trainer.log_interval=1", "megatron.deterministic=true", *own_cache)
-    for optimizer, switch in (("", ()), ("-no_distopt", RESUME_WITHOUT_DISTRIBUTED_OPTIMIZER)):
+    for optimizer, switch in (("", ()), ("-no_distopt", WITHOUT_DISTRIBUTED_OPTIMIZER)):
         runs += [Run(f"resume-llama3_100m-{p}{optimizer}", "functional", "megatron", p,
                      (*resume, f"precision={p}", *switch), side_by_side=True, resume=True, timeout_s=150.0)
                  for p in ("bf16", *FP8_RECIPES)]

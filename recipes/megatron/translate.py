@@ -249,8 +249,8 @@ def describe_tuning(cfg: Config, kernels: Optional[Kernels]) -> str:
               f"param all-gather {'overlapped' if overlap_param_gather(cfg) else 'not overlapped'}"
               + (", aligned over stages" if align_param_gather(cfg) else ""),
               f"CUDA graphs {'on' if m.cuda_graphs else 'off'}",
-              f"TP comm overlap {'on' if m.tp_comm_overlap else 'off'}"] + (["deterministic"] if m.deterministic else [])
-    return "; ".join(parts)
+              f"TP comm overlap {'on' if m.tp_comm_overlap else 'off'}"]
+    return "; ".join(parts + (["deterministic"] if m.deterministic else []))
 
 
 def overlap_param_gather(cfg: Config) -> bool:

@@ -6,13 +6,20 @@ uninterrupted run and in a run resumed from its checkpoint, compared bit for bit
 Each DIR holds a config.yaml (launch/run.py ... dryrun=true) with trainer.max_steps=5 and checkpoint.interval=3. The
 engine runs in this process with three observation points patched in (nothing else changes):
   start       after the checkpoint is loaded (a resume) or the model built (a fresh start)
-  save<N>     right after step N's checkpoint is written
-  pre_step<N> step N's gradients, at its optimizer step: main_grad of every parameter, and the FP8 copies and
-              delayed-scaling state that step's forward and backward used
-A snapshot holds each parameter's tensors (a Float8Tensor's data, transpose, scale_inv and its transpose-valid
-flag), every TE module's fp8_meta scales and amax histories, and the optimizer's master weights and moments. The
-uninterrupted run's save3 is compared with the resumed run's start, and both runs' pre_step4 and pre_step5.
-DIAG_VARIANT picks a candidate fix to try in the same call (see VARIANTS).
+  save3       right after step 3's checkpoint is written
+  pre_step<N> step N's gradients (N = 4, 5), at its optimizer step: main_grad of every parameter, and the FP8
+              copies and delayed-scaling state that step's forward and backward used
+A snapshot holds a digest (hash, sum, largest magnitude) of each parameter's tensors (a Float8Tensor's data,
+transpose, scale_inv and its transpose-valid flag), every TE module's fp8_meta scales and amax histories, and the
+optimizer's master weights and moments. The uninterrupted run's save3 is compared with the resumed run's start, and
+both runs' pre_step4 and pre_step5; at every optimizer step the FP8 weights with a stale transpose are counted.
+--variants (joined with +) tries candidate fixes in the same call:
+  no_dummy_step          skip the load's allocation step
+  requantize_after_load  copy the master weights into the model after the load
+  transposes_after_step  TE's post_all_gather_processing of the FP8 weights after each optimizer step and the load
+  deterministic          NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (TE's deterministic attention backward)
+The result files in this folder came from successive versions of this script (the stale-transpose count was added
+for state_diff_fix/).
 """
 
 from __future__ import annotations
@@ -28,9 +35,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-
-VARIANTS = ("as_is", "no_dummy_step", "requantize_after_load", "no_dummy_step+requantize_after_load")
-
 
 def digest(t: torch.Tensor) -> tuple:
     """What a snapshot keeps of a tensor: dtype, shape, a hash of its bytes, and its sum and largest magnitude (for
@@ -218,7 +222,8 @@ def run_pair(run_dir: Path, variant: str) -> dict:
             return result
     a = torch.load(run_dir / "uninterrupted.pt", weights_only=False)["snapshots"]
     b = torch.load(run_dir / "resumed.pt", weights_only=False)["snapshots"]
-    result["stale_transposes_at_step"] = {"uninterrupted": a.pop("stale_at_step", {}), "resumed": b.pop("stale_at_step", {})}
+    result["stale_transposes_at_step"] = {"uninterrupted": a.pop("stale_at_step", {}),
+                                          "resumed": b.pop("stale_at_step", {})}
     result["fp8_weights"] = a["pre_step4"]["fp8_weights"][2]
     result["save3_vs_start"] = compare(a["save3"], b["start"])
     for n in (4, 5):
