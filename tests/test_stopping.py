@@ -8,10 +8,12 @@ more steps than it will take, and every wait is bounded.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from recipes.config import load_config
 from recipes.engine import torch_engine
 from recipes.run_files import LOCK
 from recipes.trainer import loop
+from recipes.trainer.run_lock import LAUNCHER, RunDirBusy, check_free
 from recipes.trainer.stopping import Stopped, stop_signals
 
 from test_checkpoint import make_config
@@ -261,3 +264,18 @@ def test_of_two_launches_started_together_on_one_run_dir_one_trains_and_the_othe
     assert f"trainer.lr={winner}" in (run_dir / "overrides.yaml").read_text()
     assert {m["lr"] for m in read_metrics(run_dir)} <= {float(winner) * step / 10 for step in (1, 2)}
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2]
+
+
+def test_a_refusal_in_the_instant_before_the_holder_names_itself_still_names_the_launch(tmp_path):
+    """flock is taken before the holder writes its name into the lock file: a second launch refused in between
+    waits for the name instead of calling the holder an unnamed trainer."""
+    fd = os.open(tmp_path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    named = threading.Timer(0.3, os.pwrite, (fd, f"{os.getpid()} {os.uname().nodename} {LAUNCHER}\n".encode(), 0))
+    named.start()
+    try:
+        with pytest.raises(RunDirBusy, match=rf"in use by a launch \(PID {os.getpid()} on "):
+            check_free(tmp_path)
+    finally:
+        named.join()
+        os.close(fd)

@@ -52,9 +52,17 @@ def _held_by_launcher(path: Path, pid: Optional[str] = None) -> bool:
     return pid is None or text[:2] == [pid, socket.gethostname()]
 
 
+HOLDER_WRITE_WAIT_S = 2.0  # a holder names itself just after it takes the lock: how long a refusal waits to read it
+
+
 def _busy(run_dir: Path) -> RunDirBusy:
-    holder = _holder(run_dir / LOCK) or "starting up"
-    who = "launch" if _held_by_launcher(run_dir / LOCK) else "trainer"
+    path = run_dir / LOCK
+    deadline = time.monotonic() + HOLDER_WRITE_WAIT_S
+    while (holder := _holder(path)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    who = "launch" if _held_by_launcher(path) else "trainer"
+    if holder is None:
+        who, holder = "process", "one that has not named itself"
     return RunDirBusy(f"run dir {run_dir} is in use by a {who} ({holder}): wait for it to end or stop it, or give "
                       "this run another run.dir")
 
