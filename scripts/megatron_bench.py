@@ -17,17 +17,18 @@ The speed study (llama3_8b with 8 layers, full vocabulary, mock data, seq 8192, 
 this order:
   precisions  engine=megatron bf16, fp8_current, fp8_delayed, fp8_blockwise with the tuned defaults (cfg.megatron)
   torch       engine=torch in the same four recipes on the same model and batch (compiled)
-  functional  side by side (checks, not timings): Megatron-FSDP in bf16 and fp8_current (4 layers), and a resume
-              from a distributed checkpoint in every Hopper recipe and bf16, with the distributed optimizer and
-              without (llama3_100m): run to step 6 with checkpoints at 3 and 6, cut back to step 3, run again;
+  functional  side by side (checks, not timings): a resume from a distributed checkpoint in every Hopper recipe
+              and bf16, with the distributed optimizer and without, and under Megatron-FSDP in bf16, fp8_current and
+              fp8_delayed (llama3_100m): run to step 6 with checkpoints at 3 and 6, cut back to step 3, run again;
               steps 4-6 repeat, and the run is failed unless each one's loss and gradient norm equal the
               uninterrupted run's
   nemotron    nemotron4_15b, 4 layers, fp8_current, on both engines: LayerNorm1p and squared ReLU
+  fsdp        Megatron-FSDP in bf16 and fp8_current on the precisions' model, beside DDP's step time and memory
   ablations   the fastest FP8 recipe of `precisions` (or --best) with one switch changed at a time, most telling first
-Every run of these three parts profiles one step after its timed ones (`trainer.profile_step`, left out of the
-timing), and the tables split its kernel time by kernel name (GEMM, the output layer's included; attention;
-quantization; loss; optimizer; other: recipes.profiling); a targets table says, met or missed, whether the torch engine is at least as fast as
-engine=megatron in each recipe with no more memory, and its fp8_current speedup over its own bf16.
+Every timed run profiles one step after its timed ones (`trainer.profile_step`, left out of the timing), and the
+tables split its kernel time by kernel name (GEMM, the output layer's included; attention; quantization; loss;
+optimizer; other: recipes.profiling); a targets table says, met or missed, whether the torch engine is at least as
+fast as engine=megatron in each recipe with no more memory, and its fp8_current speedup over its own bf16.
 Timed runs go one at a time, while --budget-s lasts (a run's cost is estimated from the finished runs of the same
 engine and model); one that does not fit is listed as not run, for another call with --parts.
 
@@ -68,7 +69,7 @@ from recipes.provenance import git_commit, provenance
 from recipes.run_files import CONFIG, METRICS, SUMMARY, TRAIN_LOG
 
 FP8_RECIPES = ("fp8_current", "fp8_delayed", "fp8_blockwise")  # the Hopper ones: MXFP8 needs Blackwell
-SPEED_PARTS = ("functional", "precisions", "torch", "nemotron", "ablations")
+SPEED_PARTS = ("functional", "precisions", "torch", "nemotron", "fsdp", "ablations")
 FIRST_GUESS_S = {"megatron": 90.0, "torch": 150.0}  # a run's cost before any run of its kind has finished
 PROFILE_SPLIT = "profile/time_rank0.json"  # recipes.profiling's split of the profiled step
 KEPT_FILES = (CONFIG, "plan.txt", METRICS, "metrics_uninterrupted.jsonl", SUMMARY, TRAIN_LOG,
@@ -100,6 +101,10 @@ class Run:
 # megatron-core's unsharded optimizer, which updates no FP8 weights (so none kept): an ablation, and the resume
 # checks' second optimizer.
 WITHOUT_DISTRIBUTED_OPTIMIZER = ("parallel.distributed_optimizer=false", "precision.fp8_param_gather=false")
+# Megatron-FSDP: timed beside DDP in the recipes the issue names; resumed in those and in delayed scaling, whose amax
+# histories are the state Megatron-LM's fsdp_dtensor checkpoint drops and ours keeps.
+FSDP_TIMED = ("bf16", "fp8_current")
+FSDP_RESUMES = ("bf16", "fp8_current", "fp8_delayed")
 
 # One switch at a time on the fastest FP8 recipe, most telling first (the budget may stop the list early).
 ABLATIONS = (
@@ -122,10 +127,10 @@ def speed_runs(gpu: str, steps: int) -> list[Run]:
                 "trainer.micro_batch_size=1", "trainer.global_batch_size=8", f"trainer.max_steps={max_steps}",
                 "trainer.log_interval=1")
 
-    def profiled(name: str, part: str, engine: str, precision: str, model: str, layers: int) -> Run:
+    def profiled(name: str, part: str, engine: str, precision: str, model: str, layers: int, *extra: str) -> Run:
         """A timed run, then one more step profiled."""
         overrides = (*proxy(model, layers, engine, steps + 1), f"trainer.profile_step={steps + 1}",
-                     f"precision={precision}")
+                     f"precision={precision}", *extra)
         return Run(name, part, engine, precision, overrides, profile_step=steps + 1)
 
     runs = [profiled(f"{engine}-{p}", part, engine, p, "llama3_8b", 8)
@@ -133,19 +138,19 @@ def speed_runs(gpu: str, steps: int) -> list[Run]:
     # Side-by-side runs each keep megatron-core's sample index in their own folder (relative to the run dir, where
     # the engine runs): two building one file at once would race. A check that hangs must not eat the budget.
     own_cache = ("data.cache_dir=cache",)
-    runs += [Run(f"fsdp-{p}", "functional", "megatron", p, (*proxy("llama3_8b", 4), "parallel.fsdp=true",
-                                                             f"precision={p}", *own_cache),
-                 side_by_side=True, timeout_s=150.0)
-             for p in ("bf16", "fp8_current")]
     resume = ("engine=megatron", f"gpu={gpu}", "model=llama3_100m", "data=mock", "trainer.micro_batch_size=8",
               "trainer.global_batch_size=8", "trainer.max_steps=6", "trainer.checkpoint.interval=3",
               "trainer.log_interval=1", "megatron.deterministic=true", *own_cache)
-    for optimizer, switch in (("", ()), ("-no_distopt", WITHOUT_DISTRIBUTED_OPTIMIZER)):
+    for optimizer, switch, precisions in (("", (), ("bf16", *FP8_RECIPES)),
+                                          ("-no_distopt", WITHOUT_DISTRIBUTED_OPTIMIZER, ("bf16", *FP8_RECIPES)),
+                                          ("-fsdp", ("parallel.fsdp=true",), FSDP_RESUMES)):
         runs += [Run(f"resume-llama3_100m-{p}{optimizer}", "functional", "megatron", p,
                      (*resume, f"precision={p}", *switch), side_by_side=True, resume=True, timeout_s=150.0)
-                 for p in ("bf16", *FP8_RECIPES)]
+                 for p in precisions]
     runs += [profiled(f"{engine}-nemotron4_15b-fp8_current", "nemotron", engine, "fp8_current", "nemotron4_15b", 4)
              for engine in ("megatron", "torch")]
+    runs += [profiled(f"megatron-fsdp-{p}", "fsdp", "megatron", p, "llama3_8b", 8, "parallel.fsdp=true")
+             for p in FSDP_TIMED]
     for recipe in FP8_RECIPES:
         for switch, overrides in ABLATIONS:
             if switch == "fp8_param_gather=false" and not load_option("precision", recipe).fp8_param_gather:
@@ -444,6 +449,16 @@ def speed_tables(runs: list[Run], rows: dict[str, dict], best: Optional[str]) ->
             r = rows[run.name]
             change = f"{r['step_s'] / tuned - 1:+.1%}" if r["step_s"] and tuned else "-"
             lines.append(f"| {run.switch} | {number(r['step_s'], '.3f')} | {change} | {r['status']} {r['error']} |")
+    fsdp = [r for r in runs if r.part == "fsdp" and r.name in rows]
+    if fsdp:
+        lines += ["", "## Megatron-FSDP beside DDP with the distributed optimizer (same model and batch, one GPU)", "",
+                  "| precision | FSDP s/step | DDP s/step | FSDP / DDP time | FSDP peak GiB | DDP peak GiB | status |",
+                  "|---|---|---|---|---|---|---|"]
+        for run in fsdp:
+            r, ddp = rows[run.name], rows.get(f"megatron-{run.precision}", {})
+            lines.append(f"| {run.precision} | {number(r['step_s'], '.3f')} | {number(ddp.get('step_s'), '.3f')} | "
+                         f"{ratio(r['step_s'], ddp.get('step_s'))} | {number(r['peak_gib'], '.1f')} | "
+                         f"{number(ddp.get('peak_gib'), '.1f')} | {r['status']} {r['error']} |")
     functional = [r for r in runs if r.part == "functional" and r.name in rows]
     if functional:
         lines += ["", "## Functional checks (side by side on the GPU: no timings)", "",

@@ -12,6 +12,7 @@ unchanged on a CPU in the test suite. It is not a way to train: nothing here is 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 
@@ -51,8 +52,21 @@ class NoRngTracker:
         return contextlib.nullcontext()
 
 
+class NoStream:
+    """CUDA streams and events (Megatron-FSDP's overlapped gathers and reductions): on the CPU every op is ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: NoStream()  # record_event's event, which is waited on; query() is truthy
+
+
 def install() -> None:
-    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.Stream = torch.cuda.Event = NoStream
+    torch.cuda.current_stream = torch.cuda.default_stream = lambda *args, **kwargs: NoStream()
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    torch.cuda.current_device = lambda: 0  # an index: CudaToCpu maps it to the CPU
     torch.cuda.max_memory_allocated = lambda *args, **kwargs: 0
     torch.cuda.synchronize = lambda *args, **kwargs: None  # after pipeline sends and receives
     CudaToCpu().__enter__()
@@ -60,8 +74,25 @@ def install() -> None:
     from megatron.core.tensor_parallel import random
 
     random.get_cuda_rng_tracker = tensor_parallel.get_cuda_rng_tracker = lambda *args, **kwargs: NoRngTracker()
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer
+
+    premultiplied = param_and_grad_buffer.gradient_reduce_preprocessing
+
+    def scaled_then_summed(grad_data, scaling_factor, ddp_config):
+        """Gloo has no PREMUL_SUM: Megatron-FSDP's own path without the fused division."""
+        return premultiplied(grad_data, scaling_factor, dataclasses.replace(ddp_config, gradient_reduce_div_fusion=False))
+
+    param_and_grad_buffer.gradient_reduce_preprocessing = scaled_then_summed
 
     import recipes.megatron.engine as engine
+
+    fsdp_init = engine.FullyShardedDataParallel.__init__
+
+    def fsdp_on_cpu(self, *args, **kwargs):
+        """Megatron-FSDP's buffers on its own device (it allocates some in backward hooks, outside CudaToCpu)."""
+        fsdp_init(self, *args, **kwargs, device=torch.device("cpu"))
+
+    engine.FullyShardedDataParallel.__init__ = fsdp_on_cpu
 
     def setup_distributed(cfg):
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

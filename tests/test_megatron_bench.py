@@ -49,14 +49,18 @@ def test_speed_study_is_the_issues_list():
         o = overrides_of(run)
         assert (o["trainer.max_steps"], o["trainer.profile_step"], run.profile_step) == ("7", "7", 7)
         assert bench.engine_pair(run.name) in {r.name for r in runs}
+    for run in by_part["fsdp"]:  # timed as its DDP twin of `precisions`, with Megatron-FSDP its only difference
+        ddp = next(r for r in by_part["precisions"] if r.precision == run.precision)
+        assert not run.side_by_side and set(run.overrides) - set(ddp.overrides) == {"parallel.fsdp=true"}
+        assert set(ddp.overrides) <= set(run.overrides)
+    assert [r.precision for r in by_part["fsdp"]] == ["bf16", "fp8_current"]
     functional = by_part["functional"]
-    assert all(r.side_by_side for r in functional)
-    assert {(overrides_of(r).get("parallel.fsdp"), r.precision) for r in functional if not r.resume} == \
-        {("true", "bf16"), ("true", "fp8_current")}
-    resumes = [r for r in functional if r.resume]
-    assert {(r.precision, overrides_of(r).get("parallel.distributed_optimizer", "true")) for r in resumes} == \
-        {(p, optimizer) for p in ("bf16", *bench.FP8_RECIPES) for optimizer in ("true", "false")}
-    for resume in resumes:
+    assert all(r.side_by_side and r.resume for r in functional)
+    assert {(r.precision, overrides_of(r).get("parallel.distributed_optimizer", "true"),
+             overrides_of(r).get("parallel.fsdp", "false")) for r in functional} == \
+        {(p, optimizer, "false") for p in ("bf16", *bench.FP8_RECIPES) for optimizer in ("true", "false")} | \
+        {(p, "true", "true") for p in ("bf16", "fp8_current", "fp8_delayed")}
+    for resume in functional:
         o = overrides_of(resume)
         assert (o["trainer.checkpoint.interval"], o["trainer.max_steps"], o["model"]) == ("3", "6", "llama3_100m")
     for recipe in bench.FP8_RECIPES:  # each ablation is its tuned run with exactly its own switch changed
@@ -189,6 +193,16 @@ def test_targets_say_missed_when_the_torch_engine_is_slower_or_larger():
     assert "| torch-fp8_current: s/step <= megatron's | - vs 1.450 | - |" in "\n".join(bench.target_table(runs, rows))
 
 
+def test_fsdp_table_puts_each_recipe_beside_its_ddp_run():
+    runs = [run for run in bench.speed_runs("h200", steps=6) if run.part == "fsdp"]
+    rows = {"megatron-bf16": {"step_s": 1.75, "peak_gib": 58.0},
+            "megatron-fsdp-bf16": {"step_s": 1.89, "peak_gib": 52.5, "status": "ok", "error": ""},
+            "megatron-fsdp-fp8_current": {"step_s": None, "peak_gib": None, "status": "failed", "error": "(rc 1)"}}
+    table = "\n".join(bench.speed_tables(runs, rows, best=None))
+    assert "| bf16 | 1.890 | 1.750 | 1.080x | 52.5 | 58.0 | ok  |" in table
+    assert "| fp8_current | - | - | - | - | - | failed (rc 1) |" in table
+
+
 def test_a_resume_that_does_not_repeat_its_steps_is_failed(tmp_path):
     """The resume check is equality of each repeated step's loss and gradient norm with the uninterrupted run's:
     a repeated step whose loss is equal and gradient norm is not (as docs/results' fp8_delayed resume) is failed,
@@ -241,8 +255,9 @@ def test_a_loss_more_than_two_percent_from_its_references_is_failed():
 def test_megatron_resume_repeats_the_uninterrupted_steps_in_every_recipe_on_gpu(hydra_compose, tmp_path):
     """engine=megatron with Transformer Engine, the benchmark's own resume runs (llama3_100m, megatron.deterministic):
     run to step 6 with checkpoints at 3 and 6, cut back to step 3, run again. In BF16 and every Hopper recipe, with
-    the distributed optimizer (and the FP8 weights it keeps where the recipe's preset has them) and without, steps
-    4-6 repeat with the same loss and gradient norm, bit for bit. Hydra from the wheels carried to the GPU machine."""
+    the distributed optimizer (and the FP8 weights it keeps where the recipe's preset has them) and without, and under
+    Megatron-FSDP in bf16, fp8_current and fp8_delayed, steps 4-6 repeat with the same loss and gradient norm, bit
+    for bit. Hydra from the wheels carried to the GPU machine."""
     pytest.importorskip("transformer_engine")
     runs = [run for run in bench.speed_runs("h200", steps=6) if run.resume]
     for run in runs:

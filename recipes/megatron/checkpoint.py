@@ -10,6 +10,11 @@ Every rank writes its own shards into one temporary folder, and rank 0 publishes
 in the same run directory resumes, with the same tp, pp, vp and cp (the optimizer's "dp_reshardable" format lets
 only the data-parallel size change). There is no RNG state to keep: no dropout, and the data of a step is a
 function of the step (recipes.megatron.data).
+
+Megatron-FSDP's parameters and optimizer states are DTensor shards, which megatron-core 0.16.1 saves only in its
+"fsdp_dtensor" form, through torch.distributed.checkpoint (as Megatron-LM's --ckpt-format fsdp_dtensor). Megatron-LM
+drops Transformer Engine's extra state there (delayed scaling's amax histories and scales); this engine keeps it,
+one copy per pipeline and tensor-parallel rank, so an FP8 run resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -21,10 +26,13 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 
 from recipes.config import Config, to_dict
 from recipes.trainer import checkpoints
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
 from megatron.core.fp8_utils import is_float8tensor, post_all_gather_processing
 
 MARKER = "run.pt"
@@ -46,6 +54,66 @@ def sharded_state_dict(model: list, optimizer, is_loading: bool = False) -> dict
     return state
 
 
+FSDP_METADATA = {"distrib_optim_sharding_type": "fsdp_dtensor"}
+EXTRA_STATE = "_extra_state"
+
+
+def is_fsdp(model: list) -> bool:
+    return model[0].ddp_config.use_megatron_fsdp
+
+
+def _extra_states(chunk) -> dict:
+    """The state the chunk's modules keep outside their parameters (Transformer Engine's FP8 scaling: a byte
+    tensor), as bytes by module name; megatron-core's own layers return None."""
+    states = {name: module.get_extra_state() for name, module in chunk.named_modules()
+              if type(module).get_extra_state is not torch.nn.Module.get_extra_state}
+    return {name: bytes(state.cpu().numpy()) for name, state in states.items() if state is not None}
+
+
+def fsdp_state_dict(model: list, optimizer, is_loading: bool = False) -> dict:
+    """Megatron-FSDP's checkpoint: the DTensor shards of weights and optimizer states, and each chunk's extra state
+    as bytes under its pipeline and tensor-parallel rank (the same on every data-parallel rank)."""
+    ranks = f"pp{parallel_state.get_pipeline_model_parallel_rank()}.tp{parallel_state.get_tensor_model_parallel_rank()}"
+    state = {}
+    for key, chunk in zip(model_keys(model), model):
+        state[key] = {name: value for name, value in chunk.state_dict_for_save_checkpoint().items()
+                      if not name.endswith(EXTRA_STATE)}
+        state[f"{key}{EXTRA_STATE}.{ranks}"] = _extra_states(chunk)
+    if is_loading:  # the optimizer allocates its states (a step on zero gradients), which the load overwrites
+        optimizer.sharded_state_dict(state, is_loading=True, metadata=FSDP_METADATA)
+    _state_for_every_shard(optimizer)
+    state["optimizer"] = optimizer.sharded_state_dict(state, metadata=FSDP_METADATA)
+    return preprocess_state_dict_for_uneven_dtensor(state)
+
+
+def _state_for_every_shard(optimizer) -> None:
+    """Adam keeps no state for a parameter whose shard on this rank is empty (it never gets a gradient), and keeps
+    the others in the order they first stepped, so the ranks' state dicts would name different DTensors in different
+    orders, and saving them, a collective per DTensor, would hang or mix them up: every parameter gets a state (an
+    empty shard, empty moments and the step count of the others), in the parameters' order."""
+    for megatron_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = megatron_optimizer.optimizer
+        params = [param for group in inner.param_groups for param in group["params"]]
+        mine = next((inner.state[param] for param in params if inner.state.get(param)), None)
+        layouts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(layouts, None if mine is None else {
+            key: ("moment", value.dtype) if isinstance(value, torch.Tensor) and value.dim() > 0 else ("count", value)
+            for key, value in mine.items()})
+        layout = next((found for found in layouts if found is not None), None)
+        states = {param: inner.state.get(param) or {key: _empty_like(param, value) if kind == "moment" else value
+                                                    for key, (kind, value) in layout.items()}
+                  for param in params} if layout is not None else {}
+        # In parameter order on every rank: the save's metadata gathers pair the ranks' DTensors by position.
+        inner.state.clear()
+        inner.state.update(states)
+
+
+def _empty_like(param: DTensor, dtype: torch.dtype) -> DTensor:
+    """Zeros shaped and sharded as the parameter, its local shard included (zeros_like would re-split it evenly)."""
+    return DTensor.from_local(torch.zeros_like(param.to_local(), dtype=dtype), param.device_mesh, param.placements,
+                              run_check=False, shape=param.shape, stride=param.stride())
+
+
 def save(directory: Path, step: int, model: list, optimizer, cfg: Config) -> Optional[Path]:
     """Write step `step`'s checkpoint (a collective: every rank calls it); the published folder on rank 0."""
     rank = dist.get_rank()
@@ -53,8 +121,8 @@ def save(directory: Path, step: int, model: list, optimizer, cfg: Config) -> Opt
     if rank == 0:
         checkpoints.start_save(directory, step, tag="megatron")
     # With overlapped parameter all-gathers the model's BF16 weights lag the optimizer step until the next
-    # forward; gather them now, as Megatron-LM does before saving.
-    overlapped = [chunk for chunk in model if chunk.ddp_config.overlap_param_gather]
+    # forward; gather them now, as Megatron-LM does before saving (Megatron-FSDP saves its main weights' shards).
+    overlapped = [chunk for chunk in model if chunk.ddp_config.overlap_param_gather and not is_fsdp(model)]
     for chunk in overlapped:
         chunk.disable_forward_pre_hook(param_sync=True)
         # megatron-core 0.16.1's forced all-gather skips what its overlapped one does after it: FP8 weights'
@@ -62,7 +130,10 @@ def save(directory: Path, step: int, model: list, optimizer, cfg: Config) -> Opt
         # after every checkpoint would train on them (found comparing resumed runs: docs/results).
         post_all_gather_processing([param for param in chunk.parameters() if is_float8tensor(param)])
     dist.barrier()
-    dist_checkpointing.save(sharded_state_dict(model, optimizer), str(temporary))
+    if is_fsdp(model):
+        dcp.save(fsdp_state_dict(model, optimizer), checkpoint_id=str(temporary))
+    else:
+        dist_checkpointing.save(sharded_state_dict(model, optimizer), str(temporary))
     for chunk in overlapped:
         chunk.enable_forward_pre_hook()
     dist.barrier()
@@ -86,6 +157,9 @@ def load_latest(directory: Path, cfg: Config, model: list, optimizer) -> int:
     # Without Transformer Engine or Apex, megatron-core reads Adam's step count while it builds the loading state
     # dict, which a fresh optimizer does not have yet: one step on zero gradients allocates the states (and moves
     # the weights by weight decay), and the load below overwrites all of it.
+    if is_fsdp(model):
+        _load_fsdp(path, model, optimizer)
+        return step
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.step()
@@ -96,6 +170,20 @@ def load_latest(directory: Path, cfg: Config, model: list, optimizer) -> int:
     optimizer.load_state_dict(state["optimizer"])
     _restore_adam_steps(optimizer)
     return step
+
+
+def _load_fsdp(path: Path, model: list, optimizer) -> None:
+    """Megatron-FSDP's shards read in place into the model's and the optimizer's own (the optimizer allocates its
+    states first with a step on zero gradients), then each module's extra state set from its bytes."""
+    state = fsdp_state_dict(model, optimizer, is_loading=True)
+    dcp.load(state, checkpoint_id=str(path))
+    with own_te_extra_state_trusted():
+        for key, chunk in zip(model_keys(model), model):
+            chunk.load_state_dict(state[key], strict=True)
+            [extra_key] = [name for name in state if name.startswith(f"{key}{EXTRA_STATE}.")]
+            for name, saved in state[extra_key].items():
+                chunk.get_submodule(name).set_extra_state(torch.frombuffer(bytearray(saved), dtype=torch.uint8))
+    optimizer.load_state_dict(state["optimizer"])
 
 
 TE_UNSAFE_PICKLE = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
