@@ -98,14 +98,25 @@ def _state_for_every_shard(optimizer) -> None:
         layouts: list = [None] * dist.get_world_size()
         dist.all_gather_object(layouts, None if mine is None else {
             key: ("moment", value.dtype) if isinstance(value, torch.Tensor) and value.dim() > 0 else ("count", value)
-            for key, value in mine.items()})
+            for key, value in _on_cpu(mine).items()})
         layout = next((found for found in layouts if found is not None), None)
-        states = {param: inner.state.get(param) or {key: _empty_like(param, value) if kind == "moment" else value
-                                                    for key, (kind, value) in layout.items()}
-                  for param in params} if layout is not None else {}
+        states = {param: inner.state.get(param) or {
+            key: _empty_like(param, value) if kind == "moment" else _on_cpu({key: value})[key]  # a copy each
+            for key, (kind, value) in layout.items()} for param in params} if layout is not None else {}
         # In parameter order on every rank: the save's metadata gathers pair the ranks' DTensors by position.
         inner.state.clear()
         inner.state.update(states)
+
+
+def _on_cpu(state: dict) -> dict:
+    """An Adam state's scalars as CPU copies (torch's Adam keeps its step count there), its moments as they are."""
+    return {key: value.cpu().clone() if isinstance(value, torch.Tensor) and value.dim() == 0 else value
+            for key, value in state.items()}
+
+
+def _byte_tensor(saved: bytes) -> torch.Tensor:
+    """Saved extra state as the byte tensor it came from (empty: TE's "no FP8 state", which frombuffer refuses)."""
+    return torch.frombuffer(bytearray(saved), dtype=torch.uint8) if saved else torch.empty(0, dtype=torch.uint8)
 
 
 def _empty_like(param: DTensor, dtype: torch.dtype) -> DTensor:
@@ -182,7 +193,7 @@ def _load_fsdp(path: Path, model: list, optimizer) -> None:
             chunk.load_state_dict(state[key], strict=True)
             [extra_key] = [name for name in state if name.startswith(f"{key}{EXTRA_STATE}.")]
             for name, saved in state[extra_key].items():
-                chunk.get_submodule(name).set_extra_state(torch.frombuffer(bytearray(saved), dtype=torch.uint8))
+                chunk.get_submodule(name).set_extra_state(_byte_tensor(saved))
     optimizer.load_state_dict(state["optimizer"])
 
 
