@@ -374,25 +374,34 @@ def run_engine_on_cpu(config_path, processes: int) -> subprocess.CompletedProces
     )
 
 
-def test_engine_trains_two_pipeline_stages_writes_metrics_and_resumes_exactly(hydra_compose, tmp_path):
-    import json
-    import math
-    from importlib.util import find_spec
-
+def train_tiny_llama_on_two_cpus(hydra_compose, tmp_path, *overrides: str):
+    """engine=megatron in BF16, 4 steps of 2 x 2 samples on two processes, into tmp_path/run: (cfg, run dir, the
+    finished torchrun)."""
     from recipes.config import save_config
-    from recipes.metrics import StepMetrics
-    from recipes.report.parse import read_log
 
-    checkpoints = find_spec("psutil") is not None  # dist_checkpointing needs it (a dependency in pyproject)
-    cfg = hydra_compose("engine=megatron", "precision=bf16", "gpu=h200", "executor.gpus=2", "parallel.pp=2",
-                        "trainer.max_steps=4", "trainer.micro_batch_size=2", "trainer.global_batch_size=4",
-                        "trainer.log_interval=2", f"trainer.checkpoint.interval={2 if checkpoints else 0}",
-                        "trainer.profile_step=3", f"data.cache_dir={tmp_path / 'cache'}", "dryrun=true")
+    cfg = hydra_compose("engine=megatron", "precision=bf16", "gpu=h200", "executor.gpus=2", "trainer.max_steps=4",
+                        "trainer.micro_batch_size=2", "trainer.global_batch_size=4",
+                        f"data.cache_dir={tmp_path / 'cache'}", "dryrun=true", *overrides)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     save_config(dataclasses.replace(cfg, dryrun=False), run_dir / "config.yaml")
     result = run_engine_on_cpu(run_dir / "config.yaml", processes=2)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return cfg, run_dir, result
+
+
+def test_engine_trains_two_pipeline_stages_writes_metrics_and_resumes_exactly(hydra_compose, tmp_path):
+    import json
+    import math
+    from importlib.util import find_spec
+
+    from recipes.metrics import StepMetrics
+    from recipes.report.parse import read_log
+
+    checkpoints = find_spec("psutil") is not None  # dist_checkpointing needs it (a dependency in pyproject)
+    cfg, run_dir, result = train_tiny_llama_on_two_cpus(
+        hydra_compose, tmp_path, "parallel.pp=2", "trainer.log_interval=2",
+        f"trainer.checkpoint.interval={2 if checkpoints else 0}", "trainer.profile_step=3")
 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
@@ -449,16 +458,8 @@ def test_megatron_fsdp_checkpoints_on_two_ranks_and_resumes_exactly(hydra_compos
     resumed from step 2 repeats steps 3 and 4 bit for bit."""
     import json
 
-    from recipes.config import save_config
-
-    cfg = hydra_compose("engine=megatron", "precision=bf16", "gpu=h200", "executor.gpus=2", "parallel.fsdp=true",
-                        "trainer.max_steps=4", "trainer.micro_batch_size=2", "trainer.global_batch_size=4",
-                        "trainer.checkpoint.interval=2", f"data.cache_dir={tmp_path / 'cache'}", "dryrun=true")
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    save_config(dataclasses.replace(cfg, dryrun=False), run_dir / "config.yaml")
-    result = run_engine_on_cpu(run_dir / "config.yaml", processes=2)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    _, run_dir, _ = train_tiny_llama_on_two_cpus(hydra_compose, tmp_path, "parallel.fsdp=true",
+                                                 "trainer.checkpoint.interval=2")
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     newest = run_dir / "checkpoints" / "step_00000004"
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "run.pt"} <= {path.name for path in newest.iterdir()}
