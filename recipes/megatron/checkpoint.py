@@ -70,15 +70,21 @@ def _extra_states(chunk) -> dict:
     return {name: bytes(state.cpu().numpy()) for name, state in states.items() if state is not None}
 
 
+def _extra_state_key(key: str) -> str:
+    """Where a chunk's extra state is kept: under its pipeline and tensor-parallel rank (the same on every
+    data-parallel rank)."""
+    return (f"{key}{EXTRA_STATE}.pp{parallel_state.get_pipeline_model_parallel_rank()}"
+            f".tp{parallel_state.get_tensor_model_parallel_rank()}")
+
+
 def fsdp_state_dict(model: list, optimizer, is_loading: bool = False) -> dict:
     """Megatron-FSDP's checkpoint: the DTensor shards of weights and optimizer states, and each chunk's extra state
-    as bytes under its pipeline and tensor-parallel rank (the same on every data-parallel rank)."""
-    ranks = f"pp{parallel_state.get_pipeline_model_parallel_rank()}.tp{parallel_state.get_tensor_model_parallel_rank()}"
+    as bytes (_extra_state_key)."""
     state = {}
     for key, chunk in zip(model_keys(model), model):
         state[key] = {name: value for name, value in chunk.state_dict_for_save_checkpoint().items()
                       if not name.endswith(EXTRA_STATE)}
-        state[f"{key}{EXTRA_STATE}.{ranks}"] = _extra_states(chunk)
+        state[_extra_state_key(key)] = _extra_states(chunk)
     if is_loading:  # the optimizer allocates its states (a step on zero gradients), which the load overwrites
         optimizer.sharded_state_dict(state, is_loading=True, metadata=FSDP_METADATA)
     _state_for_every_shard(optimizer)
@@ -95,23 +101,26 @@ def _state_for_every_shard(optimizer) -> None:
         inner = megatron_optimizer.optimizer
         params = [param for group in inner.param_groups for param in group["params"]]
         mine = next((inner.state[param] for param in params if inner.state.get(param)), None)
+        # Each entry's kind: a moment (a tensor shaped as the parameter) by its dtype, a count (torch's Adam keeps
+        # its step count as a CPU scalar tensor) by its value.
         layouts: list = [None] * dist.get_world_size()
         dist.all_gather_object(layouts, None if mine is None else {
-            key: ("moment", value.dtype) if isinstance(value, torch.Tensor) and value.dim() > 0 else ("count", value)
-            for key, value in _on_cpu(mine).items()})
+            key: ("moment", value.dtype) if isinstance(value, torch.Tensor) and value.dim() > 0
+            else ("count", value.cpu() if isinstance(value, torch.Tensor) else value) for key, value in mine.items()})
         layout = next((found for found in layouts if found is not None), None)
-        states = {param: inner.state.get(param) or {
-            key: _empty_like(param, value) if kind == "moment" else _on_cpu({key: value})[key]  # a copy each
-            for key, (kind, value) in layout.items()} for param in params} if layout is not None else {}
-        # In parameter order on every rank: the save's metadata gathers pair the ranks' DTensors by position.
+        if layout is None:  # no rank has stepped: nothing to line up
+            continue
+        states = {}
+        for param in params:  # in parameter order on every rank: the save's gathers pair DTensors by position
+            states[param] = inner.state.get(param) or {
+                key: _empty_like(param, value) if kind == "moment" else _copy(value)
+                for key, (kind, value) in layout.items()}
         inner.state.clear()
         inner.state.update(states)
 
 
-def _on_cpu(state: dict) -> dict:
-    """An Adam state's scalars as CPU copies (torch's Adam keeps its step count there), its moments as they are."""
-    return {key: value.cpu().clone() if isinstance(value, torch.Tensor) and value.dim() == 0 else value
-            for key, value in state.items()}
+def _copy(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _byte_tensor(saved: bytes) -> torch.Tensor:
@@ -133,7 +142,8 @@ def save(directory: Path, step: int, model: list, optimizer, cfg: Config) -> Opt
         checkpoints.start_save(directory, step, tag="megatron")
     # With overlapped parameter all-gathers the model's BF16 weights lag the optimizer step until the next
     # forward; gather them now, as Megatron-LM does before saving (Megatron-FSDP saves its main weights' shards).
-    overlapped = [chunk for chunk in model if chunk.ddp_config.overlap_param_gather and not is_fsdp(model)]
+    fsdp = is_fsdp(model)
+    overlapped = [chunk for chunk in model if chunk.ddp_config.overlap_param_gather and not fsdp]
     for chunk in overlapped:
         chunk.disable_forward_pre_hook(param_sync=True)
         # megatron-core 0.16.1's forced all-gather skips what its overlapped one does after it: FP8 weights'
@@ -141,7 +151,7 @@ def save(directory: Path, step: int, model: list, optimizer, cfg: Config) -> Opt
         # after every checkpoint would train on them (found comparing resumed runs: docs/results).
         post_all_gather_processing([param for param in chunk.parameters() if is_float8tensor(param)])
     dist.barrier()
-    if is_fsdp(model):
+    if fsdp:
         dcp.save(fsdp_state_dict(model, optimizer), checkpoint_id=str(temporary))
     else:
         dist_checkpointing.save(sharded_state_dict(model, optimizer), str(temporary))
@@ -165,12 +175,12 @@ def load_latest(directory: Path, cfg: Config, model: list, optimizer) -> int:
     if found is None:
         return 0
     step, path, _ = found
-    # Without Transformer Engine or Apex, megatron-core reads Adam's step count while it builds the loading state
-    # dict, which a fresh optimizer does not have yet: one step on zero gradients allocates the states (and moves
-    # the weights by weight decay), and the load below overwrites all of it.
     if is_fsdp(model):
         _load_fsdp(path, model, optimizer)
         return step
+    # Without Transformer Engine or Apex, megatron-core reads Adam's step count while it builds the loading state
+    # dict, which a fresh optimizer does not have yet: one step on zero gradients allocates the states (and moves
+    # the weights by weight decay), and the load below overwrites all of it.
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.step()
@@ -191,8 +201,7 @@ def _load_fsdp(path: Path, model: list, optimizer) -> None:
     with own_te_extra_state_trusted():
         for key, chunk in zip(model_keys(model), model):
             chunk.load_state_dict(state[key], strict=True)
-            [extra_key] = [name for name in state if name.startswith(f"{key}{EXTRA_STATE}.")]
-            for name, saved in state[extra_key].items():
+            for name, saved in state[_extra_state_key(key)].items():
                 chunk.get_submodule(name).set_extra_state(_byte_tensor(saved))
     optimizer.load_state_dict(state["optimizer"])
 
