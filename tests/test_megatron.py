@@ -473,16 +473,20 @@ def test_megatron_fsdp_checkpoints_on_two_ranks_and_resumes_exactly(hydra_compos
         [(m["step"], m["loss"], m["grad_norm"]) for m in metrics]
 
 
-def test_one_process_without_torchrun_gets_a_local_rendezvous(monkeypatch):
+def test_one_process_without_torchrun_gets_a_local_store_bound_as_it_is_made(monkeypatch):
     """The plan runs engine=megatron on one GPU as `python -m recipes.megatron.engine` (no torchrun, no
-    MASTER_ADDR); megatron-core still needs a process group, so the engine picks a free local port."""
-    from recipes.megatron.engine import _rendezvous
+    MASTER_ADDR); megatron-core still needs a process group. The store binds a port the OS picks as it is made, so
+    runs started side by side cannot be handed the same one (a port probed free and bound later could be: eleven
+    resume checks started at once on an H200 failed one run with 'The server socket has failed to listen')."""
+    from recipes.megatron.engine import _single_process_store
 
     monkeypatch.delenv("MASTER_ADDR", raising=False)
-    address = _rendezvous()
-    assert address.startswith("tcp://127.0.0.1:") and int(address.rsplit(":", 1)[1]) > 0
+    stores = [_single_process_store() for _ in range(8)]
+    assert len({store.port for store in stores}) == 8 and all(store.port > 0 for store in stores)
+    stores[0].set("rank0", "up")  # a working store, not only a number
+    assert stores[0].get("rank0") == b"up"
     monkeypatch.setenv("MASTER_ADDR", "node001")
-    assert _rendezvous() is None  # torchrun's env:// variables
+    assert _single_process_store() is None  # torchrun's env:// variables
 
 
 def test_fsdp2_gradient_reduction_option_is_refused_on_megatron(hydra_compose):

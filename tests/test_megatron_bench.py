@@ -269,4 +269,6 @@ def test_megatron_resume_repeats_the_uninterrupted_steps_in_every_recipe_on_gpu(
     results = {run.name: (outcome.status, outcome.error) for run, outcome in zip(runs, outcomes)}
     assert all(status == "ok" for status, _ in results.values()), results
     checks = {run.name: bench.resume_check(tmp_path / run.name) for run in runs}
+    for name, (note, exact) in checks.items():
+        print(f"{name}: {note}")  # the GPU log's record of each repeated step's difference (pytest -s)
     assert all(exact for _, exact in checks.values()), checks

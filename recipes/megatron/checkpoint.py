@@ -195,14 +195,15 @@ def load_latest(directory: Path, cfg: Config, model: list, optimizer) -> int:
 
 def _load_fsdp(path: Path, model: list, optimizer) -> None:
     """Megatron-FSDP's shards read in place into the model's and the optimizer's own (the optimizer allocates its
-    states first with a step on zero gradients), then each module's extra state set from its bytes."""
+    states first with a step on zero gradients). Each module's extra state is set from its bytes first: the weights'
+    load hook quantizes FP8 weights with the scales it restores (delayed scaling's)."""
     state = fsdp_state_dict(model, optimizer, is_loading=True)
     dcp.load(state, checkpoint_id=str(path))
     with own_te_extra_state_trusted():
         for key, chunk in zip(model_keys(model), model):
-            chunk.load_state_dict(state[key], strict=True)
             for name, saved in state[_extra_state_key(key)].items():
                 chunk.get_submodule(name).set_extra_state(_byte_tensor(saved))
+            chunk.load_state_dict(state[key], strict=True)
     optimizer.load_state_dict(state["optimizer"])
 
 

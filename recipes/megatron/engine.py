@@ -21,7 +21,6 @@ embedding and RNG tracker call torch.cuda unconditionally.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from functools import partial
 from pathlib import Path
@@ -54,15 +53,13 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 NONDETERMINISTIC_TE = "NVTE_ALLOW_NONDETERMINISTIC_ALGO"
 
 
-def _rendezvous() -> str | None:
-    """torchrun's (None: the env:// variables it set), or for one process started without it (the plan's command
-    on one GPU) a local TCP store on a free port: megatron-core needs a process group even for one process."""
+def _single_process_store() -> dist.Store | None:
+    """None under torchrun (the env:// variables it set); for one process started without it (the plan's command on
+    one GPU) a local TCP store on a port the OS picks as it binds: megatron-core needs a process group even for one
+    process, and a port probed free and bound later can be taken meanwhile by a run started beside this one."""
     if "MASTER_ADDR" in os.environ:
         return None
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    return f"tcp://127.0.0.1:{port}"
+    return dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
 
 
 def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
@@ -74,7 +71,7 @@ def setup_distributed(cfg: Config) -> tuple[int, int, torch.device]:
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=_rendezvous(), rank=rank, world_size=world_size, device_id=device)
+    dist.init_process_group("nccl", store=_single_process_store(), rank=rank, world_size=world_size, device_id=device)
     initialize_parallel_state(cfg)
     # Same weights on data-parallel ranks, own on TP ranks; CUDA graphs need Transformer Engine's graph-safe tracker.
     model_parallel_cuda_manual_seed(cfg.trainer.seed, te_rng_tracker=cfg.megatron.cuda_graphs)
