@@ -266,9 +266,10 @@ def test_megatron_resume_repeats_the_uninterrupted_steps_in_every_recipe_on_gpu(
         save_config(dataclasses.replace(cfg, dryrun=False), tmp_path / run.name / "config.yaml")
     with ThreadPoolExecutor(len(runs)) as pool:
         outcomes = list(pool.map(lambda run: bench.execute(run, tmp_path / run.name, run.timeout_s, "test"), runs))
-    results = {run.name: (outcome.status, outcome.error) for run, outcome in zip(runs, outcomes)}
-    assert all(status == "ok" for status, _ in results.values()), results
+    not_ok = {run.name: f"{outcome.status} {outcome.error}" for run, outcome in zip(runs, outcomes)
+              if outcome.status != "ok"}
+    assert not not_ok, "\n".join(f"{name}: {why}" for name, why in not_ok.items())
     checks = {run.name: bench.resume_check(tmp_path / run.name) for run in runs}
     for name, (note, exact) in checks.items():
         print(f"{name}: {note}")  # the GPU log's record of each repeated step's difference (pytest -s)
-    assert all(exact for _, exact in checks.values()), checks
+    assert all(exact for _, exact in checks.values()), "\n".join(f"{n}: {note}" for n, (note, _) in checks.items())
