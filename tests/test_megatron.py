@@ -509,6 +509,48 @@ def test_torch_engine_options_are_refused_on_megatron(hydra_compose, override, m
         validate(cfg)
 
 
+def test_megatron_fsdp_load_sets_the_fp8_scales_before_the_weights_hook_casts_with_them():
+    """Megatron-FSDP's load hook casts the loaded main weights into the FP8 compute weights with each layer's scale,
+    which delayed scaling keeps in TE's extra state; restored after the weights, the cast used the fresh model's
+    scales (on an H200 the FSDP fp8_delayed resume came out 3.8e-02 apart). A layer here keeps its scale as extra
+    state, and the chunk's load hook records the scale it finds, as the cast would use it."""
+    import struct
+
+    from recipes.megatron.checkpoint import restore_chunk
+
+    class ScaledLayer(torch.nn.Module):  # TE's layer: a weight, and a scale kept as extra state (bytes)
+        def __init__(self):
+            super().__init__()
+            self.weight, self.scale = torch.nn.Parameter(torch.zeros(4)), 1.0
+
+        def get_extra_state(self):
+            return torch.frombuffer(bytearray(struct.pack("f", self.scale)), dtype=torch.uint8)
+
+        def set_extra_state(self, state):
+            self.scale = struct.unpack("f", bytes(state.numpy()))[0]
+
+    class Chunk(torch.nn.Module):  # megatron-core's FSDP adapter: extra state left out, the rest loaded
+        def __init__(self):
+            super().__init__()
+            self.layer, self.scales_cast_with = ScaledLayer(), []
+            self.register_load_state_dict_post_hook(lambda module, keys: self.scales_cast_with.append(self.layer.scale))
+
+        def load_state_dict(self, state_dict, strict=True):
+            return super().load_state_dict(state_dict, strict=False)
+
+    trained = Chunk()
+    trained.layer.scale = 448.0 / 3.0
+    with torch.no_grad():
+        trained.layer.weight.fill_(0.5)
+    weights = {k: v for k, v in trained.state_dict().items() if not k.endswith("_extra_state")}
+    extra = {"layer": bytes(trained.layer.get_extra_state().numpy())}
+
+    resumed = Chunk()
+    restore_chunk(resumed, weights, extra)
+    assert resumed.scales_cast_with == [pytest.approx(448.0 / 3.0)]
+    assert torch.equal(resumed.layer.weight, trained.layer.weight)
+
+
 @pytest.mark.parametrize("before", [None, "0"])
 def test_resume_trusts_transformer_engines_pickled_extra_state_only_while_loading(monkeypatch, before):
     """TE 2.20 refuses to unpickle delayed scaling's extra state without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1;

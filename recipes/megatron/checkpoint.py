@@ -195,16 +195,22 @@ def load_latest(directory: Path, cfg: Config, model: list, optimizer) -> int:
 
 def _load_fsdp(path: Path, model: list, optimizer) -> None:
     """Megatron-FSDP's shards read in place into the model's and the optimizer's own (the optimizer allocates its
-    states first with a step on zero gradients). Each module's extra state is set from its bytes first: the weights'
-    load hook quantizes FP8 weights with the scales it restores (delayed scaling's)."""
+    states first with a step on zero gradients)."""
     state = fsdp_state_dict(model, optimizer, is_loading=True)
     dcp.load(state, checkpoint_id=str(path))
     with own_te_extra_state_trusted():
         for key, chunk in zip(model_keys(model), model):
-            for name, saved in state[_extra_state_key(key)].items():
-                chunk.get_submodule(name).set_extra_state(_byte_tensor(saved))
-            chunk.load_state_dict(state[key], strict=True)
+            restore_chunk(chunk, state[key], state[_extra_state_key(key)])
     optimizer.load_state_dict(state["optimizer"])
+
+
+def restore_chunk(chunk, weights: dict, extra_states: dict[str, bytes]) -> None:
+    """Each module's extra state set from its bytes, then the weights: Megatron-FSDP's load hook
+    (install_optimized_model_weights) casts the main weights into FP8 ones with each quantizer's scale, which in
+    delayed scaling is the extra state's (TE's own _load_from_state_dict sets it first for the same reason)."""
+    for name, saved in extra_states.items():
+        chunk.get_submodule(name).set_extra_state(_byte_tensor(saved))
+    chunk.load_state_dict(weights, strict=True)
 
 
 TE_UNSAFE_PICKLE = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
