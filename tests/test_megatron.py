@@ -368,8 +368,10 @@ def run_engine_on_cpu(config_path, processes: int) -> subprocess.CompletedProces
     return subprocess.run(
         [torchrun, f"--nproc-per-node={processes}", f"--master-port={port}",
          str(REPO_ROOT / "tests" / "megatron_on_cpu.py"), str(config_path)],
+        # PYTHONFAULTHANDLER: a rank that dies of a signal prints every thread's stack (once, under the full suite, a
+        # rank died of SIGBUS in torch's Gloo thread, pt_gloo_runloop, and left no trace).
         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-             "LOGLEVEL": "WARNING"},
+             "LOGLEVEL": "WARNING", "PYTHONFAULTHANDLER": "1"},
         capture_output=True, text=True, timeout=300,
     )
 
