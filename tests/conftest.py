@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -62,10 +61,8 @@ def megatron_state():
 
     from recipes.megatron import parallel_state
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    store = torch.distributed.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)  # binds a free port itself
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     yield
     parallel_state.destroy_model_parallel()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 
@@ -361,12 +360,9 @@ def test_engine_and_plan_refuse_a_cpu_with_the_fix(hydra_compose, tmp_path):
 
 
 def run_engine_on_cpu(config_path, processes: int) -> subprocess.CompletedProcess:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    return subprocess.run(
-        [torchrun, f"--nproc-per-node={processes}", f"--master-port={port}",
+    return subprocess.run(  # --standalone: torchrun's rendezvous binds a free port itself (no probe-then-bind race)
+        [torchrun, "--standalone", f"--nproc-per-node={processes}",
          str(REPO_ROOT / "tests" / "megatron_on_cpu.py"), str(config_path)],
         # PYTHONFAULTHANDLER: a rank that dies of a signal prints every thread's stack (once, under the full suite, a
         # rank died of SIGBUS in torch's Gloo thread, pt_gloo_runloop, and left no trace).

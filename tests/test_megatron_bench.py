@@ -270,6 +270,6 @@ def test_megatron_resume_repeats_the_uninterrupted_steps_in_every_recipe_on_gpu(
               if outcome.status != "ok"}
     assert not not_ok, "\n".join(f"{name}: {why}" for name, why in not_ok.items())
     checks = {run.name: bench.resume_check(tmp_path / run.name) for run in runs}
-    for name, (note, exact) in checks.items():
-        print(f"{name}: {note}")  # the GPU log's record of each repeated step's difference (pytest -s)
-    assert all(exact for _, exact in checks.values()), "\n".join(f"{n}: {note}" for n, (note, _) in checks.items())
+    report = "\n".join(f"{name}: {note}" for name, (note, _) in checks.items())
+    print(report)  # the GPU log's record of each repeated step's difference (pytest -s)
+    assert all(exact for _, exact in checks.values()), report
