@@ -4,13 +4,13 @@
 
 One row per op and mode, as recipes.fp8.mlp and recipes.fp8.linear call them for one micro-batch (the model's
 sequence length): the activation forward on fc1's output, its backward on (dh, fc1's output), and the identity
-cast-transpose of a linear's incoming gradient; modes `amax` (current scaling's first pass), `cast` (its second),
-`cast_and_record` (delayed scaling's one pass) and, for the backward ops, `bf16` (the BF16 MLP's). The time is
-GPU kernel time per call (every kernel of the call: the op's, the FP8 transpose's, an amax buffer's fill), from
-the profiler over --iterations calls after --warmup (autotuning included in warm-up). GB/s counts the bytes each
-call must move (its inputs read once, its outputs written once, the transposed copy included); `of copy` divides
-that by an element-wise kernel's rate (a BF16 negation) measured the same way. The tile the autotuner chose is
-reported. Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1) and the times mean nothing.
+cast-transpose of a linear's incoming gradient; modes `current` and `delayed` (the recipe's own fused cast,
+recipes.fp8.linear's `fused_cast`: every pass it makes, the FP8 transpose included) and, for the backward ops,
+`bf16` (the BF16 MLP's). The time is GPU kernel time per call (every kernel of the call, listed in results.json),
+from the profiler over --iterations calls after --warmup (autotuning included in warm-up). GB/s counts the bytes
+each call must move (its inputs read once, its outputs written once, the transposed copy included); `of copy`
+divides that by an element-wise kernel's rate (a BF16 negation) measured the same way. Without CUDA the kernels
+run in Triton's interpreter (TRITON_INTERPRET=1) and the times mean nothing.
 """
 
 from __future__ import annotations
@@ -27,12 +27,14 @@ import torch
 
 from recipes.config import ModelConfig, load_option
 from recipes.fp8.activation_ops import FORWARD_AND_BACKWARD
+from recipes.fp8.delayed_scaling import DelayedScalingState
 from recipes.fp8.formats import E4M3, E5M2
+from recipes.fp8.linear import GRAD, INPUT, DelayedScaling, TensorwiseScaling
 from recipes.fp8.mlp import ACTIVATION_OPS
 from recipes.profiling import profile_kernels
 from recipes.provenance import provenance
 
-MODES = ("amax", "cast", "cast_and_record", "bf16")
+MODES = ("current", "delayed", "bf16")
 
 
 def op_shapes(cfg: ModelConfig, tokens: int) -> list[tuple[str, tuple[int, int], tuple[int, int] | None, int]]:
@@ -48,37 +50,37 @@ def op_shapes(cfg: ModelConfig, tokens: int) -> list[tuple[str, tuple[int, int],
 
 
 def _call(kernels, op: str, mode: str, a, b, dtype) -> Callable[[], object]:
-    scale = torch.ones((), dtype=torch.float32, device=a.device)
-    history = torch.zeros((2, 16), dtype=torch.float32, device=a.device)
-    return {
-        "amax": lambda: kernels.produced_amax(op, a, b),
-        "cast": lambda: kernels.produce_fp8(op, a, b, scale, dtype),
-        "cast_and_record": lambda: kernels.produce_fp8_recording_amax(op, a, b, scale, dtype, history, 0),
-        "bf16": lambda: kernels.produce_bf16(op, a, b),
-    }[mode]
+    if mode == "bf16":
+        return lambda: kernels.produce_bf16(op, a, b)
+    recipe = {"current": TensorwiseScaling, "delayed": DelayedScaling}[mode](E4M3, E5M2, fused_kernels=True)
+    state = DelayedScalingState(16).to(a.device)
+    role = GRAD if dtype == E5M2 else INPUT
+    return lambda: recipe.fused_cast(kernels, op, a, b, dtype, (state.amax_history, state.scale), role)
 
 
-def kernel_ms(fn: Callable[[], object], warmup: int, iterations: int, device: torch.device) -> float:
+def kernel_ms(fn: Callable[[], object], warmup: int, iterations: int, device: torch.device) -> tuple[float, list]:
     """GPU kernel time per call: every kernel of `iterations` calls under the profiler, summed, over `iterations`
-    (the host's launch overhead is left out: in a training step it overlaps the GPU's work). Without CUDA, the
-    median wall time of a call."""
+    (the host's launch overhead is left out: in a training step it overlaps the GPU's work), and [kernel, ms per
+    call] of each kernel. Without CUDA, the median wall time of a call and no kernels."""
     for _ in range(warmup):
         fn()
     if device.type == "cuda":
-        return profile_kernels(lambda: [fn() for _ in range(iterations)])["total_ms"] / iterations
+        profile = profile_kernels(lambda: [fn() for _ in range(iterations)])
+        kernels = [[k["name"], round(k["ms"] / iterations, 4)] for k in profile["top_kernels"]]
+        return profile["total_ms"] / iterations, kernels
     times = []
     for _ in range(iterations):
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return statistics.median(times), []
 
 
 def copy_gb_per_s(device: torch.device, warmup: int, iterations: int) -> float:
     """An element-wise kernel's rate (bytes read plus written: a BF16 negation), the roof for these kernels."""
     src = torch.zeros(128 << 20 if device.type == "cuda" else 1 << 16, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.nbytes / kernel_ms(lambda: torch.neg(src, out=dst), warmup, iterations, device) / 1e6
+    return 2 * src.nbytes / kernel_ms(lambda: torch.neg(src, out=dst), warmup, iterations, device)[0] / 1e6
 
 
 def bench_model(cfg: ModelConfig, name: str, args, device: torch.device, copy_rate: float) -> list[dict]:
@@ -95,26 +97,25 @@ def bench_model(cfg: ModelConfig, name: str, args, device: torch.device, copy_ra
         for mode in MODES:
             if mode == "bf16" and not op.endswith("_backward"):
                 continue
-            written = 0 if mode == "amax" else 2 * a_shape[0] * out_cols  # FP8 and its transpose, or BF16
-            ms = kernel_ms(_call(kernels, op, mode, a, b, dtype), args.warmup, args.iterations, device)
-            tuned = kernels._BF16_KERNEL if mode == "bf16" else kernels._FP8_KERNEL
-            config = getattr(tuned, "best_config", None)
+            written = 2 * a_shape[0] * out_cols  # FP8 and its transpose, or BF16
+            ms, launched = kernel_ms(_call(kernels, op, mode, a, b, dtype), args.warmup, args.iterations, device)
             gb_per_s = (read + written) / ms / 1e6
             rows.append({"model": name, "op": op, "mode": mode, "a": list(a_shape), "b": b_shape and list(b_shape),
                          "ms": round(ms, 4), "bytes": read + written,
                          "gb_per_s": round(gb_per_s, 1), "of_copy": round(gb_per_s / copy_rate, 3),
-                         "tile": str(config) if config is not None else "interpreter"})
-            print(f"{name} {op} {mode}: {ms:.3f} ms, {gb_per_s:.0f} GB/s ({gb_per_s / copy_rate:.2f} of copy), "
-                  f"{rows[-1]['tile']}", flush=True)
+                         "kernels": launched})
+            print(f"{name} {op} {mode}: {ms:.3f} ms, {gb_per_s:.0f} GB/s ({gb_per_s / copy_rate:.2f} of copy); "
+                  + ", ".join(f"{k} {t:.3f}" for k, t in launched), flush=True)
     return rows
 
 
 def markdown(rows: list[dict], copy_rate: float) -> str:
     lines = [f"Element-wise copy (BF16 negation): {copy_rate:.0f} GB/s", "",
-             "| model | op | mode | a | ms | GB | GB/s | of copy | tile |", "|---|---|---|---|---|---|---|---|---|"]
+             "| model | op | mode | a | ms | GB | GB/s | of copy | kernels (ms) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        kernels = ", ".join(f"{k[:40]} {t:.3f}" for k, t in r["kernels"])
         lines.append(f"| {r['model']} | {r['op']} | {r['mode']} | {'x'.join(map(str, r['a']))} | {r['ms']:.3f} | "
-                     f"{r['bytes'] / 1e9:.3f} | {r['gb_per_s']:.0f} | {r['of_copy']:.2f} | {r['tile']} |")
+                     f"{r['bytes'] / 1e9:.3f} | {r['gb_per_s']:.0f} | {r['of_copy']:.2f} | {kernels} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,6 +1,7 @@
 """The checks of recipes.fp8.fused_quantize's kernels, shared by the CPU suite (Triton's interpreter,
 tests/test_fused_linears.py) and the GPU suite (tests/test_gpu.py): for every op, the amax, the FP8 bytes in both
-orientations and the recorded history slot equal the unfused reference's, on plain and on awkward inputs."""
+orientations, the recorded history slot and the BF16 values with their amax equal the unfused reference's, on plain
+and on awkward inputs."""
 
 from __future__ import annotations
 
@@ -40,12 +41,14 @@ def op_inputs(op: str, rows: int, cols: int, device, seed: int, awkward: bool) -
 
 
 def check_op(kernels, op: str, a: torch.Tensor, b, dtype: torch.dtype, compiled: bool = False) -> None:
-    produced_amax, produce_fp8, recording = kernels.produced_amax, kernels.produce_fp8, kernels.produce_fp8_recording_amax
-    if compiled:
-        produced_amax, produce_fp8, recording = (torch.compile(f) for f in (produced_amax, produce_fp8, recording))
+    functions = (kernels.produced_amax, kernels.produce_fp8, kernels.produce_fp8_recording_amax,
+                 kernels.produce_bf16_with_amax)
+    produced_amax, produce_fp8, recording, bf16_with_amax = (torch.compile(f) for f in functions) if compiled else functions
     ref = reference_output(op, a, b)
     ref_amax = ref.abs().amax().float()
     assert same_float(produced_amax(op, a, b), ref_amax), op
+    values, amax = bf16_with_amax(op, a, b)
+    assert values.dtype == torch.bfloat16 and same_float(values, ref) and same_float(amax, ref_amax), op
     finite = ref.float().nan_to_num(0.0, 0.0, 0.0).abs().amax()  # a finite scale, so NaN and inf meet a real cast
     scale = tensorwise_scale(finite, dtype)
     expected = cast_to_fp8(ref, scale, dtype)

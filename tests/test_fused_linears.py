@@ -238,11 +238,13 @@ def fused_quantize(monkeypatch):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("awkward", [False, True], ids=["plain", "awkward"])
 def test_fused_quantize_writes_the_reference_bytes(fused_quantize, op, awkward):
-    """Each op's amax, FP8 bytes (row-major and transposed, odd shape) and recorded history slot are the unfused
-    reference's: PyTorch's activation, then current scaling's cast."""
-    a, b = op_inputs(op, rows=70, cols=100, device="cpu", seed=3, awkward=awkward)
-    for dtype in (E4M3, E5M2):
-        check_op(fused_quantize, op, a, b, dtype)
+    """Each op's amax, FP8 bytes (row-major and transposed), recorded history slot and BF16 values are the unfused
+    reference's (PyTorch's activation, then current scaling's cast), on an odd shape (masked tiles) and one the
+    tiles divide (unmasked)."""
+    for rows, cols in ((70, 100), (128, 64)):
+        a, b = op_inputs(op, rows=rows, cols=cols, device="cpu", seed=3, awkward=awkward)
+        for dtype in (E4M3, E5M2):
+            check_op(fused_quantize, op, a, b, dtype)
 
 
 @needs_triton
@@ -286,13 +288,15 @@ pointers = {"a": "*bf16", "b": "*bf16"}
 sizes = {"rows": "i32", "cols": "i32", "a_cols": "i32", "b_cols": "i32"}
 kernels = [(fq._fp8_producer_kernel, {**pointers, "out": "*fp8e4nv", "scale_ptr": "*fp32",
                                       "amax_bits": "*i32", **sizes},
-            dict(FP8_MAX=448.0, MANTISSA=3, BIAS=7, OUT=triton.language.float8e4nv, SOFTWARE=False), (0, 1, 2)),
-           (fq._bf16_producer_kernel, {**pointers, "out": "*bf16", **sizes}, dict(SOFTWARE=False), (None,))]
+            dict(FP8_MAX=448.0, MANTISSA=3, BIAS=7, OUT=triton.language.float8e4nv, SOFTWARE=False),
+            [{"MODE": mode} for mode in (0, 1, 2)]),
+           (fq._bf16_producer_kernel, {**pointers, "out": "*bf16", "amax_bits": "*i32", **sizes},
+            dict(SOFTWARE=False), [{"RECORD_AMAX": record} for record in (False, True)])]
 for kernel, signature, constants, modes in kernels:
     for op in (fq.SWIGLU.value, fq.SWIGLU_BACKWARD.value):  # the ops with the most live tiles
         for mode in modes:
             for tile in fq._TILES:
-                const = {**constants, "OP": op, **({} if mode is None else {"MODE": mode}), **tile.kwargs}
+                const = {**constants, "OP": op, **mode, **tile.kwargs, "EVEN": False}  # masks: more registers
                 source = ASTSource(kernel, {**signature, **{name: "constexpr" for name in const}}, constexprs=const)
                 ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.num_warps})
                 with open(sys.argv[1], "w") as f:
@@ -332,9 +336,9 @@ def test_fused_quantize_bench_times_each_op_and_mode_of_a_model(fused_quantize, 
                        "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert [(r["op"], r["mode"]) for r in rows] == [
-        ("squared_relu", m) for m in ("amax", "cast", "cast_and_record")] + [
-        ("squared_relu_backward", m) for m in ("amax", "cast", "cast_and_record", "bf16")] + [
-        ("identity", m) for m in ("amax", "cast", "cast_and_record")]
+        ("squared_relu", m) for m in ("current", "delayed")] + [
+        ("squared_relu_backward", m) for m in ("current", "delayed", "bf16")] + [
+        ("identity", m) for m in ("current", "delayed")]
     ffn = load_option("model", "tiny_nemotron").ffn_hidden_size
     cast = rows[1]  # squared ReLU: reads BF16 (16, ffn), writes FP8 (16, ffn) and its transpose
     assert cast["bytes"] == 16 * ffn * 2 + 2 * 16 * ffn and cast["ms"] > 0

@@ -3,6 +3,7 @@ compiled and eager agree, and the engine trains. Bounds as derived in test_fp8_c
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -279,10 +280,26 @@ def test_fused_quantize_writes_the_reference_bytes_on_cuda(op, compiled):
     bytes in both orientations and history slot, on awkward values, an odd shape and a model-sized one."""
     from recipes.fp8 import fused_quantize
 
-    for rows, cols, awkward in ((70, 100, True), (257, 333, False), (8192, 1792, False)):
-        a, b = op_inputs(op, rows, cols, "cuda", seed=rows, awkward=awkward)
-        for dtype in (E4M3, E5M2):
-            check_op(fused_quantize, op, a, b, dtype, compiled)
+    tunings = [None] if compiled else [[tile] for tile in fused_quantize._TILES]  # eager: every tile, one by one
+    for tiles in tunings:
+        with autotuned_over((fused_quantize._FP8_KERNEL, fused_quantize._BF16_KERNEL), tiles):
+            for rows, cols, awkward in ((70, 100, True), (257, 333, False), (8192, 1792, False)):
+                a, b = op_inputs(op, rows, cols, "cuda", seed=rows, awkward=awkward)
+                for dtype in (E4M3, E5M2):
+                    check_op(fused_quantize, op, a, b, dtype, compiled)
+
+
+@contextlib.contextmanager
+def autotuned_over(autotuners, tiles):
+    """The Triton autotuners choose among `tiles` only (None: their own configs), with fresh caches."""
+    saved = [(tuner, tuner.configs, tuner.cache) for tuner in autotuners]
+    for tuner in autotuners:
+        tuner.configs, tuner.cache = tiles or tuner.configs, {}
+    try:
+        yield
+    finally:
+        for tuner, configs, cache in saved:
+            tuner.configs, tuner.cache = configs, cache
 
 
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_nemotron"])
@@ -334,7 +351,12 @@ def test_fp8_transpose_kernel_moves_every_byte_on_cuda(shape):
     from recipes.fp8 import kernels
 
     q = (torch.randn(shape, device="cuda") * 100).to(E4M3)
-    assert torch.equal(kernels.transpose_fp8(q).view(torch.uint8), q.t().contiguous().view(torch.uint8))
+    expected = q.t().contiguous().view(torch.uint8)
+    assert torch.equal(kernels.transpose_fp8(q).view(torch.uint8), expected)
+    for tile in kernels.TRANSPOSE_TILES:  # every tile the autotuner may pick for some shape
+        out = torch.empty((shape[1], shape[0]), dtype=E4M3, device="cuda")
+        kernels.launch_transpose(q, out, kernels._fp8_transpose_kernel, num_warps=tile.num_warps, **tile.kwargs)
+        assert torch.equal(out.view(torch.uint8), expected), tile
 
 
 @pytest.mark.parametrize("accumulate", [False, True])

@@ -3,11 +3,13 @@ and a linear's incoming gradient (identity), the row-major FP8 copy from one rea
 transpose by recipes.fp8.kernels.transpose_fp8, which reads the FP8 bytes.
 
     produced_amax(op, a, b)                      the amax of op(a, b), without writing it (current scaling's
-                                                 first pass)
+                                                 first pass over a materialized tensor: op "identity")
     produce_fp8(op, a, b, scale, dtype)          op(a, b) * scale in FP8, row-major and transposed
     produce_fp8_recording_amax(..., history, slot)   the same, and op(a, b)'s amax max-ed into history[slot]
                                                  (delayed scaling: the scale is known, so one pass does it all)
     produce_bf16(op, a, b)                       op(a, b) in BF16 (the BF16 MLP's backward)
+    produce_bf16_with_amax(op, a, b)             op(a, b) in BF16 and its amax (current scaling's first pass;
+                                                 the second casts those BF16 values: op "identity")
 
 The ops (recipes.fp8.activation_ops) are computed with the BF16 roundings of the eager model, so that the FP8
 bytes are those of the unfused reference, `reference_output` quantized:
@@ -51,12 +53,16 @@ if not INTERPRETED:
 
 
 @triton.jit
-def _bf16(v):
-    """FP32 rounded to BF16 (nearest, ties to even) and back, in integer arithmetic as c10::BFloat16 rounds; NaN
-    stays NaN."""
-    bits = v.to(tl.int32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return tl.where(v != v, v, rounded.to(tl.float32, bitcast=True))
+def _bf16(v, SOFTWARE: tl.constexpr):
+    """FP32 rounded to BF16 (nearest, ties to even) and back, as c10::BFloat16 rounds: the hardware's cvt on GPUs,
+    integer arithmetic in the interpreter (NumPy has no BF16). NaN stays NaN (its payload may differ)."""
+    if SOFTWARE:
+        bits = v.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        result = tl.where(v != v, v, rounded.to(tl.float32, bitcast=True))
+    else:
+        result = v.to(tl.bfloat16).to(tl.float32)
+    return result
 
 
 @triton.jit
@@ -81,24 +87,24 @@ def _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP: tl.constexpr, SO
     second = first
     if OP == SWIGLU:
         up = tl.load(a + r[:, None] * a_cols + cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
-        silu = _bf16(tl.div_rn(first, 1.0 + _exp(-first, SOFTWARE)))
-        first = _bf16(silu * up)
+        silu = _bf16(tl.div_rn(first, 1.0 + _exp(-first, SOFTWARE)), SOFTWARE)
+        first = _bf16(silu * up, SOFTWARE)
         second = first
     elif OP == SQUARED_RELU:
         relu = _relu(first)
-        first = _bf16(relu * relu)
+        first = _bf16(relu * relu, SOFTWARE)
         second = first
     elif OP == SWIGLU_BACKWARD:
         gate = tl.load(b + r[:, None] * b_cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
         up = tl.load(b + r[:, None] * b_cols + cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
         e = _exp(-gate, SOFTWARE)
-        silu = _bf16(tl.div_rn(gate, 1.0 + e))
+        silu = _bf16(tl.div_rn(gate, 1.0 + e), SOFTWARE)
         sigmoid = tl.div_rn(1.0, 1.0 + e)
-        second = _bf16(first * silu)  # d_up
-        first = _bf16(_bf16(first * up) * sigmoid * tl.fma(gate, 1.0 - sigmoid, 1.0))  # d_gate
+        second = _bf16(first * silu, SOFTWARE)  # d_up
+        first = _bf16(_bf16(first * up, SOFTWARE) * sigmoid * tl.fma(gate, 1.0 - sigmoid, 1.0), SOFTWARE)  # d_gate
     elif OP == SQUARED_RELU_BACKWARD:
         relu = _relu(tl.load(b + r[:, None] * b_cols + c[None, :], mask=mask, other=0.0).to(tl.float32))
-        product = _bf16(first * relu)
+        product = _bf16(first * relu, SOFTWARE)
         first = tl.where(relu <= 0, 0.0, product + product)
         second = first
     return first, second
@@ -112,6 +118,15 @@ def _tile_amax_bits(values, mask):
 
 
 @triton.jit
+def _record_amax(first, second, mask, amax_bits, OP: tl.constexpr):
+    """amax_bits = max(it, the tiles' max |value| as FP32 bits)."""
+    amax = _tile_amax_bits(first, mask)
+    if OP == SWIGLU_BACKWARD:
+        amax = tl.maximum(amax, _tile_amax_bits(second, mask))
+    tl.atomic_max(amax_bits, amax)
+
+
+@triton.jit
 def _store_fp8(values, scale, out, r, c, mask, out_cols, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr,
                BIAS: tl.constexpr, OUT: tl.constexpr, SOFTWARE: tl.constexpr):
     tl.store(out + r[:, None] * out_cols + c[None, :], _to_fp8(values * scale, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE),
@@ -119,20 +134,28 @@ def _store_fp8(values, scale, out, r, c, mask, out_cols, FP8_MAX: tl.constexpr, 
 
 
 @triton.jit
+def _tile(rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr):
+    """This program's rows, columns and their mask; a constant one where the tiles divide the output (EVEN), so
+    that the compiler drops the per-element bounds checks."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    if EVEN:
+        mask = tl.full((BLOCK_R, BLOCK_C), 1, tl.int1)
+    else:
+        mask = (r[:, None] < rows) & (c[None, :] < cols)
+    return r, c, mask
+
+
+@triton.jit
 def _fp8_producer_kernel(a, b, out, scale_ptr, amax_bits, rows, cols, a_cols, b_cols,
                          OP: tl.constexpr, MODE: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr,
                          BIAS: tl.constexpr, OUT: tl.constexpr, SOFTWARE: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr):
     """One BLOCK_R x BLOCK_C tile of the op's output (two for swiglu_backward: columns c and cols + c)."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    r, c, mask = _tile(rows, cols, BLOCK_R, BLOCK_C, EVEN)
     first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
     if MODE != CAST:
-        amax = _tile_amax_bits(first, mask)
-        if OP == SWIGLU_BACKWARD:
-            amax = tl.maximum(amax, _tile_amax_bits(second, mask))
-        tl.atomic_max(amax_bits, amax)
+        _record_amax(first, second, mask, amax_bits, OP)
     if MODE != AMAX_ONLY:
         scale = tl.load(scale_ptr)
         out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
@@ -142,17 +165,28 @@ def _fp8_producer_kernel(a, b, out, scale_ptr, amax_bits, rows, cols, a_cols, b_
 
 
 @triton.jit
-def _bf16_producer_kernel(a, b, out, rows, cols, a_cols, b_cols, OP: tl.constexpr, SOFTWARE: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The same tiles, stored in BF16 (row-major only)."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (r[:, None] < rows) & (c[None, :] < cols)
+def _store_bf16(pointers, values, mask, SOFTWARE: tl.constexpr):
+    """Store values that are BF16 already. The interpreter gets int16 storage and their top halves (its own BF16
+    conversion flushes subnormals)."""
+    if SOFTWARE:
+        tl.store(pointers, (values.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=mask)
+    else:
+        tl.store(pointers, values.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _bf16_producer_kernel(a, b, out, amax_bits, rows, cols, a_cols, b_cols, OP: tl.constexpr,
+                          RECORD_AMAX: tl.constexpr, SOFTWARE: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_C: tl.constexpr, EVEN: tl.constexpr):
+    """The same tiles, stored in BF16 (row-major only), and their amax max-ed into amax_bits if RECORD_AMAX."""
+    r, c, mask = _tile(rows, cols, BLOCK_R, BLOCK_C, EVEN)
     first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+    if RECORD_AMAX:
+        _record_amax(first, second, mask, amax_bits, OP)
     out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
-    tl.store(out + r[:, None] * out_cols + c[None, :], first.to(tl.bfloat16), mask=mask)
+    _store_bf16(out + r[:, None] * out_cols + c[None, :], first, mask, SOFTWARE)
     if OP == SWIGLU_BACKWARD:
-        tl.store(out + r[:, None] * out_cols + cols + c[None, :], second.to(tl.bfloat16), mask=mask)
+        _store_bf16(out + r[:, None] * out_cols + cols + c[None, :], second, mask, SOFTWARE)
 
 
 # Few elements per thread, so that no op spills registers (ptxas for sm_90a: 64x128 tiles with 4 warps spilled
@@ -165,12 +199,14 @@ _INTERPRETED_TILE = {"BLOCK_R": 64, "BLOCK_C": 64}
 
 def _tuned(kernel, key: list[str]):
     """The kernel autotuned over _TILES on GPUs (reruns are harmless: its stores and maxes repeat), as is under
-    the interpreter."""
-    return kernel if INTERPRETED else triton.autotune(_TILES, key=key)(kernel)
+    the interpreter; EVEN where the tile divides the output."""
+    even = triton.heuristics({"EVEN": lambda args: args["rows"] % args["BLOCK_R"] == 0
+                              and args["cols"] % args["BLOCK_C"] == 0})(kernel)
+    return even if INTERPRETED else triton.autotune(_TILES, key=key)(even)
 
 
 _FP8_KERNEL = _tuned(_fp8_producer_kernel, ["rows", "cols", "OP", "MODE"])
-_BF16_KERNEL = _tuned(_bf16_producer_kernel, ["rows", "cols", "OP"])
+_BF16_KERNEL = _tuned(_bf16_producer_kernel, ["rows", "cols", "OP", "RECORD_AMAX"])
 
 
 def _widths(op: int, a: torch.Tensor, b: Optional[torch.Tensor]) -> tuple[int, int]:
@@ -232,19 +268,41 @@ def produce_fp8_recording_amax(op: str, a: torch.Tensor, b: Optional[torch.Tenso
     return out, transpose_fp8(out)
 
 
-@torch.library.custom_op("fp8_recipes::produce_bf16", mutates_args=())
-def produce_bf16(op: str, a: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
-    """op(a, b) in BF16, one pass (the BF16 blocks' MLP backward: both halves of SwiGLU's gradient from one read)."""
-    op_code, a, b, rows, cols, width, grid = _operands(op, a, b)
+def _launch_bf16(op_name: str, a: torch.Tensor, b: Optional[torch.Tensor],
+                 amax: Optional[torch.Tensor]) -> torch.Tensor:
+    op, a, b, rows, cols, width, grid = _operands(op_name, a, b)
     out = torch.empty((rows, width), dtype=torch.bfloat16, device=a.device)
-    _BF16_KERNEL[grid](a, b, out, rows, cols, a.shape[1], b.shape[1], OP=op_code, SOFTWARE=INTERPRETED,
+    _BF16_KERNEL[grid](a, b, out.view(torch.int16) if INTERPRETED else out, out if amax is None else amax.view(torch.int32), rows, cols, a.shape[1],
+                       b.shape[1], OP=op, RECORD_AMAX=amax is not None, SOFTWARE=INTERPRETED,
                        **(_INTERPRETED_TILE if INTERPRETED else {}))
     return out
 
 
-@produce_bf16.register_fake
-def _(op, a, b):
+@torch.library.custom_op("fp8_recipes::produce_bf16", mutates_args=())
+def produce_bf16(op: str, a: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    """op(a, b) in BF16, one pass (the BF16 blocks' MLP backward: both halves of SwiGLU's gradient from one read)."""
+    return _launch_bf16(op, a, b, None)
+
+
+@torch.library.custom_op("fp8_recipes::produce_bf16_with_amax", mutates_args=())
+def produce_bf16_with_amax(op: str, a: torch.Tensor,
+                           b: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(op(a, b) in BF16, its amax as an FP32 scalar), one pass: current scaling computes the op once and casts
+    the BF16 values (exactly the op's, which rounds to BF16) in a second pass that reads 2 bytes per element."""
+    amax = torch.zeros((), dtype=torch.float32, device=a.device)
+    return _launch_bf16(op, a, b, amax), amax
+
+
+def _fake_bf16(op, a, b):
     return a.new_empty((a.shape[0], _widths(OPS.index(op), a, b)[1]), dtype=torch.bfloat16)
+
+
+produce_bf16.register_fake(_fake_bf16)
+
+
+@produce_bf16_with_amax.register_fake
+def _(op, a, b):
+    return _fake_bf16(op, a, b), a.new_empty((), dtype=torch.float32)
 
 
 def _fake_fp8(op, a, b, dtype):

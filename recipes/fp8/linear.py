@@ -133,13 +133,18 @@ class PerTensorScaling(Fp8Recipe):
 
 class TensorwiseScaling(PerTensorScaling):
     """Per-tensor current scaling (TE Float8CurrentScaling; precision=fp8_current): the scale from each tensor's amax
-    now (fused: one pass for the amax, one for the cast)."""
+    now. Fused: an activation is computed once, in BF16 with its amax, then cast; a materialized tensor (op
+    "identity") is read once for the amax and once for the cast."""
 
     def quantize(self, t, role, state):
         return quantize_tensorwise(t, self.dtype(role))
 
     def fused_cast(self, kernels, op, a, b, dtype, state, role):
-        scale = tensorwise_scale(kernels.produced_amax(op, a, b), dtype)
+        if op == "identity":
+            amax = kernels.produced_amax(op, a, b)
+        else:
+            (a, amax), op, b = kernels.produce_bf16_with_amax(op, a, b), "identity", None
+        scale = tensorwise_scale(amax, dtype)
         return *kernels.produce_fp8(op, a, b, scale, dtype), scale
 
 

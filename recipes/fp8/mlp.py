@@ -1,12 +1,15 @@
 """An MLP as one autograd function, so that its activation is written by one kernel in the form the next GEMM
-takes. FP8 (`Fp8Mlp`): the activation quantized by the kernel that computes it, so that neither its output nor
-its gradient is written in BF16:
+takes. FP8 (`Fp8Mlp`): the activation quantized by the kernel that computes it; in delayed scaling (scale known
+beforehand) neither its output nor its gradient is written in BF16:
 
     forward   x -> FP8 (x, x^T) -> fc1 GEMM -> fc1's output (BF16, saved)
                  -> activation + FP8 h in one pass (h^T from h's bytes) -> fc2 GEMM -> y
     backward  dy -> FP8 (dy, dy^T) -> fc2 dgrad -> dh (BF16)
                  -> activation's backward + FP8 d in one pass (d^T from d's bytes) -> fc1 dgrad -> dx;
                  wgrads from the FP8 pairs
+
+Current scaling needs the amax before the cast: the op's kernel writes it in BF16 with its amax, and a second
+pass casts those values (the op, compute-heavy for SwiGLU, runs once; the cast reads 2 bytes per element).
 
 BF16 (`Bf16Mlp`, the BF16 blocks of the fused linears): the activation's backward writes both halves of SwiGLU's
 gradient from one read of its inputs (Inductor's kernel reads every input twice, once per half).
