@@ -111,7 +111,8 @@ def bench_model(cfg: ModelConfig, name: str, args, device: torch.device, copy_ra
 
 def markdown(rows: list[dict], copy_rate: float) -> str:
     lines = [f"Element-wise copy (BF16 negation): {copy_rate:.0f} GB/s", "",
-             "| model | op | mode | a | ms | GB | GB/s | of copy | kernels (ms) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| model | op | mode | a | ms | GB | GB/s | of copy | kernels (ms) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         kernels = ", ".join(f"{k[:40]} {t:.3f}" for k, t in r["kernels"])
         lines.append(f"| {r['model']} | {r['op']} | {r['mode']} | {'x'.join(map(str, r['a']))} | {r['ms']:.3f} | "

@@ -43,7 +43,9 @@ def op_inputs(op: str, rows: int, cols: int, device, seed: int, awkward: bool) -
 def check_op(kernels, op: str, a: torch.Tensor, b, dtype: torch.dtype, compiled: bool = False) -> None:
     functions = (kernels.produced_amax, kernels.produce_fp8, kernels.produce_fp8_recording_amax,
                  kernels.produce_bf16_with_amax)
-    produced_amax, produce_fp8, recording, bf16_with_amax = (torch.compile(f) for f in functions) if compiled else functions
+    if compiled:
+        functions = tuple(torch.compile(f) for f in functions)
+    produced_amax, produce_fp8, recording, bf16_with_amax = functions
     ref = reference_output(op, a, b)
     ref_amax = ref.abs().amax().float()
     assert same_float(produced_amax(op, a, b), ref_amax), op

@@ -272,7 +272,8 @@ def _launch_bf16(op_name: str, a: torch.Tensor, b: Optional[torch.Tensor],
                  amax: Optional[torch.Tensor]) -> torch.Tensor:
     op, a, b, rows, cols, width, grid = _operands(op_name, a, b)
     out = torch.empty((rows, width), dtype=torch.bfloat16, device=a.device)
-    _BF16_KERNEL[grid](a, b, out.view(torch.int16) if INTERPRETED else out, out if amax is None else amax.view(torch.int32), rows, cols, a.shape[1],
+    stored = out.view(torch.int16) if INTERPRETED else out
+    _BF16_KERNEL[grid](a, b, stored, out if amax is None else amax.view(torch.int32), rows, cols, a.shape[1],
                        b.shape[1], OP=op, RECORD_AMAX=amax is not None, SOFTWARE=INTERPRETED,
                        **(_INTERPRETED_TILE if INTERPRETED else {}))
     return out
