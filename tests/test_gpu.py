@@ -352,11 +352,9 @@ def test_fp8_transpose_kernel_moves_every_byte_on_cuda(shape):
 
     q = (torch.randn(shape, device="cuda") * 100).to(E4M3)
     expected = q.t().contiguous().view(torch.uint8)
-    assert torch.equal(kernels.transpose_fp8(q).view(torch.uint8), expected)
-    for tile in kernels.TRANSPOSE_TILES:  # every tile the autotuner may pick for some shape
-        out = torch.empty((shape[1], shape[0]), dtype=E4M3, device="cuda")
-        kernels.launch_transpose(q, out, kernels._fp8_transpose_kernel, num_warps=tile.num_warps, **tile.kwargs)
-        assert torch.equal(out.view(torch.uint8), expected), tile
+    for tiles in [None] + [[tile] for tile in kernels.TRANSPOSE_TILES]:  # the autotuner's pick, then every tile
+        with autotuned_over((kernels._TRANSPOSE,), tiles):
+            assert torch.equal(kernels.transpose_fp8(q).view(torch.uint8), expected), tiles
 
 
 @pytest.mark.parametrize("accumulate", [False, True])

@@ -131,19 +131,14 @@ _TRANSPOSE = (_fp8_transpose_kernel if INTERPRETED
               else triton.autotune(TRANSPOSE_TILES, key=["rows", "cols"])(_fp8_transpose_kernel))
 
 
-def launch_transpose(data: torch.Tensor, out: torch.Tensor, kernel=_TRANSPOSE, **tile) -> None:
-    """out = data^T for (rows, K) and (K, rows) FP8 tensors, with the autotuned kernel or a given tile."""
-    rows, cols = data.shape
-    tile = tile or ({"BLOCK_R": 64, "BLOCK_C": 64} if INTERPRETED else {})
-    grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_R"]), triton.cdiv(cols, meta["BLOCK_C"]))  # noqa: E731
-    kernel[grid](data.contiguous().view(torch.uint8), out.view(torch.uint8), rows, cols, **tile)
-
-
 @torch.library.custom_op("fp8_recipes::transpose_fp8", mutates_args=())
 def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     """The (K, rows) row-major copy of a (rows, K) row-major FP8 tensor."""
-    out = torch.empty((data.shape[1], data.shape[0]), dtype=data.dtype, device=data.device)
-    launch_transpose(data, out)
+    rows, cols = data.shape
+    out = torch.empty((cols, rows), dtype=data.dtype, device=data.device)
+    grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_R"]), triton.cdiv(cols, meta["BLOCK_C"]))  # noqa: E731
+    _TRANSPOSE[grid](data.contiguous().view(torch.uint8), out.view(torch.uint8), rows, cols,
+                     **({"BLOCK_R": 64, "BLOCK_C": 64} if INTERPRETED else {}))
     return out
 
 
