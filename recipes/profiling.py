@@ -79,11 +79,50 @@ def time_split(prof: profile, device_type: str) -> dict:
 
 
 def profile_kernels(run: Callable[[], None]) -> dict:
-    """Run `run` once under the profiler on the GPU; the kernel time per category and the top kernels (ms)."""
+    """Run `run` once under the profiler on the GPU; the kernel time per category and the top kernels (ms), and
+    where the GPU sat idle between them (`gpu_idle`)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    return time_split(prof, "cuda")
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]
+    return {**time_split(prof, "cuda"), "idle": gpu_idle(kernels)}
+
+
+# A gap up to this long is the GPU's own latency between queued kernels; a longer one, a wait for the host.
+QUEUED_GAP_US = 10.0
+
+
+def gpu_idle(kernels: list[tuple[float, float, str]]) -> dict:
+    """Where the GPU did nothing between the first kernel's start and the last one's end, from the kernels'
+    (start_us, end_us, name): the idle time in gaps up to QUEUED_GAP_US (kernels queued back to back; their
+    number sets it) and in longer gaps (the host fell behind, or waited), and the longest gaps, each with when it
+    began (ms from the first kernel) and the kernels on either side. Overlapping kernels (other streams) count
+    once."""
+    kernels = sorted(kernels)
+    gaps, (_, busy_until, last_name) = [], kernels[0]
+    for start, end, name in kernels[1:]:
+        if start > busy_until:
+            gaps.append((start - busy_until, last_name, name, busy_until - kernels[0][0]))
+        if end > busy_until:
+            busy_until, last_name = end, name
+    queued = [gap[0] for gap in gaps if gap[0] <= QUEUED_GAP_US]
+    waits = sorted((g for g in gaps if g[0] > QUEUED_GAP_US), key=lambda g: -g[0])
+    return {
+        "kernels": len(kernels),
+        "span_ms": (busy_until - kernels[0][0]) / 1e3,
+        "queued_gaps_ms": sum(queued) / 1e3,
+        "wait_gaps": len(waits),
+        "wait_gaps_ms": sum(gap[0] for gap in waits) / 1e3,
+        "longest_gaps": [{"ms": gap / 1e3, "at_ms": at / 1e3, "after": after[:100], "before": before[:100]}
+                         for gap, after, before, at in waits[:8]],
+    }
+
+
+def describe_idle(idle: dict) -> str:
+    return (f"{idle['kernels']} kernels over {idle['span_ms']:.1f} ms; GPU idle {idle['queued_gaps_ms']:.1f} ms "
+            f"between queued kernels, {idle['wait_gaps_ms']:.1f} ms in {idle['wait_gaps']} waits over "
+            f"{QUEUED_GAP_US:.0f} us")
 
 
 def describe_time_split(split: dict) -> str:

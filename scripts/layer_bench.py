@@ -12,10 +12,12 @@ output layer, with causal attention counted half (Megatron-LM); a second column 
 `--peer torchao` adds torchao's float8 tensorwise training (`convert_to_float8_training`, recipe "tensorwise") on
 the same blocks in the same process, as the outside reference for the per-tensor recipes. `--peer te` adds
 Transformer Engine's layers (scripts/te_peer.py) in each of TE's recipes, with the same shapes, micro-batches,
-inputs, loss, AdamW (fused, weight decay on matrices) and timing. How a TE column differs from ours: BF16
-parameters and BF16 gradient accumulation (ours: FP32 master weights and FP32 gradients), eager (ours: each block
-compiled), TE's fused kernels and its attention backend choice (cuDNN fused attention on Hopper; ours: PyTorch
-SDPA under the model's own order, cuDNN's fused attention first: recipes.models.attention).
+inputs, loss, AdamW (fused, weight decay on matrices) and timing, trained with BF16 parameters and BF16 gradients
+summed by autograd; `--peer te_megatron` adds them trained as Megatron-LM trains them, with the work ours does:
+FP32 main gradients summed inside TE's weight-gradient GEMMs and FP32 master weights. How a TE column differs
+from ours beyond that: eager (ours: each block compiled), TE's fused kernels and its attention backend choice
+(cuDNN fused attention on Hopper; ours: PyTorch SDPA under the model's own order, cuDNN's fused attention first:
+recipes.models.attention).
 
 With `--profile`, each step's kernel time is split into GEMMs / attention / FP8 quantization / other (recipes.profiling), and the "limit" column is
 the step speedup if every linear-layer GEMM ran at the FP8/BF16 rate ratio that `scripts/gemm_bench.py` measures
@@ -47,19 +49,20 @@ from recipes.engine.training import build_optimizer, compile_blocks, optimizer_s
 from recipes.fp8 import Fp8Training
 from recipes.metrics import flops_per_token
 from recipes.models.transformer import RotaryEmbedding, TransformerBlock, init_weights
-from recipes.profiling import describe_time_split, profile_kernels
+from recipes.profiling import describe_idle, describe_time_split, profile_kernels
 from recipes.provenance import provenance
 
 # Sibling scripts: scripts/, this script's folder, is on sys.path.
 from gemm_bench import bench_shape, model_gemm_shapes
-from te_peer import TE_COLUMNS, TeDecoderStack, import_transformer_engine, te_recipe
+from te_peer import TE_RECIPES, MegatronStyleTraining, TeDecoderStack, import_transformer_engine, te_recipe
 
 TORCHAO_PEER = "torchao_tensorwise"
 
 
 class Trainee(NamedTuple):
-    """What a column trains: the blocks, the loss of one micro-batch (input, micro-batch index), and the FP8 object
-    the engine's optimizer step calls (BF16's, which does nothing, for a peer's own layers)."""
+    """What a column trains: the module whose parameters the optimizer updates (the blocks, or the FP32 master
+    weights of TE's BF16 layers), the loss of one micro-batch (input, micro-batch index), and the object whose
+    hooks the engine's optimizer step calls (the FP8 object; BF16's, which does nothing, for TE's own FP8)."""
 
     model: nn.Module
     loss: Callable[[torch.Tensor, int], torch.Tensor]
@@ -127,29 +130,34 @@ def torchao_variant() -> Variant:
     return ours(TORCHAO_PEER, convert)
 
 
-def te_variant(column: str) -> Variant:
-    """Transformer Engine's layers (scripts/te_peer.py): BF16 parameters, eager, TE's FP8 recipe for the column."""
+def te_variant(peer: str, recipe_name: str) -> Variant:
+    """Transformer Engine's layers (scripts/te_peer.py), eager, in TE's recipe `recipe_name`; trained with BF16
+    gradients and parameters (peer "te") or as Megatron-LM trains them (peer "te_megatron")."""
+    column = f"{peer}_{recipe_name}"
 
     def build(model_cfg: ModelConfig, args, device: torch.device) -> Trainee:
         te = import_transformer_engine()
-        recipe = te_recipe(column)
-        stack = TeDecoderStack(model_cfg)
+        recipe = te_recipe(recipe_name, column)
+        megatron_style = peer == "te_megatron"
+        stack = TeDecoderStack(model_cfg, fuse_wgrad_accumulation=megatron_style)
 
         def loss(x: torch.Tensor, micro: int) -> torch.Tensor:
             with te.autocast(enabled=recipe is not None, recipe=recipe):
                 out = stack(x, is_first_microbatch=micro == 0)
             return squared_output(out)
 
+        if megatron_style:
+            training = MegatronStyleTraining(stack)
+            return Trainee(training.masters, loss, training)
         return Trainee(stack, loss, Fp8Training(load_option("precision", "bf16")))  # TE's FP8: in its layers
 
     return Variant(column, build)
 
 
-def te_columns(device: torch.device) -> list[Variant]:
-    """te_bf16, te_current, te_delayed, te_blockwise, and te_mxfp8 where TE says MXFP8 runs (Blackwell)."""
+def te_columns(peer: str) -> list[Variant]:
+    """The peer's column in each of TE_RECIPES, MXFP8 only where TE says it runs (Blackwell)."""
     te = import_transformer_engine()
-    columns = [c for c in TE_COLUMNS if c != "te_mxfp8" or te.is_mxfp8_available()]
-    return [te_variant(column) for column in columns]
+    return [te_variant(peer, name) for name in TE_RECIPES if name != "mxfp8" or te.is_mxfp8_available()]
 
 
 class DecoderStack(nn.Module):
@@ -202,6 +210,10 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
         print(f"  {variant.name:>18} profile: {describe_time_split(kernel_profile)}", flush=True)
         for kernel in kernel_profile["top_kernels"][:12]:
             print(f"      {kernel['ms']:8.2f} ms  {kernel['category']:>9}  {kernel['name']}")
+        print(f"  {variant.name:>18} timeline: {describe_idle(kernel_profile['idle'])}", flush=True)
+        for gap in kernel_profile["idle"]["longest_gaps"][:4]:
+            print(f"      {gap['ms']:8.3f} ms idle at {gap['at_ms']:.1f} ms, after {gap['after'][:50]}, before "
+                  f"{gap['before'][:50]}")
     tokens = args.micro_batches * model_cfg.seq_length
     tflops = tokens * flops_per_token(model_cfg, include_output_layer=False) / step_time / 1e12
     tflops_full = tokens * flops_per_token(model_cfg, include_output_layer=False, causal=False) / step_time / 1e12
@@ -257,7 +269,7 @@ def compare_to_bf16(model_cfg: ModelConfig, results: list[dict]) -> None:
 
 def strongest_bf16(results: list[dict]) -> dict | None:
     """The fastest BF16 column (ours in any variant, or a peer's): every speedup of the run is against it."""
-    bf16 = [r for r in results if "error" not in r and r["precision"].split(":")[0] in ("bf16", "te_bf16")]
+    bf16 = [r for r in results if "error" not in r and r["precision"].split(":")[0].endswith("bf16")]
     return min(bf16, key=lambda r: r["median_step_s"], default=None)
 
 
@@ -293,9 +305,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precisions", default="bf16,fp8_current",
                         help="comma-separated conf/precision options, each optionally with field overrides, e.g. "
                              "bf16:fused_kernels=false")
-    parser.add_argument("--peer", choices=["torchao", "te"], action="append",
+    parser.add_argument("--peer", choices=["torchao", "te", "te_megatron"], action="append",
                         help="add peer columns: torchao's float8 tensorwise training; Transformer Engine's layers "
-                             "(te_bf16, te_current, te_delayed, te_blockwise, te_mxfp8 on Blackwell); repeatable")
+                             "with BF16 gradients (te_bf16, te_current, te_delayed, te_blockwise, te_mxfp8 on "
+                             "Blackwell) or trained as Megatron-LM trains them (te_megatron_bf16, ...); repeatable")
     parser.add_argument("--micro-batches", type=int, default=8, help="gradient-accumulation micro-batches per step")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per precision")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, autotuning)")
@@ -318,22 +331,24 @@ def markdown_table(rows: list[dict]) -> str:
     lines = [
         "| model | layers | seq | precision | median step (ms) | model TFLOP/s (Megatron, causal) | "
         "TFLOP/s (full attention) | speedup vs fastest bf16 | limit | gain captured | peak mem (GiB) | "
-        "kernels: GEMM / attention / quantization / other (ms) | graph breaks |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "kernels: GEMM / attention / quantization / other (ms) | GPU idle: queued / waits (ms) | graph breaks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "error" in row:
             lines.append(f"| {row['model']} | {row['layers']} | {row['seq_length']} | {row['precision']} | "
-                         f"failed: {row['error'].splitlines()[0][:80]} | | | | | | | | |")
+                         f"failed: {row['error'].splitlines()[0][:80]} | | | | | | | | | |")
             continue
         speedup = f"{row['speedup_vs_bf16']:.3f}x" if row.get("speedup_vs_bf16") is not None else "n/a"
         limit = f"{row['limit']:.3f}x" if row.get("limit") else "n/a"
         captured = f"{row['gain_captured']:.0%}" if row.get("gain_captured") is not None else "n/a"
         split = " / ".join(f"{row['profile']['ms'][k]:.1f}" for k in ("gemm", "attention", "quantization", "other")) if row.get("profile") else "n/a"
+        idle = (f"{row['profile']['idle']['queued_gaps_ms']:.1f} / {row['profile']['idle']['wait_gaps_ms']:.1f}"
+                if row.get("profile") else "n/a")
         lines.append(
             f"| {row['model']} | {row['layers']} | {row['seq_length']} | {row['precision']} | "
             f"{row['median_step_s'] * 1e3:.1f} | {row['model_tflops']:.1f} | {row['model_tflops_full_attention']:.1f} | "
-            f"{speedup} | {limit} | {captured} | {row['peak_memory_gib']:.1f} | {split} | {row['graph_breaks']} |"
+            f"{speedup} | {limit} | {captured} | {row['peak_memory_gib']:.1f} | {split} | {idle} | {row['graph_breaks']} |"
         )
     return "\n".join(lines)
 
@@ -351,12 +366,13 @@ def main(argv: list[str] | None = None) -> int:
     peers = args.peer or []
     if "torchao" in peers:
         variants.append(torchao_variant())
-    if "te" in peers:
-        try:
-            variants += te_columns(device)
-        except RuntimeError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
+    for peer in ("te", "te_megatron"):
+        if peer in peers:
+            try:
+                variants += te_columns(peer)
+            except RuntimeError as error:
+                print(f"error: {error}", file=sys.stderr)
+                return 2
     rows = []
     for model_cfg, layers in zip(models, args.layers):
         model_cfg = dataclasses.replace(model_cfg, num_layers=layers)

@@ -3,10 +3,16 @@
 The same block as recipes.models.transformer.TransformerBlock, built from `te.TransformerLayer`: pre-norm, fused
 QKV projection with grouped-query attention, RoPE from the model's own frequency table (Llama 3.1 scaling
 included), causal attention, no biases, no dropout; Llama with RMSNorm and SwiGLU, Nemotron-4 with LayerNorm1p
-(`zero_centered_gamma`) and squared ReLU (`srelu`) on half of each head's dimensions. Parameters in BF16 (TE's
-usual setting: no FP32 master weights), weights initialised like ours. FP8 through `te.autocast` with TE's own
-recipe objects; each micro-batch after the first reuses the FP8 weights (`is_first_microbatch`). Eager: TE's
-modules are not compiled.
+(`zero_centered_gamma`) and squared ReLU (`srelu`) on half of each head's dimensions. Parameters in BF16, weights
+initialised like ours. FP8 through `te.autocast` with TE's own recipe objects; each micro-batch after the first
+reuses the FP8 weights (`is_first_microbatch`). Eager: TE's modules are not compiled.
+
+Two ways to train them, each a set of columns:
+- `te_*`: BF16 gradients, summed over the micro-batches by autograd, and AdamW on the BF16 parameters (TE's
+  examples);
+- `te_megatron_*`: as Megatron-LM trains TE's layers (`MegatronStyleTraining`): FP32 main gradients written inside
+  TE's weight-gradient GEMMs (`fuse_wgrad_accumulation`), FP32 master weights in AdamW. That is the work our
+  engine does too (FP32 master weights, FP32 main gradients summed inside the GEMMs).
 """
 
 from __future__ import annotations
@@ -20,8 +26,7 @@ from torch import nn
 from recipes.config import Activation, ModelConfig, Normalization
 from recipes.models.transformer import rope_inverse_frequencies
 
-# Column name -> the TE recipe that column runs (None: BF16).
-TE_COLUMNS = ("te_bf16", "te_current", "te_delayed", "te_blockwise", "te_mxfp8")
+TE_RECIPES = ("bf16", "current", "delayed", "blockwise", "mxfp8")  # column name: f"{peer}_{recipe}"
 
 
 def import_transformer_engine():
@@ -33,22 +38,22 @@ def import_transformer_engine():
     return te
 
 
-def te_recipe(column: str):
-    """TE's recipe object for a column, as REFERENCE.md section 9 sets them; None for te_bf16. Refuses a recipe
-    TE cannot run on this GPU (TE's own check) rather than measure something else."""
+def te_recipe(name: str, column: str):
+    """TE's recipe object for one of TE_RECIPES, as REFERENCE.md section 9 sets them; None for bf16. Refuses a
+    recipe TE cannot run on this GPU (TE's own check, naming the column) rather than measure something else."""
     te = import_transformer_engine()
     from transformer_engine.common import recipe
 
-    if column == "te_bf16":
+    if name == "bf16":
         return None
     make, available = {
-        "te_current": (lambda: recipe.Float8CurrentScaling(fp8_format=recipe.Format.HYBRID), te.is_fp8_available),
-        "te_delayed": (lambda: recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=1024,
-                                                     amax_compute_algo="max"), te.is_fp8_available),
-        "te_blockwise": (lambda: recipe.Float8BlockScaling(fp8_format=recipe.Format.E4M3),
-                         te.is_fp8_block_scaling_available),
-        "te_mxfp8": (lambda: recipe.MXFP8BlockScaling(fp8_format=recipe.Format.E4M3), te.is_mxfp8_available),
-    }[column]
+        "current": (lambda: recipe.Float8CurrentScaling(fp8_format=recipe.Format.HYBRID), te.is_fp8_available),
+        "delayed": (lambda: recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=1024,
+                                                  amax_compute_algo="max"), te.is_fp8_available),
+        "blockwise": (lambda: recipe.Float8BlockScaling(fp8_format=recipe.Format.E4M3),
+                      te.is_fp8_block_scaling_available),
+        "mxfp8": (lambda: recipe.MXFP8BlockScaling(fp8_format=recipe.Format.E4M3), te.is_mxfp8_available),
+    }[name]
     ok, reason = available(return_reason=True)
     if not ok:
         raise RuntimeError(f"{column}: Transformer Engine cannot run this recipe here: {reason}")
@@ -60,9 +65,11 @@ def _normal(std: float) -> Callable[[torch.Tensor], None]:
 
 
 class TeDecoderStack(nn.Module):
-    """N `te.TransformerLayer`s laid out as our block; `forward(x, is_first_microbatch)` takes (batch, seq, hidden)."""
+    """N `te.TransformerLayer`s laid out as our block; `forward(x, is_first_microbatch)` takes (batch, seq, hidden).
+    With `fuse_wgrad_accumulation`, each linear's weight gradient goes into its weight's `main_grad` (FP32) inside
+    the GEMM: written in the first micro-batch, added to in the others."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, fuse_wgrad_accumulation: bool = False):
         super().__init__()
         te = import_transformer_engine()
         llama = cfg.normalization == Normalization.rmsnorm
@@ -84,6 +91,7 @@ class TeDecoderStack(nn.Module):
                 seq_length=cfg.seq_length,
                 micro_batch_size=1,
                 fuse_qkv_params=True,
+                fuse_wgrad_accumulation=fuse_wgrad_accumulation,
                 bias=False,
                 normalization="RMSNorm" if llama else "LayerNorm",
                 zero_centered_gamma=cfg.normalization == Normalization.layernorm1p,
@@ -104,3 +112,47 @@ class TeDecoderStack(nn.Module):
         for layer in self.layers:
             x = layer(x, rotary_pos_emb=self.rotary, is_first_microbatch=is_first_microbatch)
         return x
+
+
+class MegatronStyleTraining:
+    """How Megatron-LM trains TE's layers (its DistributedDataParallel and mixed-precision optimizer), for the
+    `te_megatron_*` columns. Every parameter of `model` (BF16) gets an FP32 `main_grad`: TE's weight-gradient
+    GEMMs write it (`fuse_wgrad_accumulation`), and the other parameters' BF16 gradients (the norms') are added
+    to it after each backward, as Megatron's gradient hooks do. Clipping and AdamW see FP32 master weights
+    (`masters`), which are copied into the BF16 parameters after each step. The methods are the engine's
+    training-step hooks (those of recipes.fp8.training.Fp8Training), so the engine's `optimizer_step`, given
+    `masters` as its model, trains TE's layers this way unchanged."""
+
+    def __init__(self, model: nn.Module):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        for param in self.params:
+            param.main_grad = torch.zeros_like(param, dtype=torch.float32)
+        self.masters = nn.ParameterList(nn.Parameter(p.detach().float()) for p in self.params)
+        self.first_micro_batch = True
+
+    def micro_batch(self, model: nn.Module, index: int) -> None:
+        self.first_micro_batch = index == 0
+
+    @torch.no_grad()
+    def after_backward(self, model: nn.Module) -> None:
+        for param in self.params:
+            if param.grad is not None:  # a gradient the GEMM did not write (TE leaves those None)
+                if self.first_micro_batch:
+                    param.main_grad.copy_(param.grad)
+                else:
+                    param.main_grad.add_(param.grad)
+                param.grad = None
+
+    def after_micro_batches(self, model: nn.Module) -> None:
+        for master, param in zip(self.masters, self.params):
+            master.grad = param.main_grad
+
+    def amaxes_finite(self, model: nn.Module) -> bool:
+        return True  # TE's recipes keep their own amaxes
+
+    def non_finite_amaxes(self, model: nn.Module) -> str:
+        return ""
+
+    @torch.no_grad()
+    def weights_changed(self, model: nn.Module) -> None:
+        torch._foreach_copy_(self.params, list(self.masters))

@@ -3,7 +3,7 @@ category a reader of the time split expects."""
 
 import pytest
 
-from recipes.profiling import kernel_category
+from recipes.profiling import QUEUED_GAP_US, gpu_idle, kernel_category
 
 
 @pytest.mark.parametrize("name, category", [
@@ -35,3 +35,23 @@ from recipes.profiling import kernel_category
 def test_kernel_categories(name, category):
     assert kernel_category(name) == category
 
+
+
+def test_gpu_idle_splits_queued_gaps_from_waits():
+    # (start_us, end_us, name), out of order; "copy" runs on another stream inside "gemm", and "tail" starts
+    # before "gemm" ends: neither leaves a gap.
+    kernels = [
+        (0.0, 100.0, "gemm"), (20.0, 40.0, "copy"), (90.0, 150.0, "tail"),
+        (152.0, 160.0, "cast"),             # 2 us after tail: queued
+        (660.0, 700.0, "adam"),             # 500 us after cast: the host
+        (700.0 + QUEUED_GAP_US + 1, 720.0 + QUEUED_GAP_US, "norm"),  # just over the threshold: a wait too
+    ]
+    idle = gpu_idle(kernels)
+    assert idle["kernels"] == 6
+    assert idle["span_ms"] == pytest.approx((720.0 + QUEUED_GAP_US) / 1e3)
+    assert idle["queued_gaps_ms"] == pytest.approx(2.0 / 1e3)
+    assert idle["wait_gaps"] == 2
+    assert idle["wait_gaps_ms"] == pytest.approx((500.0 + QUEUED_GAP_US + 1) / 1e3)
+    longest = idle["longest_gaps"][0]
+    assert (longest["after"], longest["before"]) == ("cast", "adam")
+    assert longest["ms"] == pytest.approx(0.5) and longest["at_ms"] == pytest.approx(0.16)
