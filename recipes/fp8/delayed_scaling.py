@@ -32,6 +32,9 @@ reduced over the ranks with the amaxes; the training loop reads them once per op
 
 from __future__ import annotations
 
+import functools
+from typing import Callable, Optional
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -83,18 +86,34 @@ def quantize_delayed(
 
 @torch.no_grad()
 def update_delayed_scaling(
-    states: list[DelayedScalingState], role_dtypes: tuple[torch.dtype, ...], algo: AmaxComputeAlgo, margin: int
+    states: list[DelayedScalingState], role_dtypes: tuple[torch.dtype, ...], algo: AmaxComputeAlgo, margin: int,
+    compiled: Optional[bool] = None,
 ) -> None:
     """Close the open history slot of every layer in `states`: reduce over the default process group (when
-    there is one), recompute the scales, move the windows on. A handful of kernels and one collective for the
-    whole model, whatever its number of layers."""
-    histories = torch.stack([state.amax_history for state in states])  # (layers, roles, history)
-    last = histories[:, :, 0]
-    nonfinite = torch.stack([state.nonfinite for state in states]).maximum((~torch.isfinite(last)).float())
+    there is one), recompute the scales, move the windows on. One collective for the whole model, whatever its
+    number of layers, and `compiled` (default: on CUDA, outside a compiled region) a few Inductor kernels instead
+    of some seventy eager ones: it runs after every micro-batch, and on a GPU the launches cost more host time
+    than the kernels take."""
+    if compiled is None:
+        compiled = states[0].scale.is_cuda and not torch.compiler.is_compiling()
+    last, nonfinite = _compiled(_open_slots, compiled)(states)
     if dist.is_initialized() and dist.get_world_size() > 1:
         reduced = torch.stack([last, nonfinite])  # the flags travel with the amaxes: a MAX need not keep a NaN
         dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
         last, nonfinite = reduced.unbind(0)
+    _compiled(_close_slots, compiled)(states, last, nonfinite, role_dtypes, algo, margin)
+
+
+def _open_slots(states: list[DelayedScalingState]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layers, roles): each open slot's amax, and the non-finite flags with this micro-batch's folded in."""
+    last = torch.stack([state.amax_history[:, 0] for state in states])
+    nonfinite = torch.stack([state.nonfinite for state in states]).maximum((~torch.isfinite(last)).float())
+    return last, nonfinite
+
+
+def _close_slots(states: list[DelayedScalingState], last: torch.Tensor, nonfinite: torch.Tensor,
+                 role_dtypes: tuple[torch.dtype, ...], algo: AmaxComputeAlgo, margin: int) -> None:
+    histories = torch.stack([state.amax_history for state in states])  # (layers, roles, history)
     window = histories.roll(-1, dims=-1)  # [oldest, ..., newest, last]: the last history_len amaxes
     window[:, :, -1] = last
     if algo == AmaxComputeAlgo.max:
@@ -120,3 +139,12 @@ def update_delayed_scaling(
 def _copy_each(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
     for target, value in zip(targets, values):
         target.copy_(value)
+
+
+@functools.cache
+def _compiled_version(fn: Callable) -> Callable:
+    return torch.compile(fn, dynamic=False)
+
+
+def _compiled(fn: Callable, compiled: bool) -> Callable:
+    return _compiled_version(fn) if compiled else fn
