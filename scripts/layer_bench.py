@@ -19,7 +19,8 @@ from ours beyond that: eager (ours: each block compiled), TE's fused kernels and
 (cuDNN fused attention on Hopper; ours: PyTorch SDPA under the model's own order, cuDNN's fused attention first:
 recipes.models.attention).
 
-With `--profile`, each step's kernel time is split into GEMMs / attention / FP8 quantization / other (recipes.profiling), and the "limit" column is
+With `--profile`, each step's kernel time is split into GEMMs / attention / FP8 quantization / other (recipes.profiling),
+the time the GPU sat idle is split into gaps between queued kernels and waits for the host, and the "limit" column is
 the step speedup if every linear-layer GEMM ran at the FP8/BF16 rate ratio that `scripts/gemm_bench.py` measures
 for this model's four fprop GEMM shapes (per-tensor, timed here in the same process) and quantization cost
 nothing: bf16_kernels / (bf16_kernels - gemm + gemm / ratio). dgrad and wgrad have the same FLOPs as fprop with
