@@ -56,6 +56,7 @@ def time_split(prof: profile, device_type: str) -> dict:
     GPU timeline (user annotations) and would count their kernels twice. Kernels on different streams overlap
     (communication beside compute), so the total can exceed the step's wall time."""
     kernels: dict[str, float] = {}
+    calls: dict[str, int] = {}
     for event in prof.key_averages():
         if device_type == "cuda":
             on_device = event.device_type == torch.autograd.DeviceType.CUDA and not event.is_user_annotation
@@ -64,17 +65,21 @@ def time_split(prof: profile, device_type: str) -> dict:
             on_device, ms = event.device_type == torch.autograd.DeviceType.CPU, event.self_cpu_time_total / 1e3
         if on_device and ms > 0:
             kernels[event.key] = kernels.get(event.key, 0.0) + ms
+            calls[event.key] = calls.get(event.key, 0) + event.count
     by_category = {category: 0.0 for category in CATEGORY_NAMES}
     for name, ms in kernels.items():
         by_category[kernel_category(name)] += ms
     total = sum(by_category.values())
     top = sorted(kernels.items(), key=lambda item: -item[1])[:30]
+    most_called = sorted(calls.items(), key=lambda item: -item[1])[:15]  # where the launches go
     return {
         "timed": "kernels" if device_type == "cuda" else "operators",
         "total_ms": total,
         "ms": by_category,
         "share": {category: ms / total for category, ms in by_category.items()} if total else {},
-        "top_kernels": [{"name": name[:120], "ms": ms, "category": kernel_category(name)} for name, ms in top],
+        "top_kernels": [{"name": name[:120], "ms": ms, "calls": calls[name], "category": kernel_category(name)}
+                        for name, ms in top],
+        "most_called": [{"name": name[:120], "calls": count, "ms": kernels[name]} for name, count in most_called],
     }
 
 

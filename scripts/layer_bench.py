@@ -210,7 +210,9 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
         kernel_profile = profile_kernels(training_step)
         print(f"  {variant.name:>18} profile: {describe_time_split(kernel_profile)}", flush=True)
         for kernel in kernel_profile["top_kernels"][:12]:
-            print(f"      {kernel['ms']:8.2f} ms  {kernel['category']:>9}  {kernel['name']}")
+            print(f"      {kernel['ms']:8.2f} ms  {kernel['calls']:5d} calls  {kernel['category']:>9}  {kernel['name']}")
+        for kernel in kernel_profile["most_called"][:5]:
+            print(f"      {kernel['calls']:5d} calls  {kernel['ms']:8.2f} ms  (most called)  {kernel['name']}")
         print(f"  {variant.name:>18} timeline: {describe_idle(kernel_profile['idle'])}", flush=True)
         for gap in kernel_profile["idle"]["longest_gaps"][:4]:
             print(f"      {gap['ms']:8.3f} ms idle at {gap['at_ms']:.1f} ms, after {gap['after'][:50]}, before "

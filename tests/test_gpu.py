@@ -153,13 +153,16 @@ def test_delayed_scaling_compiles_and_matches_eager():
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_scales_follow_transformer_engine_on_cuda(compiled):
     """tests/test_te_parity.py's checks with CUDA kernels (and Triton's, compiled): delayed scaling's histories and
-    scales equal TE's fused update bit for bit, MXFP8 exponents TE's float_to_e8m0 over every binade (no flush
-    of subnormal products to zero), blockwise FP32 scales TE's compute_scale_from_types."""
-    from test_te_parity import check_blockwise_scales, check_delayed_sequence, check_mx_exponents
+    scales equal TE's fused update bit for bit (and the update kernel's the reference update's), MXFP8 exponents
+    TE's float_to_e8m0 over every binade (no flush of subnormal products to zero), blockwise FP32 scales TE's
+    compute_scale_from_types."""
+    from test_te_parity import check_blockwise_scales, check_delayed_sequence, check_mx_exponents, check_update_kernel
 
     cuda = torch.device("cuda")
     for algo, margin in (("max", 1), ("most_recent", 0)):
         check_delayed_sequence(algo, margin, compiled, cuda)
+        for history_len in (1, 5, 1024):
+            check_update_kernel(history_len, algo, margin, cuda)
     for dtype in (E4M3, E5M2):
         check_mx_exponents(dtype, compiled, cuda)
     for in_dtype in (torch.bfloat16, torch.float32):

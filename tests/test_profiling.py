@@ -2,8 +2,10 @@
 category a reader of the time split expects."""
 
 import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-from recipes.profiling import QUEUED_GAP_US, gpu_idle, kernel_category
+from recipes.profiling import QUEUED_GAP_US, gpu_idle, kernel_category, time_split
 
 
 @pytest.mark.parametrize("name, category", [
@@ -36,6 +38,17 @@ def test_kernel_categories(name, category):
     assert kernel_category(name) == category
 
 
+def test_time_split_counts_the_calls_of_each_kernel():
+    """The split says how often each kernel (here: CPU operator) ran, so a profile shows where the launches go."""
+    x = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            x = torch.mm(x, x).tanh()
+        x.sum()
+    split = time_split(prof, "cpu")
+    called = {kernel["name"]: kernel["calls"] for kernel in split["most_called"]}
+    assert called["aten::mm"] == called["aten::tanh"] == 5 and called["aten::sum"] == 1
+    assert {kernel["name"]: kernel["calls"] for kernel in split["top_kernels"]}["aten::mm"] == 5
 
 def test_gpu_idle_splits_queued_gaps_from_waits():
     # (start_us, end_us, name), out of order; "copy" runs on another stream inside "gemm", and "tail" starts

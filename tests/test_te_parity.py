@@ -81,7 +81,7 @@ SEQUENCES = {
 DTYPES = (E4M3, E4M3, E5M2)  # HYBRID: input, weight, gradient
 
 DELAYED_CASES = [("max", 0, False), ("max", 1, False), ("most_recent", 0, False), ("most_recent", 1, False),
-                 ("max", 1, True), ("most_recent", 0, True)]
+                 ("max", 0, True), ("max", 1, True), ("most_recent", 0, True), ("most_recent", 1, True)]
 
 
 @pytest.mark.parametrize("algo, margin, compiled", DELAYED_CASES)
@@ -93,9 +93,11 @@ def test_delayed_scaling_follows_te_fused_update(algo, margin, compiled):
 
 
 def check_delayed_sequence(algo: str, margin: int, compiled: bool, device: torch.device) -> None:
-    """The test above on `device` (tests/test_gpu.py runs it on a GPU)."""
+    """The test above on `device` (tests/test_gpu.py runs it on a GPU). `compiled`: the path the product takes on
+    a GPU, the quantization compiled and the update by recipes.fp8.delayed_update_kernel (here, Triton's CPU
+    interpreter); else the eager reference of both."""
     quantize = torch.compile(quantize_delayed) if compiled else quantize_delayed
-    update = functools.partial(update_delayed_scaling, compiled=compiled)  # the product's own compiled update
+    update = functools.partial(update_delayed_scaling, kernel=compiled)
     states = [DelayedScalingState(4).to(device), DelayedScalingState(4).to(device)]
     expected = {key: ([0.0] * 4, 1.0) for key in SEQUENCES}
     scales_after = []
@@ -126,6 +128,40 @@ def check_delayed_sequence(algo: str, margin: int, compiled: bool, device: torch
     tiny = scales_after[2][1, INPUT]
     assert tiny == (FLT_MAX if margin == 0 else f32(224.0 / f32(1e-36))), tiny
     assert margin == 0 or 2.239e38 < tiny < 2.241e38
+
+
+def random_states(history_len: int, layers: int, seed: int, device: torch.device) -> list[DelayedScalingState]:
+    """States with histories and open slots drawn from zeros, NaN, inf, tiny, huge and ordinary amaxes, scales
+    from 1 and earlier quotients, some non-finite flags already set."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.tensor([0.0, 0.0, float("nan"), float("inf"), 1e-36, 1e-3, 0.5, 3.0, 448.0, 6e4, 3e38])
+    states = [DelayedScalingState(history_len) for _ in range(layers)]
+    for state in states:
+        state.amax_history.copy_(values[torch.randint(len(values), state.amax_history.shape, generator=g)])
+        state.scale.copy_(torch.tensor([1.0, 0.75, 3.5e3])[torch.randperm(3, generator=g)])
+        state.nonfinite.copy_((torch.rand(3, generator=g) < 0.2).float())
+    return [state.to(device) for state in states]
+
+
+@pytest.mark.parametrize("history_len", [1, 5, 16])
+@pytest.mark.parametrize("algo, margin", [("max", 0), ("max", 2), ("most_recent", 1)])
+def test_delayed_update_kernel_writes_the_reference_bits(history_len, algo, margin):
+    """The GPU's update (recipes.fp8.delayed_update_kernel, Triton's interpreter here) against the reference
+    update the test above checks against TE: every history, scale and non-finite flag bit for bit, over zeros,
+    NaN, inf, tiny and huge amaxes, a history of one, lengths that are not powers of two."""
+    check_update_kernel(history_len, algo, margin, torch.device("cpu"))
+
+
+def check_update_kernel(history_len: int, algo: str, margin: int, device: torch.device) -> None:
+    """The test above on `device` (tests/test_gpu.py runs it on a GPU)."""
+    for seed in range(4):
+        reference, kernel = (random_states(history_len, 7, seed, device) for _ in range(2))
+        for states, use_kernel in ((reference, False), (kernel, True)):
+            update_delayed_scaling(states, DTYPES, ALGOS[algo], margin, kernel=use_kernel)
+        for ours, theirs in zip(kernel, reference):
+            for name in ("amax_history", "scale", "nonfinite"):
+                got, want = getattr(ours, name), getattr(theirs, name)
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (seed, name, got, want)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

@@ -32,8 +32,7 @@ reduced over the ranks with the amaxes; the training loop reads them once per op
 
 from __future__ import annotations
 
-import functools
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -87,21 +86,39 @@ def quantize_delayed(
 @torch.no_grad()
 def update_delayed_scaling(
     states: list[DelayedScalingState], role_dtypes: tuple[torch.dtype, ...], algo: AmaxComputeAlgo, margin: int,
-    compiled: Optional[bool] = None,
+    kernel: Optional[bool] = None,
 ) -> None:
     """Close the open history slot of every layer in `states`: reduce over the default process group (when
     there is one), recompute the scales, move the windows on. One collective for the whole model, whatever its
-    number of layers, and `compiled` (default: on CUDA, outside a compiled region) a few Inductor kernels instead
-    of some seventy eager ones: it runs after every micro-batch, and on a GPU the launches cost more host time
-    than the kernels take."""
-    if compiled is None:
-        compiled = states[0].scale.is_cuda and not torch.compiler.is_compiling()
-    last, nonfinite = _compiled(_open_slots, compiled)(states)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    number of layers. `kernel` (default: on CUDA, outside a compiled region): recipes.fp8.delayed_update_kernel's
+    one launch for the whole model (two around the collective) instead of tens of small kernels: it runs after
+    every micro-batch, and on a GPU those launches cost more host time than the kernels take."""
+    if kernel is None:
+        kernel = states[0].scale.is_cuda and not torch.compiler.is_compiling()
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    if kernel:
+        _update_with_kernel(states, role_dtypes, algo, margin, distributed)
+        return
+    last, nonfinite = _open_slots(states)
+    if distributed:
         reduced = torch.stack([last, nonfinite])  # the flags travel with the amaxes: a MAX need not keep a NaN
         dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
         last, nonfinite = reduced.unbind(0)
-    _compiled(_close_slots, compiled)(states, last, nonfinite, role_dtypes, algo, margin)
+    _close_slots(states, last, nonfinite, role_dtypes, algo, margin)
+
+
+def _update_with_kernel(states: list[DelayedScalingState], role_dtypes: tuple[torch.dtype, ...],
+                        algo: AmaxComputeAlgo, margin: int, distributed: bool) -> None:
+    from recipes.fp8 import delayed_update_kernel
+
+    histories, nonfinites = [s.amax_history for s in states], [s.nonfinite for s in states]
+    reduced = None
+    if distributed:
+        reduced = delayed_update_kernel.open_slots(histories, nonfinites)
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+    scaled_maxes = tuple(fp8_max(dtype) * 2.0**-margin for dtype in role_dtypes)
+    delayed_update_kernel.close_slots(histories, [s.scale for s in states], nonfinites, scaled_maxes,
+                                      algo == AmaxComputeAlgo.most_recent, reduced)
 
 
 def _open_slots(states: list[DelayedScalingState]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,12 +156,3 @@ def _close_slots(states: list[DelayedScalingState], last: torch.Tensor, nonfinit
 def _copy_each(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
     for target, value in zip(targets, values):
         target.copy_(value)
-
-
-@functools.cache
-def _compiled_version(fn: Callable) -> Callable:
-    return torch.compile(fn, dynamic=False)
-
-
-def _compiled(fn: Callable, compiled: bool) -> Callable:
-    return _compiled_version(fn) if compiled else fn

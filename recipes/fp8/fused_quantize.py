@@ -111,19 +111,24 @@ def _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP: tl.constexpr, SO
 
 
 @triton.jit
-def _tile_amax_bits(values, mask):
-    """max |value| over the tile as FP32 bits (NaN above inf; masked elements 0)."""
-    bits = tl.where(mask, values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
-    return tl.max(tl.max(bits, 1), 0)
+def _magnitude_bits(values, mask):
+    """|value| as FP32 bits (NaN above inf; masked elements 0): a max over them orders as torch.amax does."""
+    return tl.where(mask, values.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
 
 
 @triton.jit
-def _record_amax(first, second, mask, amax_bits, OP: tl.constexpr):
-    """amax_bits = max(it, the tiles' max |value| as FP32 bits)."""
-    amax = _tile_amax_bits(first, mask)
+def _running_amax(amax, first, second, mask, OP: tl.constexpr):
+    """The element-wise running max of |value| bits over a program's tiles (reduced once, at its end)."""
+    amax = tl.maximum(amax, _magnitude_bits(first, mask))
     if OP == SWIGLU_BACKWARD:
-        amax = tl.maximum(amax, _tile_amax_bits(second, mask))
-    tl.atomic_max(amax_bits, amax)
+        amax = tl.maximum(amax, _magnitude_bits(second, mask))
+    return amax
+
+
+@triton.jit
+def _record_amax(amax, amax_bits):
+    """amax_bits = max(it, the program's max |value| as FP32 bits): one atomic per program."""
+    tl.atomic_max(amax_bits, tl.max(tl.max(amax, 1), 0))
 
 
 @triton.jit
@@ -134,10 +139,10 @@ def _store_fp8(values, scale, out, r, c, mask, out_cols, FP8_MAX: tl.constexpr, 
 
 
 @triton.jit
-def _tile(rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr):
-    """This program's rows, columns and their mask; a constant one where the tiles divide the output (EVEN), so
-    that the compiler drops the per-element bounds checks."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+def _tile(rows, cols, step, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr):
+    """Rows, columns and mask of this program's tile number `step` (its GROUP tiles lie one below the other);
+    the mask a constant where the tiles divide the output (EVEN), so that the compiler drops the bounds checks."""
+    r = (tl.program_id(0) * GROUP + step) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     if EVEN:
         mask = tl.full((BLOCK_R, BLOCK_C), 1, tl.int1)
@@ -150,18 +155,23 @@ def _tile(rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.con
 def _fp8_producer_kernel(a, b, out, scale_ptr, amax_bits, rows, cols, a_cols, b_cols,
                          OP: tl.constexpr, MODE: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr,
                          BIAS: tl.constexpr, OUT: tl.constexpr, SOFTWARE: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr):
-    """One BLOCK_R x BLOCK_C tile of the op's output (two for swiglu_backward: columns c and cols + c)."""
-    r, c, mask = _tile(rows, cols, BLOCK_R, BLOCK_C, EVEN)
-    first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr):
+    """GROUP BLOCK_R x BLOCK_C tiles of the op's output, one below the other (two for swiglu_backward: columns c
+    and cols + c)."""
+    amax = tl.zeros((BLOCK_R, BLOCK_C), tl.int32)
+    for step in range(GROUP):
+        r, c, mask = _tile(rows, cols, step, BLOCK_R, BLOCK_C, GROUP, EVEN)
+        first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+        if MODE != CAST:
+            amax = _running_amax(amax, first, second, mask, OP)
+        if MODE != AMAX_ONLY:
+            scale = tl.load(scale_ptr)
+            out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
+            _store_fp8(first, scale, out, r, c, mask, out_cols, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
+            if OP == SWIGLU_BACKWARD:
+                _store_fp8(second, scale, out, r, cols + c, mask, out_cols, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
     if MODE != CAST:
-        _record_amax(first, second, mask, amax_bits, OP)
-    if MODE != AMAX_ONLY:
-        scale = tl.load(scale_ptr)
-        out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
-        _store_fp8(first, scale, out, r, c, mask, out_cols, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
-        if OP == SWIGLU_BACKWARD:
-            _store_fp8(second, scale, out, r, cols + c, mask, out_cols, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
+        _record_amax(amax, amax_bits)
 
 
 @triton.jit
@@ -177,30 +187,36 @@ def _store_bf16(pointers, values, mask, SOFTWARE: tl.constexpr):
 @triton.jit
 def _bf16_producer_kernel(a, b, out, amax_bits, rows, cols, a_cols, b_cols, OP: tl.constexpr,
                           RECORD_AMAX: tl.constexpr, SOFTWARE: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_C: tl.constexpr, EVEN: tl.constexpr):
+                          BLOCK_C: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr):
     """The same tiles, stored in BF16 (row-major only), and their amax max-ed into amax_bits if RECORD_AMAX."""
-    r, c, mask = _tile(rows, cols, BLOCK_R, BLOCK_C, EVEN)
-    first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+    amax = tl.zeros((BLOCK_R, BLOCK_C), tl.int32)
+    for step in range(GROUP):
+        r, c, mask = _tile(rows, cols, step, BLOCK_R, BLOCK_C, GROUP, EVEN)
+        first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+        if RECORD_AMAX:
+            amax = _running_amax(amax, first, second, mask, OP)
+        out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
+        _store_bf16(out + r[:, None] * out_cols + c[None, :], first, mask, SOFTWARE)
+        if OP == SWIGLU_BACKWARD:
+            _store_bf16(out + r[:, None] * out_cols + cols + c[None, :], second, mask, SOFTWARE)
     if RECORD_AMAX:
-        _record_amax(first, second, mask, amax_bits, OP)
-    out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
-    _store_bf16(out + r[:, None] * out_cols + c[None, :], first, mask, SOFTWARE)
-    if OP == SWIGLU_BACKWARD:
-        _store_bf16(out + r[:, None] * out_cols + cols + c[None, :], second, mask, SOFTWARE)
+        _record_amax(amax, amax_bits)
 
 
 # Few elements per thread, so that no op spills registers (ptxas for sm_90a: 64x128 tiles with 4 warps spilled
-# 236-2284 bytes per thread). The H200 tests passed byte for byte with these (each shape checks the tile the
-# autotuner picks for it; docs/results, issue 24).
-_TILES = [triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
-          for r, c, w in ((32, 64, 4), (32, 32, 4), (32, 128, 8), (16, 128, 4))]
-_INTERPRETED_TILE = {"BLOCK_R": 64, "BLOCK_C": 64}
+# 236-2284 bytes per thread); several tiles per program (GROUP) so that the amax costs one reduction across the
+# program's threads and one atomic per GROUP tiles. The H200 tests check every tile byte for byte (docs/results,
+# issue 24).
+_TILES = [triton.Config({"BLOCK_R": r, "BLOCK_C": c, "GROUP": g}, num_warps=w)
+          for r, c, g, w in ((32, 64, 1, 4), (32, 32, 1, 4), (32, 128, 1, 8), (16, 128, 1, 4), (32, 64, 4, 4),
+                             (16, 128, 4, 4), (32, 128, 2, 8))]
+_INTERPRETED_TILE = {"BLOCK_R": 64, "BLOCK_C": 64, "GROUP": 2}
 
 
 def _tuned(kernel, key: list[str]):
     """The kernel autotuned over _TILES on GPUs (reruns are harmless: its stores and maxes repeat), as is under
-    the interpreter; EVEN where the tile divides the output."""
-    even = triton.heuristics({"EVEN": lambda args: args["rows"] % args["BLOCK_R"] == 0
+    the interpreter; EVEN where the tiles divide the output."""
+    even = triton.heuristics({"EVEN": lambda args: args["rows"] % (args["BLOCK_R"] * args["GROUP"]) == 0
                               and args["cols"] % args["BLOCK_C"] == 0})(kernel)
     return even if INTERPRETED else triton.autotune(_TILES, key=key)(even)
 
@@ -224,7 +240,8 @@ def _operands(op_name: str, a: torch.Tensor, b: Optional[torch.Tensor]):
     a = a.contiguous()
     b = a if b is None else b.contiguous()
     (cols, width), rows = _widths(op, a, b), a.shape[0]
-    grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_R"]), triton.cdiv(cols, meta["BLOCK_C"]))  # noqa: E731
+    grid = lambda meta: (triton.cdiv(rows, meta["BLOCK_R"] * meta["GROUP"]),  # noqa: E731
+                         triton.cdiv(cols, meta["BLOCK_C"]))
     return op, a, b, rows, cols, width, grid
 
 

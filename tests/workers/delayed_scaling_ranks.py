@@ -13,7 +13,7 @@ from torch import nn
 
 from recipes.config import AmaxComputeAlgo
 from recipes.engine.fsdp import data_parallel_mesh, shard_model
-from recipes.fp8.delayed_scaling import NUM_ROLES
+from recipes.fp8.delayed_scaling import NUM_ROLES, DelayedScalingState, update_delayed_scaling
 from recipes.fp8.formats import E4M3, E5M2
 from recipes.fp8.linear import DelayedScaling, Fp8Linear
 from recipes.fp8.current_scaling import tensorwise_scale
@@ -86,7 +86,26 @@ def main() -> None:
     update_fp8_scaling(model)
     assert torch.isfinite(loss) and not bool(fp8_amaxes_finite(model))
     assert non_finite_amaxes(model) == "layers.0's input", non_finite_amaxes(model)
+    check_update_kernel(rank)
     dist.destroy_process_group()
+
+
+def check_update_kernel(rank: int) -> None:
+    """The GPU's update (recipes.fp8.delayed_update_kernel: one kernel reads the open slots, the all-reduce, one
+    closes them; Triton's CPU interpreter here) gives every rank the reference update's bits: open slots that
+    differ by rank, a NaN on rank 0 and an inf on rank 1, amax 0 on both ranks for one role."""
+    dtypes = (E4M3, E4M3, E5M2)
+    results = []
+    for kernel in (False, True):
+        states = [DelayedScalingState(4) for _ in range(3)]
+        for layer, state in enumerate(states):
+            state.amax_history[:, 1:] = torch.tensor([[1.0, 2.0, 3.0], [0.5, 0.25, 8.0], [1e-3, 2e-3, 0.0]])
+            state.amax_history[:, 0] = torch.tensor([1.0 + rank + layer, 0.0, 1e-5 * (2 - rank)])
+        states[1].amax_history[0, 0] = float("nan") if rank == 0 else float("inf")
+        update_delayed_scaling(states, dtypes, AmaxComputeAlgo.max, 0, kernel=kernel)
+        results.append(torch.cat([torch.cat([s.amax_history.flatten(), s.scale, s.nonfinite]) for s in states]))
+    reference, kernel = results
+    assert torch.equal(kernel.view(torch.int32), reference.view(torch.int32)), (rank, kernel, reference)
 
 
 if __name__ == "__main__":

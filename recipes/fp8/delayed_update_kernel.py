@@ -1,0 +1,125 @@
+"""Delayed scaling's update after each micro-batch (recipes.fp8.delayed_scaling) in one Triton kernel for every
+layer of the model, which it finds through a table of the state buffers' addresses, as TE's `kernel_bulk` does:
+
+    close_slots(histories, scales, nonfinites, ...)       one launch: read each open slot, move the windows on,
+                                                          write the new scales (one process)
+    open_slots(...), all-reduce, close_slots(..., reduced)    two launches around the collective (data parallel)
+
+The eager update launched some seventy kernels per micro-batch and Inductor's some fifty (a write per state
+buffer); on a GPU the host cannot launch them as fast as the GPU runs them. The FP32 operations are the reference
+update's (recipes.fp8.delayed_scaling._close_slots: the same window, NaN dropped from its max, the quotient
+correctly rounded), so the histories and scales are the same bits; tests/test_te_parity.py checks both against
+TE's rule, this kernel under Triton's CPU interpreter there and on the GPU in tests/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+ROLES = 3  # input, weight, gradient: the rows of each layer's history
+
+
+@triton.jit
+def _address(table, layer):
+    return tl.load(table + layer).to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def _nonfinite(x):
+    return ((x != x) | (tl.abs(x) == float("inf"))).to(tl.float32)
+
+
+@triton.jit
+def _open_slots_kernel(histories, nonfinites, out, layers, HISTORY: tl.constexpr):
+    """out (2, layers, roles): each open slot's amax, and the non-finite flags with that amax's folded in."""
+    layer = tl.program_id(0)
+    role = tl.arange(0, 4)
+    mask = role < ROLES
+    last = tl.load(_address(histories, layer) + role * HISTORY, mask=mask)
+    flags = tl.maximum(tl.load(_address(nonfinites, layer) + role, mask=mask), _nonfinite(last))
+    tl.store(out + layer * ROLES + role, last, mask=mask)
+    tl.store(out + (layers + layer) * ROLES + role, flags, mask=mask)
+
+
+@triton.jit
+def _close_slots_kernel(histories, scales, nonfinites, reduced, layers, scaled_max_input, scaled_max_weight,
+                        scaled_max_grad, HISTORY: tl.constexpr, REDUCED: tl.constexpr, MOST_RECENT: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """One (layer, role): with `last` its amax of this micro-batch (reduced over the ranks where REDUCED), the
+    history [open, oldest, ..., newest] becomes [0, ..., newest, last] and the scale scaled_max / amax where
+    `last` is not 0; else both stay."""
+    layer, role = tl.program_id(0), tl.program_id(1)
+    history = _address(histories, layer) + role * HISTORY
+    nonfinite = _address(nonfinites, layer) + role
+    if REDUCED:
+        last = tl.load(reduced + layer * ROLES + role)
+        flag = tl.load(reduced + (layers + layer) * ROLES + role)
+    else:
+        last = tl.load(history)
+        flag = tl.maximum(tl.load(nonfinite), _nonfinite(last))
+    i = tl.arange(0, BLOCK)
+    window = tl.load(history + 1 + i, mask=i < HISTORY - 1, other=0.0)  # the last HISTORY amaxes, `last` newest
+    window = tl.where(i == HISTORY - 1, last, window)
+    if MOST_RECENT:
+        amax = last
+    else:
+        amax = tl.max(tl.where(window != window, 0.0, window), 0)  # TE's fmaxf drops NaN
+    moves = last != 0  # NaN moves
+    amax = tl.where(moves, amax, 0.0)
+    scaled_max = tl.where(role == 0, scaled_max_input, tl.where(role == 1, scaled_max_weight, scaled_max_grad))
+    usable = (amax == amax) & (amax != float("inf")) & (amax > 0)
+    scale_at = _address(scales, layer) + role
+    scale = tl.where(usable, tl.div_rn(scaled_max, tl.where(usable, amax, 1.0)), tl.load(scale_at))
+    scale = tl.where(tl.abs(scale) == float("inf"), 3.4028234663852886e38, scale)
+    tl.debug_barrier()  # every thread has read the history before any moves it
+    tl.store(history + i, tl.where(i == 0, 0.0, window), mask=tl.where(moves, i < HISTORY, False))
+    tl.store(scale_at, scale)
+    tl.store(nonfinite, flag)
+
+
+@functools.lru_cache(maxsize=16)
+def _table(addresses: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The buffers' addresses on the device, copied there once per set of buffers (they stay put in training)."""
+    return torch.tensor(addresses, dtype=torch.int64, device=device)
+
+
+def _tables(*buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [_table(tuple(t.data_ptr() for t in kind), kind[0].device) for kind in buffers]
+
+
+def _checked(histories: list[torch.Tensor], scales: list[torch.Tensor], nonfinites: list[torch.Tensor]) -> int:
+    """The history length, after checking that the buffers are laid out as the kernels address them."""
+    length = histories[0].shape[1]
+    for history, scale, nonfinite in zip(histories, scales, nonfinites):
+        if history.shape != (ROLES, length) or scale.shape != nonfinite.shape != (ROLES,):
+            raise ValueError(f"delayed scaling states of different shapes: {tuple(history.shape)} after "
+                             f"{(ROLES, length)}")
+        if not all(t.is_contiguous() and t.dtype == torch.float32 for t in (history, scale, nonfinite)):
+            raise ValueError("delayed scaling's update kernel needs contiguous FP32 state buffers")
+    return length
+
+
+def open_slots(histories: list[torch.Tensor], nonfinites: list[torch.Tensor]) -> torch.Tensor:
+    """(2, layers, roles): the open slots' amaxes and the non-finite flags, for the all-reduce."""
+    length = _checked(histories, nonfinites, nonfinites)
+    out = torch.empty((2, len(histories), ROLES), dtype=torch.float32, device=histories[0].device)
+    _open_slots_kernel[(len(histories),)](*_tables(histories, nonfinites), out, len(histories), HISTORY=length)
+    return out
+
+
+def close_slots(histories: list[torch.Tensor], scales: list[torch.Tensor], nonfinites: list[torch.Tensor],
+                scaled_maxes: tuple[float, float, float], most_recent: bool,
+                reduced: Optional[torch.Tensor] = None) -> None:
+    """Update every layer's history, scale and non-finite flags in place. `reduced`: open_slots' output after the
+    all-reduce; None reads the open slots themselves (one process)."""
+    length = _checked(histories, scales, nonfinites)
+    tables = _tables(histories, scales, nonfinites)
+    _close_slots_kernel[(len(histories), ROLES)](
+        *tables, tables[0] if reduced is None else reduced, len(histories), *scaled_maxes, HISTORY=length,
+        REDUCED=reduced is not None, MOST_RECENT=most_recent, BLOCK=triton.next_power_of_2(length),
+    )
