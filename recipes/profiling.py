@@ -2,7 +2,8 @@
 communication, attention, GEMMs, FP8 quantization and the rest.
 
 `profile_kernels` runs one callable under the profiler (scripts/layer_bench.py); `profile_step_if_due` profiles
-the engines' optimizer step `trainer.profile_step` and writes a Chrome trace and the split into RUN_DIR/profile.
+the engines' optimizer step `trainer.profile_step` and writes a Chrome trace and the split into RUN_DIR/profile;
+`gpu_telemetry` records the clock and power the GPU ran at meanwhile (nvidia-smi).
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import shutil
+import statistics
+import subprocess
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -122,6 +126,65 @@ def gpu_idle(kernels: list[tuple[float, float, str]]) -> dict:
         "longest_gaps": [{"ms": gap / 1e3, "at_ms": at / 1e3, "after": after[:100], "before": before[:100]}
                          for gap, after, before, at in waits[:8]],
     }
+
+
+# What nvidia-smi samples: the SM clock (MHz), the board's power draw (W), the temperature (C), and whether the
+# driver is holding the clocks down to stay under the power limit.
+TELEMETRY_QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.sw_power_cap"
+
+
+@contextlib.contextmanager
+def gpu_telemetry(device: torch.device, interval_ms: int = 100) -> Iterator[dict]:
+    """While the body runs, nvidia-smi samples `device` every `interval_ms`; on exit the dict holds
+    summarize_telemetry's figures, or {"unavailable": why} (no nvidia-smi, not a GPU, a query the driver refuses).
+    The same kernels run a few percent slower when the GPU holds its clock down under its power limit; this says
+    whether a column ran at the clock of the others."""
+    telemetry: dict = {}
+    smi = shutil.which("nvidia-smi")
+    if device.type != "cuda" or smi is None:
+        telemetry["unavailable"] = "not a CUDA device" if device.type != "cuda" else "no nvidia-smi on PATH"
+        yield telemetry
+        return
+    props = torch.cuda.get_device_properties(device)
+    pci = [getattr(props, f"pci_{part}_id", None) for part in ("domain", "bus", "device")]
+    # The device as nvidia-smi names it (its PCI address; CUDA's numbering may differ); without one, every GPU.
+    which = [f"--id={pci[0]:08X}:{pci[1]:02X}:{pci[2]:02X}.0"] if all(isinstance(i, int) for i in pci) else []
+    command = [smi, *which, f"--query-gpu={TELEMETRY_QUERY}", "--format=csv,noheader,nounits",
+               f"--loop-ms={interval_ms}"]
+    sampler = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        yield telemetry
+    finally:
+        sampler.terminate()
+        output, _ = sampler.communicate(timeout=10)
+        telemetry.update(summarize_telemetry(output))
+
+
+def summarize_telemetry(output: str) -> dict:
+    """From nvidia-smi's CSV lines (TELEMETRY_QUERY, no header, no units): the median SM clock, power and
+    temperature, the share of samples with the power cap slowing the clock, and the number of samples; or
+    {"unavailable": nvidia-smi's first line} where no line parses."""
+    samples = []
+    for line in output.splitlines():
+        fields = [field.strip() for field in line.split(",")]
+        try:
+            samples.append((float(fields[0]), float(fields[1]), float(fields[2]), fields[3] == "Active"))
+        except (IndexError, ValueError):
+            continue
+    if not samples:
+        return {"unavailable": (output.strip().splitlines() or ["nvidia-smi printed nothing"])[0][:200]}
+    clock, power, temperature, capped = zip(*samples)
+    return {"sm_clock_mhz": statistics.median(clock), "power_w": statistics.median(power),
+            "temperature_c": statistics.median(temperature), "power_capped_share": sum(capped) / len(samples),
+            "samples": len(samples)}
+
+
+def describe_telemetry(telemetry: dict) -> str:
+    if "unavailable" in telemetry:
+        return f"GPU clock and power not recorded: {telemetry['unavailable']}"
+    return (f"SM clock {telemetry['sm_clock_mhz']:.0f} MHz, {telemetry['power_w']:.0f} W, "
+            f"{telemetry['temperature_c']:.0f} C, power cap slowing the clock in {telemetry['power_capped_share']:.0%} "
+            f"of {telemetry['samples']} samples (medians)")
 
 
 def describe_idle(idle: dict) -> str:

@@ -55,7 +55,7 @@ def _call(kernels, op: str, mode: str, a, b, dtype) -> Callable[[], object]:
     recipe = {"current": TensorwiseScaling, "delayed": DelayedScaling}[mode](E4M3, E5M2, fused_kernels=True)
     state = DelayedScalingState(16).to(a.device)
     role = GRAD if dtype == E5M2 else INPUT
-    return lambda: recipe.fused_cast(kernels, op, a, b, dtype, (state.amax_history, state.scale), role)
+    return lambda: recipe.fused_cast(kernels, op, a, b, dtype, state.tensors(), role)
 
 
 def kernel_ms(fn: Callable[[], object], warmup: int, iterations: int, device: torch.device) -> tuple[float, list]:

@@ -24,7 +24,9 @@ the time the GPU sat idle is split into gaps between queued kernels and waits fo
 the step speedup if every linear-layer GEMM ran at the FP8/BF16 rate ratio that `scripts/gemm_bench.py` measures
 for this model's four fprop GEMM shapes (per-tensor, timed here in the same process) and quantization cost
 nothing: bf16_kernels / (bf16_kernels - gemm + gemm / ratio). dgrad and wgrad have the same FLOPs as fprop with
-transposed shapes; the fprop ratio stands in for theirs.
+transposed shapes; the fprop ratio stands in for theirs. On a GPU, nvidia-smi samples the SM clock and power
+during the timed steps of each column (recipes.profiling.gpu_telemetry): the same kernels run a few percent slower
+while the GPU holds its clock down under its power limit.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ from recipes.engine.training import build_optimizer, compile_blocks, optimizer_s
 from recipes.fp8 import Fp8Training
 from recipes.metrics import flops_per_token
 from recipes.models.transformer import RotaryEmbedding, TransformerBlock, init_weights
-from recipes.profiling import describe_idle, describe_time_split, profile_kernels
+from recipes.profiling import (
+    describe_idle, describe_telemetry, describe_time_split, gpu_telemetry, profile_kernels,
+)
 from recipes.provenance import provenance
 
 # Sibling scripts: scripts/, this script's folder, is on sys.path.
@@ -193,17 +197,25 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
                               trainer.grad_clip)
 
     times, losses = [], []
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    for step in range(args.warmup + args.steps):
+
+    def timed_step(step: int) -> None:
         _synchronize(device)
         start = time.perf_counter()
         loss, _ = training_step()
         _synchronize(device)
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
-            losses.append(loss.item())
-        print(f"  {variant.name:>18} step {step + 1}/{args.warmup + args.steps}: {time.perf_counter() - start:.3f} s", flush=True)
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+        print(f"  {variant.name:>18} step {step + 1}/{args.warmup + args.steps}: {times[-1]:.3f} s", flush=True)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in range(args.warmup):
+        timed_step(step)
+    del times[:], losses[:]
+    with gpu_telemetry(device) as telemetry:  # the clock and power of the timed steps
+        for step in range(args.warmup, args.warmup + args.steps):
+            timed_step(step)
+    print(f"  {variant.name:>18} {describe_telemetry(telemetry)}", flush=True)
     step_time = statistics.median(times)
     kernel_profile = None
     if args.profile and device.type == "cuda":
@@ -235,6 +247,7 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
         "tokens_per_s": tokens / step_time,
         "peak_memory_gib": peak,
         "last_loss": losses[-1],
+        **{key: telemetry.get(key) for key in ("sm_clock_mhz", "power_w", "temperature_c", "power_capped_share")},
         "profile": kernel_profile,
     }
 
@@ -334,13 +347,14 @@ def markdown_table(rows: list[dict]) -> str:
     lines = [
         "| model | layers | seq | precision | median step (ms) | model TFLOP/s (Megatron, causal) | "
         "TFLOP/s (full attention) | speedup vs fastest bf16 | limit | gain captured | peak mem (GiB) | "
-        "kernels: GEMM / attention / quantization / other (ms) | GPU idle: queued / waits (ms) | graph breaks |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "kernels: GEMM / attention / quantization / other (ms) | GPU idle: queued / waits (ms) | "
+        "SM clock (MHz) / power (W) | graph breaks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "error" in row:
             lines.append(f"| {row['model']} | {row['layers']} | {row['seq_length']} | {row['precision']} | "
-                         f"failed: {row['error'].splitlines()[0][:80]} | | | | | | | | | |")
+                         f"failed: {row['error'].splitlines()[0][:80]} | | | | | | | | | | |")
             continue
         speedup = f"{row['speedup_vs_bf16']:.3f}x" if row.get("speedup_vs_bf16") is not None else "n/a"
         limit = f"{row['limit']:.3f}x" if row.get("limit") else "n/a"
@@ -348,10 +362,12 @@ def markdown_table(rows: list[dict]) -> str:
         split = " / ".join(f"{row['profile']['ms'][k]:.1f}" for k in ("gemm", "attention", "quantization", "other")) if row.get("profile") else "n/a"
         idle = (f"{row['profile']['idle']['queued_gaps_ms']:.1f} / {row['profile']['idle']['wait_gaps_ms']:.1f}"
                 if row.get("profile") else "n/a")
+        clock = f"{row['sm_clock_mhz']:.0f} / {row['power_w']:.0f}" if row.get("sm_clock_mhz") is not None else "n/a"
         lines.append(
             f"| {row['model']} | {row['layers']} | {row['seq_length']} | {row['precision']} | "
             f"{row['median_step_s'] * 1e3:.1f} | {row['model_tflops']:.1f} | {row['model_tflops_full_attention']:.1f} | "
-            f"{speedup} | {limit} | {captured} | {row['peak_memory_gib']:.1f} | {split} | {idle} | {row['graph_breaks']} |"
+            f"{speedup} | {limit} | {captured} | {row['peak_memory_gib']:.1f} | {split} | {idle} | {clock} | "
+            f"{row['graph_breaks']} |"
         )
     return "\n".join(lines)
 

@@ -168,7 +168,7 @@ def new_state(history_len: int = HISTORY_LEN) -> DelayedScalingState:
 def quantize_delayed_use(x, dtype, state: DelayedScalingState, role, algo, margin):
     """One micro-batch's use of `role`: quantize with the current scale, then close the history slot (the engine
     calls update_delayed_scaling once after each micro-batch's backward)."""
-    quantized = quantize_delayed(x, dtype, (state.amax_history, state.scale), role)
+    quantized = quantize_delayed(x, dtype, state.tensors(), role)
     update_delayed_scaling([state], (dtype,) * 3, algo, margin)
     return quantized
 
@@ -737,7 +737,7 @@ def run_recipe(name: str, operands, **kw):
     extra = ()
     if name == "delayed":
         state = DelayedScalingState(16)
-        extra = (state.amax_history, state.scale)
+        extra = state.tensors()
         xw, ww, dyw = warmup_tensors(operands)
         fp8_linear(xw.requires_grad_(True), ww.requires_grad_(True), recipe, extra).backward(dyw)
         update_delayed_scaling([state], (E4M3, E4M3, E5M2), recipe.amax_compute_algo, recipe.margin)

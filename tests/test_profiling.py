@@ -5,7 +5,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from recipes.profiling import QUEUED_GAP_US, gpu_idle, kernel_category, time_split
+from recipes.profiling import (
+    QUEUED_GAP_US, describe_telemetry, gpu_idle, gpu_telemetry, kernel_category, summarize_telemetry, time_split,
+)
 
 
 @pytest.mark.parametrize("name, category", [
@@ -68,3 +70,23 @@ def test_gpu_idle_splits_queued_gaps_from_waits():
     longest = idle["longest_gaps"][0]
     assert (longest["after"], longest["before"]) == ("cast", "adam")
     assert longest["ms"] == pytest.approx(0.5) and longest["at_ms"] == pytest.approx(0.16)
+
+
+def test_telemetry_summary_from_nvidia_smi_lines():
+    """nvidia-smi's CSV for TELEMETRY_QUERY (noheader, nounits), as an H200 prints it: medians, and the share of
+    samples where the power cap held the clock down; a refused query is reported, not parsed."""
+    lines = "\n".join(["1980, 612.45, 51, Not Active", "1755, 699.80, 54, Active", "1830, 700.12, 55, Active",
+                       "1980, 205.10, 49, Not Active", "garbled"])
+    summary = summarize_telemetry(lines)
+    assert summary == {"sm_clock_mhz": 1905.0, "power_w": 656.125, "temperature_c": 52.5,
+                       "power_capped_share": 0.5, "samples": 4}
+    refused = 'Field "clocks_event_reasons.sw_power_cap" is not a valid field to query.\n'
+    assert summarize_telemetry(refused) == {"unavailable": refused.strip()}
+    assert "1905 MHz" in describe_telemetry(summary) and "50%" in describe_telemetry(summary)
+
+
+def test_telemetry_says_why_it_recorded_nothing_without_a_gpu():
+    with gpu_telemetry(torch.device("cpu")) as telemetry:
+        pass
+    assert telemetry == {"unavailable": "not a CUDA device"}
+    assert describe_telemetry(telemetry) == "GPU clock and power not recorded: not a CUDA device"

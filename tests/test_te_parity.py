@@ -105,7 +105,7 @@ def check_delayed_sequence(algo: str, margin: int, compiled: bool, device: torch
         for (layer, role), amaxes in SEQUENCES.items():
             x = torch.tensor([[amaxes[step], -amaxes[step] / 2]], dtype=torch.float32, device=device)
             state = states[layer]
-            q = quantize(x, DTYPES[role], (state.amax_history, state.scale), role)
+            q = quantize(x, DTYPES[role], state.tensors(), role)
             assert q.scale_inv.item() == f32(1 / expected[layer, role][1]), (step, layer, role)
         update(states, DTYPES, ALGOS[algo], margin)
         for (layer, role), amaxes in SEQUENCES.items():
@@ -138,6 +138,7 @@ def random_states(history_len: int, layers: int, seed: int, device: torch.device
     states = [DelayedScalingState(history_len) for _ in range(layers)]
     for state in states:
         state.amax_history.copy_(values[torch.randint(len(values), state.amax_history.shape, generator=g)])
+        state.grad_amax.copy_(values[torch.randint(len(values), (1,), generator=g)])
         state.scale.copy_(torch.tensor([1.0, 0.75, 3.5e3])[torch.randperm(3, generator=g)])
         state.nonfinite.copy_((torch.rand(3, generator=g) < 0.2).float())
     return [state.to(device) for state in states]
@@ -159,7 +160,7 @@ def check_update_kernel(history_len: int, algo: str, margin: int, device: torch.
         for states, use_kernel in ((reference, False), (kernel, True)):
             update_delayed_scaling(states, DTYPES, ALGOS[algo], margin, kernel=use_kernel)
         for ours, theirs in zip(kernel, reference):
-            for name in ("amax_history", "scale", "nonfinite"):
+            for name in ("amax_history", "scale", "grad_amax", "nonfinite"):
                 got, want = getattr(ours, name), getattr(theirs, name)
                 assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (seed, name, got, want)
 
@@ -181,11 +182,11 @@ def test_delayed_cast_reads_the_stored_scale_only():
     """The cast and its scale_inv do not depend on the tensor's own amax (a compiler may then fuse the cast into
     the kernel producing the tensor, and the amax reduction does not have to finish first); the amax is still
     computed, for the history."""
-    def quantize(x, history, scale):
-        q = quantize_delayed(x, E4M3, (history, scale), INPUT)
+    def quantize(x, history, scale, grad_amax):
+        q = quantize_delayed(x, E4M3, (history, scale, grad_amax), INPUT)
         return q.data, q.scale_inv
 
-    graph = make_fx(quantize)(torch.randn(4, 8), torch.zeros(3, 4), torch.ones(3)).graph
+    graph = make_fx(quantize)(torch.randn(4, 8), torch.zeros(3, 4), torch.ones(3), torch.zeros(1)).graph
     reductions = {n for n in graph.nodes if n.target in (torch.ops.aten.amax.default, torch.ops.aten.max.default)}
     assert reductions
     outputs = next(n for n in graph.nodes if n.op == "output").args[0]

@@ -19,10 +19,13 @@ as TE does after each fp8_autocast region:
                    the previous scale where amax is 0, inf or NaN, FP32's max where the quotient overflows.
                    The oldest amax drops out, `last` becomes the newest.
 
-The history row of a role is laid out as TE's: [open slot, oldest, ..., newest]. It starts at zero and the
-scale at 1, so a tensor is first cast with scale 1. Recording is a max into the open slot, so a forward recomputed
-under activation checkpointing casts with the same scale and records nothing new. The state lives in
-`DelayedScalingState` buffers of each FP8 linear layer, so checkpoints carry it.
+The history row of a role is laid out as TE's: [open slot, oldest, ..., newest]. The gradient's open slot is a
+buffer of its own, `grad_amax` (its row's slot 0 stays 0): a compiled backward that wrote into the buffer its
+forward wrote would be handed a copy of it to write, and copy it back (AOTAutograd), two more kernels per
+gradient. The histories start at zero and the scale at 1, so a tensor is first cast with scale 1. Recording is a
+max into the open slot, so a forward recomputed under activation checkpointing casts with the same scale and
+records nothing new. The state lives in `DelayedScalingState` buffers of each FP8 linear layer, so checkpoints
+carry it (the open slots are 0 between micro-batches, where a checkpoint is written).
 
 inf and NaN: a cast saturates inf to +-fp8_max and keeps NaN (TE's casts do the same), and the recorded amax is
 inf or NaN (TE instead drops NaN from its amax). The update marks such a (layer, role) in the `nonfinite` flags,
@@ -45,6 +48,7 @@ from recipes.fp8.tensor import Float8Tensor
 
 NUM_ROLES = 3
 ROLE_NAMES = ("input", "weight", "grad")
+GRAD_ROLE = 2
 
 
 class DelayedScalingState(nn.Module):
@@ -52,14 +56,28 @@ class DelayedScalingState(nn.Module):
         super().__init__()
         self.register_buffer("amax_history", torch.zeros(NUM_ROLES, history_len))
         self.register_buffer("scale", torch.ones(NUM_ROLES))
+        # The gradient's open slot (see the module's doc); 0 between micro-batches, so not checkpointed.
+        self.register_buffer("grad_amax", torch.zeros(1), persistent=False)
         # 1 where an inf or NaN amax was recorded; the run stops on it, so it is not checkpointed.
         self.register_buffer("nonfinite", torch.zeros(NUM_ROLES), persistent=False)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a quantization reads and records into (quantize_delayed's `state`)."""
+        return self.amax_history, self.scale, self.grad_amax
 
     def reset_constants(self) -> None:
         """The initial state: an empty history, scale 1 (after a model built on the meta device is materialised)."""
         self.amax_history.zero_()
         self.scale.fill_(1.0)
+        self.grad_amax.zero_()
         self.nonfinite.zero_()
+
+
+def open_slot(state: tuple[torch.Tensor, ...], role: int) -> tuple[torch.Tensor, int]:
+    """Where a quantization of `role` records its amax: a buffer of `state` (DelayedScalingState.tensors()) and
+    the index of the slot in it, flattened."""
+    amax_history, _, grad_amax = state
+    return (grad_amax, 0) if role == GRAD_ROLE else (amax_history, role * amax_history.shape[1])
 
 
 def delayed_scale(amax: torch.Tensor, previous: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
@@ -74,12 +92,12 @@ def delayed_scale(amax: torch.Tensor, previous: torch.Tensor, dtype: torch.dtype
 def quantize_delayed(
     x: torch.Tensor, dtype: torch.dtype, state: tuple[torch.Tensor, torch.Tensor], role: int
 ) -> Float8Tensor:
-    """`state` is (amax_history, scale) of a DelayedScalingState; this tensor's amax goes into the history's
-    open slot (in place)."""
-    amax_history, scales = state
-    scale = scales[role]
+    """`state`: a DelayedScalingState's tensors(); this tensor's amax goes into the role's open slot (in place)."""
+    scale = state[1][role]
     quantized = Float8Tensor(cast_to_fp8(x, scale, dtype), fp32_quotient(1.0, scale))
-    amax_history[role, 0] = torch.maximum(amax_history[role, 0], x.abs().amax().float())  # propagates NaN
+    target, index = open_slot(state, role)
+    slots = target.view(-1)
+    slots[index] = torch.maximum(slots[index], x.abs().amax().float())  # propagates NaN
     return quantized
 
 
@@ -111,19 +129,20 @@ def _update_with_kernel(states: list[DelayedScalingState], role_dtypes: tuple[to
                         algo: AmaxComputeAlgo, margin: int, distributed: bool) -> None:
     from recipes.fp8 import delayed_update_kernel
 
-    histories, nonfinites = [s.amax_history for s in states], [s.nonfinite for s in states]
+    buffers = [[getattr(s, name) for s in states] for name in ("amax_history", "grad_amax", "scale", "nonfinite")]
+    histories, grad_amaxes, scales, nonfinites = buffers
     reduced = None
     if distributed:
-        reduced = delayed_update_kernel.open_slots(histories, nonfinites)
+        reduced = delayed_update_kernel.open_slots(histories, grad_amaxes, nonfinites)
         dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
     scaled_maxes = tuple(fp8_max(dtype) * 2.0**-margin for dtype in role_dtypes)
-    delayed_update_kernel.close_slots(histories, [s.scale for s in states], nonfinites, scaled_maxes,
+    delayed_update_kernel.close_slots(histories, grad_amaxes, scales, nonfinites, scaled_maxes,
                                       algo == AmaxComputeAlgo.most_recent, reduced)
 
 
 def _open_slots(states: list[DelayedScalingState]) -> tuple[torch.Tensor, torch.Tensor]:
     """(layers, roles): each open slot's amax, and the non-finite flags with this micro-batch's folded in."""
-    last = torch.stack([state.amax_history[:, 0] for state in states])
+    last = torch.stack([torch.cat([state.amax_history[:GRAD_ROLE, 0], state.grad_amax]) for state in states])
     nonfinite = torch.stack([state.nonfinite for state in states]).maximum((~torch.isfinite(last)).float())
     return last, nonfinite
 
@@ -151,6 +170,7 @@ def _close_slots(states: list[DelayedScalingState], last: torch.Tensor, nonfinit
     copy([state.amax_history for state in states], list(histories.unbind(0)))
     copy([state.scale for state in states], list(scales.unbind(0)))
     copy([state.nonfinite for state in states], list(nonfinite.unbind(0)))
+    torch._foreach_zero_([state.grad_amax for state in states])
 
 
 def _copy_each(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:

@@ -21,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-ROLES = 3  # input, weight, gradient: the rows of each layer's history
+# Globals a Triton kernel reads must be constexprs; Python code reads their `.value`.
+ROLES = tl.constexpr(3)  # input, weight, gradient: the rows of each layer's history
+GRAD = tl.constexpr(2)  # the role whose open slot is the grad_amax buffer (recipes.fp8.delayed_scaling says why)
 
 
 @triton.jit
@@ -35,32 +37,35 @@ def _nonfinite(x):
 
 
 @triton.jit
-def _open_slots_kernel(histories, nonfinites, out, layers, HISTORY: tl.constexpr):
+def _open_slots_kernel(histories, grad_amaxes, nonfinites, out, layers, HISTORY: tl.constexpr):
     """out (2, layers, roles): each open slot's amax, and the non-finite flags with that amax's folded in."""
     layer = tl.program_id(0)
     role = tl.arange(0, 4)
-    mask = role < ROLES
+    mask = role < GRAD
     last = tl.load(_address(histories, layer) + role * HISTORY, mask=mask)
+    last = tl.where(role == GRAD, tl.load(_address(grad_amaxes, layer)), last)
+    mask = role < ROLES
     flags = tl.maximum(tl.load(_address(nonfinites, layer) + role, mask=mask), _nonfinite(last))
     tl.store(out + layer * ROLES + role, last, mask=mask)
     tl.store(out + (layers + layer) * ROLES + role, flags, mask=mask)
 
 
 @triton.jit
-def _close_slots_kernel(histories, scales, nonfinites, reduced, layers, scaled_max_input, scaled_max_weight,
-                        scaled_max_grad, HISTORY: tl.constexpr, REDUCED: tl.constexpr, MOST_RECENT: tl.constexpr,
-                        BLOCK: tl.constexpr):
+def _close_slots_kernel(histories, grad_amaxes, scales, nonfinites, reduced, layers, scaled_max_input,
+                        scaled_max_weight, scaled_max_grad, HISTORY: tl.constexpr, REDUCED: tl.constexpr,
+                        MOST_RECENT: tl.constexpr, BLOCK: tl.constexpr):
     """One (layer, role): with `last` its amax of this micro-batch (reduced over the ranks where REDUCED), the
     history [open, oldest, ..., newest] becomes [0, ..., newest, last] and the scale scaled_max / amax where
-    `last` is not 0; else both stay."""
+    `last` is not 0; else both stay. The gradient's open slot, grad_amax, is zeroed."""
     layer, role = tl.program_id(0), tl.program_id(1)
     history = _address(histories, layer) + role * HISTORY
+    grad_amax = _address(grad_amaxes, layer)
     nonfinite = _address(nonfinites, layer) + role
     if REDUCED:
         last = tl.load(reduced + layer * ROLES + role)
         flag = tl.load(reduced + (layers + layer) * ROLES + role)
     else:
-        last = tl.load(history)
+        last = tl.where(role == GRAD, tl.load(grad_amax), tl.load(history))
         flag = tl.maximum(tl.load(nonfinite), _nonfinite(last))
     i = tl.arange(0, BLOCK)
     window = tl.load(history + 1 + i, mask=i < HISTORY - 1, other=0.0)  # the last HISTORY amaxes, `last` newest
@@ -80,6 +85,7 @@ def _close_slots_kernel(histories, scales, nonfinites, reduced, layers, scaled_m
     tl.store(history + i, tl.where(i == 0, 0.0, window), mask=tl.where(moves, i < HISTORY, False))
     tl.store(scale_at, scale)
     tl.store(nonfinite, flag)
+    tl.store(grad_amax, 0.0, mask=role == GRAD)
 
 
 @functools.lru_cache(maxsize=16)
@@ -92,34 +98,37 @@ def _tables(*buffers: list[torch.Tensor]) -> list[torch.Tensor]:
     return [_table(tuple(t.data_ptr() for t in kind), kind[0].device) for kind in buffers]
 
 
-def _checked(histories: list[torch.Tensor], scales: list[torch.Tensor], nonfinites: list[torch.Tensor]) -> int:
+def _checked(histories: list[torch.Tensor], grad_amaxes: list[torch.Tensor], scales: list[torch.Tensor],
+             nonfinites: list[torch.Tensor]) -> int:
     """The history length, after checking that the buffers are laid out as the kernels address them."""
-    length = histories[0].shape[1]
-    for history, scale, nonfinite in zip(histories, scales, nonfinites):
-        if history.shape != (ROLES, length) or scale.shape != nonfinite.shape != (ROLES,):
+    roles, length = ROLES.value, histories[0].shape[1]
+    for history, grad_amax, scale, nonfinite in zip(histories, grad_amaxes, scales, nonfinites):
+        if history.shape != (roles, length) or grad_amax.shape != (1,) or scale.shape != nonfinite.shape != (roles,):
             raise ValueError(f"delayed scaling states of different shapes: {tuple(history.shape)} after "
-                             f"{(ROLES, length)}")
-        if not all(t.is_contiguous() and t.dtype == torch.float32 for t in (history, scale, nonfinite)):
+                             f"{(roles, length)}")
+        if not all(t.is_contiguous() and t.dtype == torch.float32 for t in (history, grad_amax, scale, nonfinite)):
             raise ValueError("delayed scaling's update kernel needs contiguous FP32 state buffers")
     return length
 
 
-def open_slots(histories: list[torch.Tensor], nonfinites: list[torch.Tensor]) -> torch.Tensor:
+def open_slots(histories: list[torch.Tensor], grad_amaxes: list[torch.Tensor],
+               nonfinites: list[torch.Tensor]) -> torch.Tensor:
     """(2, layers, roles): the open slots' amaxes and the non-finite flags, for the all-reduce."""
-    length = _checked(histories, nonfinites, nonfinites)
-    out = torch.empty((2, len(histories), ROLES), dtype=torch.float32, device=histories[0].device)
-    _open_slots_kernel[(len(histories),)](*_tables(histories, nonfinites), out, len(histories), HISTORY=length)
+    length = _checked(histories, grad_amaxes, nonfinites, nonfinites)
+    out = torch.empty((2, len(histories), ROLES.value), dtype=torch.float32, device=histories[0].device)
+    _open_slots_kernel[(len(histories),)](*_tables(histories, grad_amaxes, nonfinites), out, len(histories),
+                                          HISTORY=length)
     return out
 
 
-def close_slots(histories: list[torch.Tensor], scales: list[torch.Tensor], nonfinites: list[torch.Tensor],
-                scaled_maxes: tuple[float, float, float], most_recent: bool,
+def close_slots(histories: list[torch.Tensor], grad_amaxes: list[torch.Tensor], scales: list[torch.Tensor],
+                nonfinites: list[torch.Tensor], scaled_maxes: tuple[float, float, float], most_recent: bool,
                 reduced: Optional[torch.Tensor] = None) -> None:
-    """Update every layer's history, scale and non-finite flags in place. `reduced`: open_slots' output after the
-    all-reduce; None reads the open slots themselves (one process)."""
-    length = _checked(histories, scales, nonfinites)
-    tables = _tables(histories, scales, nonfinites)
-    _close_slots_kernel[(len(histories), ROLES)](
+    """Update every layer's history, scale and non-finite flags in place, and zero the gradients' open slots.
+    `reduced`: open_slots' output after the all-reduce; None reads the open slots themselves (one process)."""
+    length = _checked(histories, grad_amaxes, scales, nonfinites)
+    tables = _tables(histories, grad_amaxes, scales, nonfinites)
+    _close_slots_kernel[(len(histories), ROLES.value)](
         *tables, tables[0] if reduced is None else reduced, len(histories), *scaled_maxes, HISTORY=length,
         REDUCED=reduced is not None, MOST_RECENT=most_recent, BLOCK=triton.next_power_of_2(length),
     )

@@ -28,7 +28,7 @@ from recipes.config import AmaxComputeAlgo, ConfigError, PrecisionConfig, Recipe
 from recipes.fp8.all_gather import Fp8GatheredWeight
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise
 from recipes.fp8.current_scaling import fp32_quotient, quantize_tensorwise, tensorwise_scale
-from recipes.fp8.delayed_scaling import DelayedScalingState, quantize_delayed
+from recipes.fp8.delayed_scaling import DelayedScalingState, open_slot, quantize_delayed
 from recipes.fp8.formats import forward_and_backward_dtypes
 from recipes.fp8.activation_ops import reference_output
 from recipes.fp8.gemm import fp8_gemm, fp8_gemm_into, mm_into
@@ -161,10 +161,8 @@ class DelayedScaling(PerTensorScaling):
         return quantize_delayed(t, self.dtype(role), state, role)
 
     def fused_cast(self, kernels, op, a, b, dtype, state, role):
-        amax_history, scales = state  # the scale is known: one pass casts and records the amax
-        scale = scales[role]
-        data, data_t = kernels.produce_fp8_recording_amax(op, a, b, scale, dtype, amax_history,
-                                                          role * amax_history.shape[1])
+        scale = state[1][role]  # the scale is known: one pass casts and records the amax
+        data, data_t = kernels.produce_fp8_recording_amax(op, a, b, scale, dtype, *open_slot(state, role))
         return data, data_t, scale
 
 
@@ -266,7 +264,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, state: tuple = (),
                cache: Optional["WeightCache"] = None, main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y = x @ weight^T with the three GEMMs in FP8. `state`: a stateful recipe's (amax_history, scale) buffers.
+    """y = x @ weight^T with the three GEMMs in FP8. `state`: a stateful recipe's buffers (DelayedScalingState's).
     With `main_grad` the weight gradient goes into it (written in the step's first micro-batch, added in the
     others, inside the GEMM where it can) instead of to autograd."""
     return _Fp8LinearFunction.apply(x, weight, recipe, *cache_arguments(cache), main_grad, *cache_tensors(cache),
@@ -382,7 +380,7 @@ class Fp8Linear(CachedWeightLinear):
         )
 
     def state_tensors(self) -> tuple:
-        return (self.fp8_state.amax_history, self.fp8_state.scale) if self.fp8_state is not None else ()
+        return self.fp8_state.tensors() if self.fp8_state is not None else ()
 
     def make_weight_cache(self) -> WeightCache:
         return fp8_weight_cache(self.weight, self.recipe, self.state_tensors() or None)

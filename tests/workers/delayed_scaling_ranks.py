@@ -100,10 +100,12 @@ def check_update_kernel(rank: int) -> None:
         states = [DelayedScalingState(4) for _ in range(3)]
         for layer, state in enumerate(states):
             state.amax_history[:, 1:] = torch.tensor([[1.0, 2.0, 3.0], [0.5, 0.25, 8.0], [1e-3, 2e-3, 0.0]])
-            state.amax_history[:, 0] = torch.tensor([1.0 + rank + layer, 0.0, 1e-5 * (2 - rank)])
+            state.amax_history[:2, 0] = torch.tensor([1.0 + rank + layer, 0.0])
+            state.grad_amax.fill_(1e-5 * (2 - rank))
         states[1].amax_history[0, 0] = float("nan") if rank == 0 else float("inf")
         update_delayed_scaling(states, dtypes, AmaxComputeAlgo.max, 0, kernel=kernel)
-        results.append(torch.cat([torch.cat([s.amax_history.flatten(), s.scale, s.nonfinite]) for s in states]))
+        results.append(torch.cat([torch.cat([s.amax_history.flatten(), s.scale, s.grad_amax, s.nonfinite])
+                                  for s in states]))
     reference, kernel = results
     assert torch.equal(kernel.view(torch.int32), reference.view(torch.int32)), (rank, kernel, reference)
 
