@@ -128,9 +128,9 @@ def gpu_idle(kernels: list[tuple[float, float, str]]) -> dict:
     }
 
 
-# What nvidia-smi samples: the SM clock (MHz), the board's power draw (W), the temperature (C), and whether the
-# driver is holding the clocks down to stay under the power limit.
-TELEMETRY_QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.sw_power_cap"
+# What nvidia-smi samples: the SM clock (MHz), the board's power draw and the limit the driver enforces (W), the
+# temperature (C), and whether the driver is holding the clocks down to stay under that limit.
+TELEMETRY_QUERY = "clocks.sm,power.draw,enforced.power.limit,temperature.gpu,clocks_event_reasons.sw_power_cap"
 
 
 @contextlib.contextmanager
@@ -161,30 +161,30 @@ def gpu_telemetry(device: torch.device, interval_ms: int = 100) -> Iterator[dict
 
 
 def summarize_telemetry(output: str) -> dict:
-    """From nvidia-smi's CSV lines (TELEMETRY_QUERY, no header, no units): the median SM clock, power and
-    temperature, the share of samples with the power cap slowing the clock, and the number of samples; or
-    {"unavailable": nvidia-smi's first line} where no line parses."""
+    """From nvidia-smi's CSV lines (TELEMETRY_QUERY, no header, no units): the median SM clock, power, power
+    limit and temperature, the share of samples with the power cap slowing the clock, and the number of samples;
+    or {"unavailable": nvidia-smi's first line} where no line parses."""
     samples = []
     for line in output.splitlines():
         fields = [field.strip() for field in line.split(",")]
         try:
-            samples.append((float(fields[0]), float(fields[1]), float(fields[2]), fields[3] == "Active"))
+            samples.append((*(float(field) for field in fields[:4]), fields[4] == "Active"))
         except (IndexError, ValueError):
             continue
     if not samples:
         return {"unavailable": (output.strip().splitlines() or ["nvidia-smi printed nothing"])[0][:200]}
-    clock, power, temperature, capped = zip(*samples)
+    clock, power, limit, temperature, capped = zip(*samples)
     return {"sm_clock_mhz": statistics.median(clock), "power_w": statistics.median(power),
-            "temperature_c": statistics.median(temperature), "power_capped_share": sum(capped) / len(samples),
-            "samples": len(samples)}
+            "power_limit_w": statistics.median(limit), "temperature_c": statistics.median(temperature),
+            "power_capped_share": sum(capped) / len(samples), "samples": len(samples)}
 
 
 def describe_telemetry(telemetry: dict) -> str:
     if "unavailable" in telemetry:
         return f"GPU clock and power not recorded: {telemetry['unavailable']}"
-    return (f"SM clock {telemetry['sm_clock_mhz']:.0f} MHz, {telemetry['power_w']:.0f} W, "
-            f"{telemetry['temperature_c']:.0f} C, power cap slowing the clock in {telemetry['power_capped_share']:.0%} "
-            f"of {telemetry['samples']} samples (medians)")
+    return (f"SM clock {telemetry['sm_clock_mhz']:.0f} MHz, {telemetry['power_w']:.0f} W of a "
+            f"{telemetry['power_limit_w']:.0f} W limit, {telemetry['temperature_c']:.0f} C, power cap slowing the "
+            f"clock in {telemetry['power_capped_share']:.0%} of {telemetry['samples']} samples (medians)")
 
 
 def describe_idle(idle: dict) -> str:

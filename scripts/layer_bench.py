@@ -222,7 +222,8 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
         kernel_profile = profile_kernels(training_step)
         print(f"  {variant.name:>18} profile: {describe_time_split(kernel_profile)}", flush=True)
         for kernel in kernel_profile["top_kernels"][:12]:
-            print(f"      {kernel['ms']:8.2f} ms  {kernel['calls']:5d} calls  {kernel['category']:>9}  {kernel['name']}")
+            print(f"      {kernel['ms']:8.2f} ms  {kernel['calls']:5d} calls  {kernel['category']:>9}  "
+                  f"{kernel['name']}")
         for kernel in kernel_profile["most_called"][:5]:
             print(f"      {kernel['calls']:5d} calls  {kernel['ms']:8.2f} ms  (most called)  {kernel['name']}")
         print(f"  {variant.name:>18} timeline: {describe_idle(kernel_profile['idle'])}", flush=True)
@@ -247,7 +248,8 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
         "tokens_per_s": tokens / step_time,
         "peak_memory_gib": peak,
         "last_loss": losses[-1],
-        **{key: telemetry.get(key) for key in ("sm_clock_mhz", "power_w", "temperature_c", "power_capped_share")},
+        **{key: telemetry.get(key) for key in ("sm_clock_mhz", "power_w", "power_limit_w", "temperature_c",
+                                               "power_capped_share")},
         "profile": kernel_profile,
     }
 

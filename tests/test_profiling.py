@@ -75,14 +75,14 @@ def test_gpu_idle_splits_queued_gaps_from_waits():
 def test_telemetry_summary_from_nvidia_smi_lines():
     """nvidia-smi's CSV for TELEMETRY_QUERY (noheader, nounits), as an H200 prints it: medians, and the share of
     samples where the power cap held the clock down; a refused query is reported, not parsed."""
-    lines = "\n".join(["1980, 612.45, 51, Not Active", "1755, 699.80, 54, Active", "1830, 700.12, 55, Active",
-                       "1980, 205.10, 49, Not Active", "garbled"])
+    lines = "\n".join(["1980, 612.45, 700.00, 51, Not Active", "1755, 699.80, 700.00, 54, Active",
+                       "1830, 700.12, 700.00, 55, Active", "1980, 205.10, 700.00, 49, Not Active", "garbled"])
     summary = summarize_telemetry(lines)
-    assert summary == {"sm_clock_mhz": 1905.0, "power_w": 656.125, "temperature_c": 52.5,
+    assert summary == {"sm_clock_mhz": 1905.0, "power_w": 656.125, "power_limit_w": 700.0, "temperature_c": 52.5,
                        "power_capped_share": 0.5, "samples": 4}
     refused = 'Field "clocks_event_reasons.sw_power_cap" is not a valid field to query.\n'
     assert summarize_telemetry(refused) == {"unavailable": refused.strip()}
-    assert "1905 MHz" in describe_telemetry(summary) and "50%" in describe_telemetry(summary)
+    assert "1905 MHz, 656 W of a 700 W limit" in describe_telemetry(summary) and "50%" in describe_telemetry(summary)
 
 
 def test_telemetry_says_why_it_recorded_nothing_without_a_gpu():
