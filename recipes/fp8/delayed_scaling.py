@@ -90,7 +90,7 @@ def delayed_scale(amax: torch.Tensor, previous: torch.Tensor, dtype: torch.dtype
 
 @torch.no_grad()
 def quantize_delayed(
-    x: torch.Tensor, dtype: torch.dtype, state: tuple[torch.Tensor, torch.Tensor], role: int
+    x: torch.Tensor, dtype: torch.dtype, state: tuple[torch.Tensor, ...], role: int
 ) -> Float8Tensor:
     """`state`: a DelayedScalingState's tensors(); this tensor's amax goes into the role's open slot (in place)."""
     scale = state[1][role]
