@@ -156,7 +156,11 @@ def gpu_telemetry(device: torch.device, interval_ms: int = 100) -> Iterator[dict
         yield telemetry
     finally:
         sampler.terminate()
-        output, _ = sampler.communicate(timeout=10)
+        try:
+            output, _ = sampler.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # leave no sampler behind
+            sampler.kill()
+            output, _ = sampler.communicate()
         telemetry.update(summarize_telemetry(output))
 
 

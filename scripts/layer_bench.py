@@ -196,25 +196,22 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
         return optimizer_step(micro_batch_loss, args.micro_batches, stack, trainee.fp8, optimizer, trainer.lr,
                               trainer.grad_clip)
 
-    times, losses = [], []
-
-    def timed_step(step: int) -> None:
+    def timed_step(step: int) -> tuple[float, float]:
+        """(seconds, loss) of one training step."""
         _synchronize(device)
         start = time.perf_counter()
         loss, _ = training_step()
         _synchronize(device)
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-        print(f"  {variant.name:>18} step {step + 1}/{args.warmup + args.steps}: {times[-1]:.3f} s", flush=True)
+        seconds = time.perf_counter() - start
+        print(f"  {variant.name:>18} step {step + 1}/{args.warmup + args.steps}: {seconds:.3f} s", flush=True)
+        return seconds, loss.item()
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(args.warmup):
         timed_step(step)
-    del times[:], losses[:]
     with gpu_telemetry(device) as telemetry:  # the clock and power of the timed steps
-        for step in range(args.warmup, args.warmup + args.steps):
-            timed_step(step)
+        times, losses = zip(*(timed_step(step) for step in range(args.warmup, args.warmup + args.steps)))
     print(f"  {variant.name:>18} {describe_telemetry(telemetry)}", flush=True)
     step_time = statistics.median(times)
     kernel_profile = None
@@ -342,6 +339,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.layers = args.layers or [4] * len(args.model)
     if len(args.layers) != len(args.model):
         parser.error("give one --layers per --model")
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps {args.steps} --warmup {args.warmup}: time at least one step, after 0 or more warm-up")
     return args
 
 

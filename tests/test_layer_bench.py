@@ -109,3 +109,11 @@ def test_transformer_engine_writes_the_main_gradients_of_the_te_megatron_columns
         reference = expected.grad.float()
         torch.testing.assert_close(param.main_grad, reference, rtol=2e-2, atol=2e-2 * reference.abs().max().item(),
                                    msg=name)
+
+
+def test_no_timed_step_is_refused_in_one_line(scripts, capsys):
+    layer_bench, _ = scripts
+    with pytest.raises(SystemExit) as exit_info:
+        layer_bench.parse_args(["--model", "tiny_llama", "--steps", "0"])
+    assert exit_info.value.code == 2
+    assert "--steps 0 --warmup 3: time at least one step" in capsys.readouterr().err

@@ -52,6 +52,7 @@ def test_time_split_counts_the_calls_of_each_kernel():
     assert called["aten::mm"] == called["aten::tanh"] == 5 and called["aten::sum"] == 1
     assert {kernel["name"]: kernel["calls"] for kernel in split["top_kernels"]}["aten::mm"] == 5
 
+
 def test_gpu_idle_splits_queued_gaps_from_waits():
     # (start_us, end_us, name), out of order; "copy" runs on another stream inside "gemm", and "tail" starts
     # before "gemm" ends: neither leaves a gap.

@@ -47,8 +47,8 @@ from recipes.fp8.formats import fp8_max
 from recipes.fp8.tensor import Float8Tensor
 
 NUM_ROLES = 3
+INPUT, WEIGHT, GRAD = range(NUM_ROLES)  # the operand roles of an FP8 linear (recipes.fp8.linear)
 ROLE_NAMES = ("input", "weight", "grad")
-GRAD_ROLE = 2
 
 
 class DelayedScalingState(nn.Module):
@@ -77,7 +77,7 @@ def open_slot(state: tuple[torch.Tensor, ...], role: int) -> tuple[torch.Tensor,
     """Where a quantization of `role` records its amax: a buffer of `state` (DelayedScalingState.tensors()) and
     the index of the slot in it, flattened."""
     amax_history, _, grad_amax = state
-    return (grad_amax, 0) if role == GRAD_ROLE else (amax_history, role * amax_history.shape[1])
+    return (grad_amax, 0) if role == GRAD else (amax_history, role * amax_history.shape[1])
 
 
 def delayed_scale(amax: torch.Tensor, previous: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
@@ -129,20 +129,18 @@ def _update_with_kernel(states: list[DelayedScalingState], role_dtypes: tuple[to
                         algo: AmaxComputeAlgo, margin: int, distributed: bool) -> None:
     from recipes.fp8 import delayed_update_kernel
 
-    buffers = [[getattr(s, name) for s in states] for name in ("amax_history", "grad_amax", "scale", "nonfinite")]
-    histories, grad_amaxes, scales, nonfinites = buffers
+    buffers = tuple([getattr(s, name) for s in states] for name in ("amax_history", "grad_amax", "scale", "nonfinite"))
     reduced = None
     if distributed:
-        reduced = delayed_update_kernel.open_slots(histories, grad_amaxes, nonfinites)
+        reduced = delayed_update_kernel.open_slots(buffers)
         dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
     scaled_maxes = tuple(fp8_max(dtype) * 2.0**-margin for dtype in role_dtypes)
-    delayed_update_kernel.close_slots(histories, grad_amaxes, scales, nonfinites, scaled_maxes,
-                                      algo == AmaxComputeAlgo.most_recent, reduced)
+    delayed_update_kernel.close_slots(buffers, scaled_maxes, algo == AmaxComputeAlgo.most_recent, reduced)
 
 
 def _open_slots(states: list[DelayedScalingState]) -> tuple[torch.Tensor, torch.Tensor]:
     """(layers, roles): each open slot's amax, and the non-finite flags with this micro-batch's folded in."""
-    last = torch.stack([torch.cat([state.amax_history[:GRAD_ROLE, 0], state.grad_amax]) for state in states])
+    last = torch.stack([torch.cat([state.amax_history[:GRAD, 0], state.grad_amax]) for state in states])
     nonfinite = torch.stack([state.nonfinite for state in states]).maximum((~torch.isfinite(last)).float())
     return last, nonfinite
 

@@ -1,9 +1,9 @@
 """Delayed scaling's update after each micro-batch (recipes.fp8.delayed_scaling) in one Triton kernel for every
 layer of the model, which it finds through a table of the state buffers' addresses, as TE's `kernel_bulk` does:
 
-    close_slots(histories, scales, nonfinites, ...)       one launch: read each open slot, move the windows on,
+    close_slots(buffers, ...)                             one launch: read each open slot, move the windows on,
                                                           write the new scales (one process)
-    open_slots(...), all-reduce, close_slots(..., reduced)    two launches around the collective (data parallel)
+    open_slots(buffers), all-reduce, close_slots(..., reduced)    two launches around the collective (data parallel)
 
 The eager update launched some seventy kernels per micro-batch and Inductor's some fifty (a write per state
 buffer); on a GPU the host cannot launch them as fast as the GPU runs them. The FP32 operations are the reference
@@ -14,7 +14,6 @@ TE's rule, this kernel under Triton's CPU interpreter there and on the GPU in te
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -24,6 +23,8 @@ import triton.language as tl
 # Globals a Triton kernel reads must be constexprs; Python code reads their `.value`.
 ROLES = tl.constexpr(3)  # input, weight, gradient: the rows of each layer's history
 GRAD = tl.constexpr(2)  # the role whose open slot is the grad_amax buffer (recipes.fp8.delayed_scaling says why)
+# Every layer's (amax_history, grad_amax, scale, nonfinite) buffers, one list per kind.
+StateBuffers = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
 
 
 @triton.jit
@@ -88,47 +89,50 @@ def _close_slots_kernel(histories, grad_amaxes, scales, nonfinites, reduced, lay
     tl.store(grad_amax, 0.0, mask=role == GRAD)
 
 
-@functools.lru_cache(maxsize=16)
-def _table(addresses: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The buffers' addresses on the device, copied there once per set of buffers (they stay put in training)."""
-    return torch.tensor(addresses, dtype=torch.int64, device=device)
+# Address tables by (history length, device, addresses): built and checked once per set of buffers (they stay
+# put in training), not in every micro-batch.
+_TABLES: dict[tuple, torch.Tensor] = {}
 
 
-def _tables(*buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [_table(tuple(t.data_ptr() for t in kind), kind[0].device) for kind in buffers]
+def _table(buffers: StateBuffers) -> tuple[int, torch.Tensor]:
+    """(the history length, a (4, layers) table of the addresses of `buffers`' four kinds, on their device)."""
+    histories = buffers[0]
+    key = (histories[0].shape[1], histories[0].device, tuple(t.data_ptr() for kind in buffers for t in kind))
+    if key not in _TABLES:
+        _check(buffers)
+        if len(_TABLES) >= 16:
+            _TABLES.clear()
+        _TABLES[key] = torch.tensor(key[2], dtype=torch.int64, device=key[1]).view(len(buffers), -1)
+    return key[0], _TABLES[key]
 
 
-def _checked(histories: list[torch.Tensor], grad_amaxes: list[torch.Tensor], scales: list[torch.Tensor],
-             nonfinites: list[torch.Tensor]) -> int:
-    """The history length, after checking that the buffers are laid out as the kernels address them."""
-    roles, length = ROLES.value, histories[0].shape[1]
-    for history, grad_amax, scale, nonfinite in zip(histories, grad_amaxes, scales, nonfinites):
+def _check(buffers: StateBuffers) -> None:
+    """That the buffers are laid out as the kernels address them."""
+    roles, length = ROLES.value, buffers[0][0].shape[1]
+    for history, grad_amax, scale, nonfinite in zip(*buffers):
         if history.shape != (roles, length) or grad_amax.shape != (1,) or scale.shape != nonfinite.shape != (roles,):
             raise ValueError(f"delayed scaling states of different shapes: {tuple(history.shape)} after "
                              f"{(roles, length)}")
         if not all(t.is_contiguous() and t.dtype == torch.float32 for t in (history, grad_amax, scale, nonfinite)):
             raise ValueError("delayed scaling's update kernel needs contiguous FP32 state buffers")
-    return length
 
 
-def open_slots(histories: list[torch.Tensor], grad_amaxes: list[torch.Tensor],
-               nonfinites: list[torch.Tensor]) -> torch.Tensor:
+def open_slots(buffers: StateBuffers) -> torch.Tensor:
     """(2, layers, roles): the open slots' amaxes and the non-finite flags, for the all-reduce."""
-    length = _checked(histories, grad_amaxes, nonfinites, nonfinites)
-    out = torch.empty((2, len(histories), ROLES.value), dtype=torch.float32, device=histories[0].device)
-    _open_slots_kernel[(len(histories),)](*_tables(histories, grad_amaxes, nonfinites), out, len(histories),
-                                          HISTORY=length)
+    length, (histories, grad_amaxes, _, nonfinites) = _table(buffers)
+    layers = histories.shape[0]
+    out = torch.empty((2, layers, ROLES.value), dtype=torch.float32, device=histories.device)
+    _open_slots_kernel[(layers,)](histories, grad_amaxes, nonfinites, out, layers, HISTORY=length)
     return out
 
 
-def close_slots(histories: list[torch.Tensor], grad_amaxes: list[torch.Tensor], scales: list[torch.Tensor],
-                nonfinites: list[torch.Tensor], scaled_maxes: tuple[float, float, float], most_recent: bool,
+def close_slots(buffers: StateBuffers, scaled_maxes: tuple[float, float, float], most_recent: bool,
                 reduced: Optional[torch.Tensor] = None) -> None:
     """Update every layer's history, scale and non-finite flags in place, and zero the gradients' open slots.
     `reduced`: open_slots' output after the all-reduce; None reads the open slots themselves (one process)."""
-    length = _checked(histories, grad_amaxes, scales, nonfinites)
-    tables = _tables(histories, grad_amaxes, scales, nonfinites)
-    _close_slots_kernel[(len(histories), ROLES.value)](
-        *tables, tables[0] if reduced is None else reduced, len(histories), *scaled_maxes, HISTORY=length,
+    length, tables = _table(buffers)
+    layers = tables.shape[1]
+    _close_slots_kernel[(layers, ROLES.value)](
+        *tables, tables[0] if reduced is None else reduced, layers, *scaled_maxes, HISTORY=length,
         REDUCED=reduced is not None, MOST_RECENT=most_recent, BLOCK=triton.next_power_of_2(length),
     )

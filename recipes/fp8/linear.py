@@ -28,14 +28,13 @@ from recipes.config import AmaxComputeAlgo, ConfigError, PrecisionConfig, Recipe
 from recipes.fp8.all_gather import Fp8GatheredWeight
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise
 from recipes.fp8.current_scaling import fp32_quotient, quantize_tensorwise, tensorwise_scale
-from recipes.fp8.delayed_scaling import DelayedScalingState, open_slot, quantize_delayed
+from recipes.fp8.delayed_scaling import GRAD, INPUT, WEIGHT, DelayedScalingState, open_slot, quantize_delayed
 from recipes.fp8.formats import forward_and_backward_dtypes
 from recipes.fp8.activation_ops import reference_output
 from recipes.fp8.gemm import fp8_gemm, fp8_gemm_into, mm_into
 from recipes.fp8.mxfp8 import quantize_mx
 from recipes.fp8.tensor import Float8Tensor
 
-INPUT, WEIGHT, GRAD = 0, 1, 2
 CACHE_OFF, CACHE_REFRESH, CACHE_REUSE = "off", "refresh", "reuse"  # quantize W each call / and store it / reuse it
 
 
