@@ -9,6 +9,7 @@ the engines' optimizer step `trainer.profile_step` and writes a Chrome trace and
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import re
 import shutil
@@ -128,9 +129,11 @@ def gpu_idle(kernels: list[tuple[float, float, str]]) -> dict:
     }
 
 
-# What nvidia-smi samples: the SM clock (MHz), the board's power draw and the limit the driver enforces (W), the
-# temperature (C), and whether the driver is holding the clocks down to stay under that limit.
-TELEMETRY_QUERY = "clocks.sm,power.draw,enforced.power.limit,temperature.gpu,clocks_event_reasons.sw_power_cap"
+# What nvidia-smi samples: when (its local time, to the millisecond), the SM clock (MHz), the board's power draw and
+# the limit the driver enforces (W), the temperature (C), and whether the driver is holding the clocks down to stay
+# under that limit.
+TELEMETRY_QUERY = ("timestamp,clocks.sm,power.draw,enforced.power.limit,temperature.gpu,"
+                   "clocks_event_reasons.sw_power_cap")
 
 
 @contextlib.contextmanager
@@ -138,7 +141,7 @@ def gpu_telemetry(device: torch.device, interval_ms: int = 100) -> Iterator[dict
     """While the body runs, nvidia-smi samples `device` every `interval_ms`; on exit the dict holds
     summarize_telemetry's figures, or {"unavailable": why} (no nvidia-smi, not a GPU, a query the driver refuses).
     The same kernels run a few percent slower when the GPU holds its clock down under its power limit; this says
-    whether a column ran at the clock of the others."""
+    whether a column ran at the clock of the others, and `window_telemetry` at what clock each of its steps ran."""
     telemetry: dict = {}
     smi = shutil.which("nvidia-smi")
     if device.type != "cuda" or smi is None:
@@ -172,15 +175,27 @@ def summarize_telemetry(output: str) -> dict:
     for line in output.splitlines():
         fields = [field.strip() for field in line.split(",")]
         try:
-            samples.append((*(float(field) for field in fields[:4]), fields[4] == "Active"))
+            when = datetime.datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            samples.append((when, *(float(field) for field in fields[1:5]), fields[5] == "Active"))
         except (IndexError, ValueError):
             continue
     if not samples:
         return {"unavailable": (output.strip().splitlines() or ["nvidia-smi printed nothing"])[0][:200]}
-    clock, power, limit, temperature, capped = zip(*samples)
+    return {**_medians(samples), "timeline": samples}
+
+
+def _medians(samples: list[tuple]) -> dict:
+    _, clock, power, limit, temperature, capped = zip(*samples)
     return {"sm_clock_mhz": statistics.median(clock), "power_w": statistics.median(power),
             "power_limit_w": statistics.median(limit), "temperature_c": statistics.median(temperature),
             "power_capped_share": sum(capped) / len(samples), "samples": len(samples)}
+
+
+def window_telemetry(telemetry: dict, start: float, end: float) -> dict | None:
+    """summarize_telemetry's medians over the samples taken between `start` and `end` (time.time() seconds), None
+    where there are none."""
+    inside = [sample for sample in telemetry.get("timeline", ()) if start <= sample[0] <= end]
+    return _medians(inside) if inside else None
 
 
 def describe_telemetry(telemetry: dict) -> str:

@@ -11,7 +11,7 @@ output layer, with causal attention counted half (Megatron-LM); a second column 
 
 `--peer torchao` adds torchao's float8 tensorwise training (`convert_to_float8_training`, recipe "tensorwise") on
 the same blocks in the same process, as the outside reference for the per-tensor recipes. `--peer te` adds
-Transformer Engine's layers (scripts/te_peer.py) in each of TE's recipes, with the same shapes, micro-batches,
+Transformer Engine's layers (scripts/te_peer.py) in each of TE's recipes (or those of `--te-recipes`), with the same shapes, micro-batches,
 inputs, loss, AdamW (fused, weight decay on matrices) and timing, trained with BF16 parameters and BF16 gradients
 summed by autograd; `--peer te_megatron` adds them trained as Megatron-LM trains them, with the work ours does:
 FP32 main gradients summed inside TE's weight-gradient GEMMs and FP32 master weights. How a TE column differs
@@ -25,8 +25,9 @@ the step speedup if every linear-layer GEMM ran at the FP8/BF16 rate ratio that 
 for this model's four fprop GEMM shapes (per-tensor, timed here in the same process) and quantization cost
 nothing: bf16_kernels / (bf16_kernels - gemm + gemm / ratio). dgrad and wgrad have the same FLOPs as fprop with
 transposed shapes; the fprop ratio stands in for theirs. On a GPU, nvidia-smi samples the SM clock and power
-during the timed steps of each column (recipes.profiling.gpu_telemetry): the same kernels run a few percent slower
-while the GPU holds its clock down under its power limit.
+during the timed steps of each column (recipes.profiling.gpu_telemetry), and each step's time is printed with the
+clock and power it ran at: the same kernels run a few percent slower while the GPU holds its clock down under its
+power limit.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from recipes.fp8 import Fp8Training
 from recipes.metrics import flops_per_token
 from recipes.models.transformer import RotaryEmbedding, TransformerBlock, init_weights
 from recipes.profiling import (
-    describe_idle, describe_telemetry, describe_time_split, gpu_telemetry, profile_kernels,
+    describe_idle, describe_telemetry, describe_time_split, gpu_telemetry, profile_kernels, window_telemetry,
 )
 from recipes.provenance import provenance
 
@@ -159,10 +160,12 @@ def te_variant(peer: str, recipe_name: str) -> Variant:
     return Variant(column, build)
 
 
-def te_columns(peer: str) -> list[Variant]:
-    """The peer's column in each of TE_RECIPES, MXFP8 only where TE says it runs (Blackwell)."""
+def te_columns(peer: str, recipes: list[str] | None = None) -> list[Variant]:
+    """The peer's column in each of `recipes` (default: TE_RECIPES, MXFP8 only where TE says it runs: Blackwell)."""
     te = import_transformer_engine()
-    return [te_variant(peer, name) for name in TE_RECIPES if name != "mxfp8" or te.is_mxfp8_available()]
+    if recipes is None:
+        recipes = [name for name in TE_RECIPES if name != "mxfp8" or te.is_mxfp8_available()]
+    return [te_variant(peer, name) for name in recipes]
 
 
 class DecoderStack(nn.Module):
@@ -196,23 +199,28 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
         return optimizer_step(micro_batch_loss, args.micro_batches, stack, trainee.fp8, optimizer, trainer.lr,
                               trainer.grad_clip)
 
-    def timed_step(step: int) -> tuple[float, float]:
-        """(seconds, loss) of one training step."""
+    def timed_step(step: int) -> tuple[float, float, tuple[float, float]]:
+        """(seconds, loss, (start, end) in time.time()) of one training step."""
         _synchronize(device)
-        start = time.perf_counter()
+        start, wall_start = time.perf_counter(), time.time()
         loss, _ = training_step()
         _synchronize(device)
         seconds = time.perf_counter() - start
         print(f"  {variant.name:>18} step {step + 1}/{args.warmup + args.steps}: {seconds:.3f} s", flush=True)
-        return seconds, loss.item()
+        return seconds, loss.item(), (wall_start, time.time())
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(args.warmup):
         timed_step(step)
     with gpu_telemetry(device) as telemetry:  # the clock and power of the timed steps
-        times, losses = zip(*(timed_step(step) for step in range(args.warmup, args.warmup + args.steps)))
+        times, losses, windows = zip(*(timed_step(step) for step in range(args.warmup, args.warmup + args.steps)))
     print(f"  {variant.name:>18} {describe_telemetry(telemetry)}", flush=True)
+    step_clocks = [window_telemetry(telemetry, *window) for window in windows]
+    if any(step_clocks):
+        print(f"  {variant.name:>18} per step: " + ", ".join(
+            f"{seconds * 1e3:.1f} ms" + (f" at {clock['sm_clock_mhz']:.0f} MHz, {clock['power_w']:.0f} W" if clock
+                                          else "") for seconds, clock in zip(times, step_clocks)), flush=True)
     step_time = statistics.median(times)
     kernel_profile = None
     if args.profile and device.type == "cuda":
@@ -238,6 +246,7 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
         **row_identity(model_cfg, variant, args),
         "graph_breaks": sum(counters["graph_break"].values()),
         "median_step_s": step_time,
+        "mean_step_s": statistics.mean(times),
         "min_step_s": min(times),
         "max_step_s": max(times),
         "model_tflops": tflops,
@@ -247,6 +256,8 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
         "last_loss": losses[-1],
         **{key: telemetry.get(key) for key in ("sm_clock_mhz", "power_w", "power_limit_w", "temperature_c",
                                                "power_capped_share")},
+        "step_ms": [round(seconds * 1e3, 2) for seconds in times],
+        "step_sm_clock_mhz": [clock and clock["sm_clock_mhz"] for clock in step_clocks],
         "profile": kernel_profile,
     }
 
@@ -324,6 +335,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="add peer columns: torchao's float8 tensorwise training; Transformer Engine's layers "
                              "with BF16 gradients (te_bf16, te_current, te_delayed, te_blockwise, te_mxfp8 on "
                              "Blackwell) or trained as Megatron-LM trains them (te_megatron_bf16, ...); repeatable")
+    parser.add_argument("--te-recipes", help=f"comma-separated TE recipes of the te and te_megatron columns, of "
+                                             f"{','.join(TE_RECIPES)} (default: all that run on this GPU)")
     parser.add_argument("--micro-batches", type=int, default=8, help="gradient-accumulation micro-batches per step")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per precision")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, autotuning)")
@@ -339,6 +352,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.layers = args.layers or [4] * len(args.model)
     if len(args.layers) != len(args.model):
         parser.error("give one --layers per --model")
+    if args.te_recipes is not None:
+        args.te_recipes = args.te_recipes.split(",")
+        unknown = [name for name in args.te_recipes if name not in TE_RECIPES]
+        if unknown or not args.peer or not {"te", "te_megatron"} & set(args.peer):
+            parser.error(f"--te-recipes {','.join(args.te_recipes)}: give TE recipes of {', '.join(TE_RECIPES)}, "
+                         "with --peer te or --peer te_megatron")
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps {args.steps} --warmup {args.warmup}: time at least one step, after 0 or more warm-up")
     return args
@@ -389,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     for peer in ("te", "te_megatron"):
         if peer in peers:
             try:
-                variants += te_columns(peer)
+                variants += te_columns(peer, args.te_recipes)
             except RuntimeError as error:
                 print(f"error: {error}", file=sys.stderr)
                 return 2

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from recipes.fp8.activation_ops import reference_output
-from recipes.fp8.current_scaling import cast_to_fp8, tensorwise_scale
+from recipes.fp8.formats import E4M3, E5M2
+from recipes.fp8.current_scaling import cast_to_fp8, fp32_quotient, quantize_tensorwise, tensorwise_scale
 
 
 def same_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -41,27 +42,52 @@ def op_inputs(op: str, rows: int, cols: int, device, seed: int, awkward: bool) -
 
 
 def check_op(kernels, op: str, a: torch.Tensor, b, dtype: torch.dtype, compiled: bool = False) -> None:
-    functions = (kernels.produced_amax, kernels.produce_fp8, kernels.produce_fp8_recording_amax,
-                 kernels.produce_bf16_with_amax)
+    current, recording = kernels.produce_fp8_current, kernels.produce_fp8_recording_amax
     if compiled:
-        functions = tuple(torch.compile(f) for f in functions)
-    produced_amax, produce_fp8, recording, bf16_with_amax = functions
+        current, recording = torch.compile(current), torch.compile(recording)
     ref = reference_output(op, a, b)
     ref_amax = ref.abs().amax().float()
-    assert same_float(produced_amax(op, a, b), ref_amax), op
-    values, amax = bf16_with_amax(op, a, b)
+    assert same_float(kernels.produced_amax(op, a, b), ref_amax), op
+    values, amax = kernels.produce_bf16_with_amax(op, a, b)
     assert values.dtype == torch.bfloat16 and same_float(values, ref) and same_float(amax, ref_amax), op
+    check_current(current(op, a, b, dtype), ref, dtype, op)
     finite = ref.float().nan_to_num(0.0, 0.0, 0.0).abs().amax()  # a finite scale, so NaN and inf meet a real cast
     scale = tensorwise_scale(finite, dtype)
     expected = cast_to_fp8(ref, scale, dtype)
-    data, data_t = produce_fp8(op, a, b, scale, dtype)
-    assert data.dtype == dtype and same_fp8(data, expected), op
-    assert same_fp8(data_t, expected.t().contiguous()), op
     history = torch.full((3, 4), 0.5, device=a.device)
     before = history.clone()
-    data, data_t = recording(op, a, b, scale, dtype, history, 4)
+    data, data_t, scale_inv = recording(op, a, b, scale, dtype, history, 4)
     assert same_fp8(data, expected) and same_fp8(data_t, expected.t().contiguous()), op
+    assert same_float(scale_inv, fp32_quotient(1.0, scale)), op
     before[1, 0] = torch.maximum(before[1, 0], ref_amax)
     assert same_float(history, before), op
 
 
+def check_current(produced: tuple, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """produce_fp8_current's (data, data_t, scale_inv) against the unfused current scaling of the op's output."""
+    data, data_t, scale_inv = produced
+    expected = quantize_tensorwise(ref, dtype)
+    assert data.dtype == dtype and same_fp8(data, expected.data), what
+    assert same_fp8(data_t, expected.data.t().contiguous()), what
+    assert same_float(scale_inv, expected.scale_inv), what
+
+
+def check_scale_edge_cases(kernels, device) -> None:
+    """produce_fp8_current on scale_edge_cases, through both of its paths (an amax pass over a materialized
+    tensor; an op's BF16 values with their amax)."""
+    for name, t in scale_edge_cases(device).items():
+        for op in ("identity", "squared_relu"):
+            for dtype in (E4M3, E5M2):
+                check_current(kernels.produce_fp8_current(op, t, None, dtype), reference_output(op, t, None), dtype,
+                              f"{name} {op} {dtype}")
+
+
+def scale_edge_cases(device) -> dict[str, torch.Tensor]:
+    """Tensors whose amax takes current scaling's scale through each of its cases: zero (scale 1), tiny (the
+    quotient overflows: FP32's max; normal numbers, as Triton's interpreter loads BF16 subnormals wrong), huge (a scale below 1), inf and NaN (NaN)."""
+    plain = torch.randn(48, 80, generator=torch.Generator().manual_seed(3))
+    cases = {"zero": torch.zeros(48, 80), "tiny": (plain + plain.sign()) * 1e-37, "huge": plain * 1e37, "plain": plain}
+    for name, value in (("inf", float("inf")), ("nan", float("nan"))):
+        cases[name] = plain.clone()
+        cases[name][5, 7] = value
+    return {name: t.to(torch.bfloat16).to(device) for name, t in cases.items()}

@@ -32,7 +32,7 @@ from recipes.fp8.linear import (
 from recipes.fp8.training import attach_main_grads, attach_weight_caches, expose_main_grads, set_weight_cache_mode
 from recipes.models.transformer import MLP, Transformer
 
-from fused_quantize_checks import check_op, op_inputs, same_fp8
+from fused_quantize_checks import check_op, check_scale_edge_cases, op_inputs, same_fp8
 
 MICRO_BATCHES = 3
 
@@ -248,6 +248,14 @@ def test_fused_quantize_writes_the_reference_bytes(fused_quantize, op, awkward):
 
 
 @needs_triton
+def test_current_scaling_kernel_computes_the_reference_scale(fused_quantize):
+    """The casting kernel computes current scaling's scale from the amax, and writes scale_inv, as
+    recipes.fp8.current_scaling does: for an amax of zero, a tiny one (the quotient overflows), a huge one,
+    inf and NaN."""
+    check_scale_edge_cases(fused_quantize, "cpu")
+
+
+@needs_triton
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_nemotron"])
 @pytest.mark.parametrize("precision", ["bf16", "fp8_current", "fp8_delayed"])
 def test_fused_mlp_equals_the_unfused_one(fused_quantize, model, precision):
@@ -286,26 +294,29 @@ from recipes.fp8 import fused_quantize as fq
 
 pointers = {"a": "*bf16", "b": "*bf16"}
 sizes = {"rows": "i32", "cols": "i32", "a_cols": "i32", "b_cols": "i32"}
-kernels = [(fq._fp8_producer_kernel, {**pointers, "out": "*fp8e4nv", "scale_ptr": "*fp32",
-                                      "amax_bits": "*i32", **sizes},
-            dict(FP8_MAX=448.0, MANTISSA=3, BIAS=7, OUT=triton.language.float8e4nv, SOFTWARE=False),
-            [{"MODE": mode} for mode in (0, 1, 2)]),
+# Each kernel with the ops and modes the product runs it in: the FP8 kernel casts an op's output in delayed scaling
+# (CAST_AND_RECORD), and a materialized tensor (identity) in every mode; the BF16 kernel takes every op.
+fp8_runs = [(op, {"MODE": fq.CAST_AND_RECORD.value}) for op in (fq.SWIGLU.value, fq.SWIGLU_BACKWARD.value)]
+fp8_runs += [(fq.IDENTITY.value, {"MODE": mode.value}) for mode in (fq.AMAX_ONLY, fq.CAST_BY_AMAX, fq.CAST_AND_RECORD)]
+bf16_runs = [(op, {"RECORD_AMAX": record}) for op in (fq.SWIGLU.value, fq.SWIGLU_BACKWARD.value)
+             for record in (False, True)]  # the ops with the most live tiles
+kernels = [(fq._fp8_producer_kernel, {**pointers, "out": "*fp8e4nv", "out_t": "*fp8e4nv", "scale_ptr": "*fp32",
+                                      "scale_inv": "*fp32", "amax_bits": "*i32", **sizes},
+            dict(FP8_MAX=448.0, MANTISSA=3, BIAS=7, OUT=triton.language.float8e4nv, SOFTWARE=False), fp8_runs),
            (fq._bf16_producer_kernel, {**pointers, "out": "*bf16", "amax_bits": "*i32", **sizes},
-            dict(SOFTWARE=False), [{"RECORD_AMAX": record} for record in (False, True)])]
-for kernel, signature, constants, modes in kernels:
-    for op in (fq.SWIGLU.value, fq.SWIGLU_BACKWARD.value):  # the ops with the most live tiles
-        for mode in modes:
-            for tile in fq._TILES:
-                const = {**constants, "OP": op, **mode, **tile.kwargs, "EVEN": False}  # masks: more registers
-                source = ASTSource(kernel, {**signature, **{name: "constexpr" for name in const}}, constexprs=const)
-                ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.num_warps})
-                with open(sys.argv[1], "w") as f:
-                    f.write(ptx.asm["ptx"])
-                log = subprocess.run([knobs.nvidia.ptxas_blackwell.path, "-v", "--gpu-name", "sm_90a", sys.argv[1],
-                                      "-o", sys.argv[1] + ".cubin"], capture_output=True, text=True, check=True).stderr
-                spilled = int(re.search(r"(\d+) bytes spill stores", log).group(1))
-                print(kernel.__name__, op, mode, tile.kwargs, tile.num_warps, "spill", spilled, flush=True)
-                assert spilled == 0, f"{kernel.__name__} op {op} mode {mode} {tile} spills {spilled} bytes"
+            dict(SOFTWARE=False), bf16_runs)]
+for kernel, signature, constants, runs in kernels:
+    for (op, mode), tile in ((run, tile) for run in runs for tile in fq._TILES):
+        const = {**constants, "OP": op, **mode, **tile.kwargs, "EVEN": False}  # masks: more registers
+        source = ASTSource(kernel, {**signature, **{name: "constexpr" for name in const}}, constexprs=const)
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.num_warps})
+        with open(sys.argv[1], "w") as f:
+            f.write(ptx.asm["ptx"])
+        log = subprocess.run([knobs.nvidia.ptxas_blackwell.path, "-v", "--gpu-name", "sm_90a", sys.argv[1],
+                              "-o", sys.argv[1] + ".cubin"], capture_output=True, text=True, check=True).stderr
+        spilled = int(re.search(r"(\d+) bytes spill stores", log).group(1))
+        print(kernel.__name__, op, mode, tile.kwargs, tile.num_warps, "spill", spilled, flush=True)
+        assert spilled == 0, f"{kernel.__name__} op {op} mode {mode} {tile} spills {spilled} bytes"
 """
 
 

@@ -14,7 +14,7 @@ from recipes.fp8.current_scaling import quantize_tensorwise
 from recipes.fp8.formats import E4M3, E5M2
 from recipes.fp8.linear import TensorwiseScaling, Fp8Linear
 
-from fused_quantize_checks import check_op, op_inputs, same_fp8
+from fused_quantize_checks import check_op, check_scale_edge_cases, op_inputs, same_fp8
 
 pytestmark = [
     pytest.mark.gpu,
@@ -290,6 +290,14 @@ def test_fused_quantize_writes_the_reference_bytes_on_cuda(op, compiled):
                 a, b = op_inputs(op, rows, cols, "cuda", seed=rows, awkward=awkward)
                 for dtype in (E4M3, E5M2):
                     check_op(fused_quantize, op, a, b, dtype, compiled)
+
+
+def test_current_scaling_kernel_computes_the_reference_scale_on_cuda():
+    """The casting kernel's scale and scale_inv from the amax, as recipes.fp8.current_scaling computes them, for an
+    amax of zero, a tiny one, a huge one, inf and NaN."""
+    from recipes.fp8 import fused_quantize
+
+    check_scale_edge_cases(fused_quantize, "cuda")
 
 
 @contextlib.contextmanager

@@ -117,3 +117,16 @@ def test_no_timed_step_is_refused_in_one_line(scripts, capsys):
         layer_bench.parse_args(["--model", "tiny_llama", "--steps", "0"])
     assert exit_info.value.code == 2
     assert "--steps 0 --warmup 3: time at least one step" in capsys.readouterr().err
+
+
+def test_te_recipes_are_checked_in_one_line(scripts, capsys):
+    """--te-recipes picks TE's columns (device time: each costs a compile and its steps), and refuses a recipe TE
+    does not have, or a list with no TE peer to apply to."""
+    layer_bench, _ = scripts
+    args = layer_bench.parse_args(["--peer", "te_megatron", "--te-recipes", "bf16,delayed"])
+    assert args.te_recipes == ["bf16", "delayed"]
+    for argv in (["--peer", "te", "--te-recipes", "bf16,fp8_delayed"], ["--te-recipes", "bf16"]):
+        with pytest.raises(SystemExit) as exit_info:
+            layer_bench.parse_args(argv)
+        assert exit_info.value.code == 2
+        assert "give TE recipes of bf16, current, delayed, blockwise, mxfp8, with --peer te" in capsys.readouterr().err

@@ -1,12 +1,15 @@
 """Kernel names from real H200 profiles (ours: Inductor's fused kernels, cuBLAS; Transformer Engine's) land in the
 category a reader of the time split expects."""
 
+import datetime
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from recipes.profiling import (
     QUEUED_GAP_US, describe_telemetry, gpu_idle, gpu_telemetry, kernel_category, summarize_telemetry, time_split,
+    window_telemetry,
 )
 
 
@@ -76,11 +79,19 @@ def test_gpu_idle_splits_queued_gaps_from_waits():
 def test_telemetry_summary_from_nvidia_smi_lines():
     """nvidia-smi's CSV for TELEMETRY_QUERY (noheader, nounits), as an H200 prints it: medians, and the share of
     samples where the power cap held the clock down; a refused query is reported, not parsed."""
-    lines = "\n".join(["1980, 612.45, 700.00, 51, Not Active", "1755, 699.80, 700.00, 54, Active",
-                       "1830, 700.12, 700.00, 55, Active", "1980, 205.10, 700.00, 49, Not Active", "garbled"])
+    lines = "\n".join(["2026/12/03 14:11:52.100, 1980, 612.45, 700.00, 51, Not Active",
+                       "2026/12/03 14:11:52.200, 1755, 699.80, 700.00, 54, Active",
+                       "2026/12/03 14:11:52.300, 1830, 700.12, 700.00, 55, Active",
+                       "2026/12/03 14:11:52.400, 1980, 205.10, 700.00, 49, Not Active", "garbled"])
     summary = summarize_telemetry(lines)
+    timeline = summary.pop("timeline")
     assert summary == {"sm_clock_mhz": 1905.0, "power_w": 656.125, "power_limit_w": 700.0, "temperature_c": 52.5,
                        "power_capped_share": 0.5, "samples": 4}
+    start = datetime.datetime(2026, 12, 3, 14, 11, 52, 150000).timestamp()  # nvidia-smi's local time
+    assert [sample[1] for sample in timeline] == [1980, 1755, 1830, 1980]
+    window = window_telemetry({"timeline": timeline}, start, start + 0.2)  # the second and third samples
+    assert window["sm_clock_mhz"] == 1792.5 and window["samples"] == 2 and window["power_capped_share"] == 1.0
+    assert window_telemetry({"timeline": timeline}, start + 1, start + 2) is None
     refused = 'Field "clocks_event_reasons.sw_power_cap" is not a valid field to query.\n'
     assert summarize_telemetry(refused) == {"unavailable": refused.strip()}
     assert "1905 MHz, 656 W of a 700 W limit" in describe_telemetry(summary) and "50%" in describe_telemetry(summary)

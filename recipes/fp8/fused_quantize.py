@@ -1,15 +1,19 @@
 """Per-tensor FP8 operands written by the kernel that produces them: the MLP's activation (forward and backward)
-and a linear's incoming gradient (identity), the row-major FP8 copy from one read of the op's inputs, then its
-transpose by recipes.fp8.kernels.transpose_fp8, which reads the FP8 bytes.
+and a linear's incoming gradient (identity), both FP8 copies (row-major and transposed) from one read of the op's
+inputs, with the operand's `scale_inv` (1 / scale), in one launch.
 
-    produced_amax(op, a, b)                      the amax of op(a, b), without writing it (current scaling's
-                                                 first pass over a materialized tensor: op "identity")
-    produce_fp8(op, a, b, scale, dtype)          op(a, b) * scale in FP8, row-major and transposed
-    produce_fp8_recording_amax(..., history, slot)   the same, and op(a, b)'s amax max-ed into history[slot]
-                                                 (delayed scaling: the scale is known, so one pass does it all)
+    produce_fp8_current(op, a, b, dtype)         current scaling: op(a, b) in FP8, row-major and transposed, and
+                                                 scale_inv, the scale computed in the casting kernel from the amax
+                                                 of a first pass: produced_amax for a materialized tensor (op
+                                                 "identity"), else produce_bf16_with_amax, whose BF16 values the
+                                                 second pass casts (the op, compute-heavy for SwiGLU, runs once)
+    produce_fp8_recording_amax(op, a, b, scale, dtype, history, slot)
+                                                 delayed scaling: op(a, b) * scale in FP8 (both layouts) and
+                                                 scale_inv, op(a, b)'s amax max-ed into history[slot]: the scale
+                                                 is known, so one pass does it all
     produce_bf16(op, a, b)                       op(a, b) in BF16 (the BF16 MLP's backward)
-    produce_bf16_with_amax(op, a, b)             op(a, b) in BF16 and its amax (current scaling's first pass;
-                                                 the second casts those BF16 values: op "identity")
+    produced_amax(op, a, b)                      the amax of op(a, b), without writing it
+    produce_bf16_with_amax(op, a, b)             op(a, b) in BF16 and its amax
 
 The ops (recipes.fp8.activation_ops) are computed with the BF16 roundings of the eager model, so that the FP8
 bytes are those of the unfused reference, `reference_output` quantized:
@@ -27,10 +31,13 @@ CPU interpreter the kernels run with one tile size and NumPy's exp (recipes.fp8.
 converted there). The transposed copies are the per-tensor recipes'; blockwise scales would be per-tile and are
 not written here yet.
 
-The transpose is a second kernel because on an H200 (Triton 3.6.0) every tile of this kernel that also stored
-its tile transposed (FP8 or FP32 transposed, cast before or after) wrote up to a quarter of the transposed bytes
-wrong for SwiGLU, its gradient and squared ReLU's gradient, while the plain transpose kernel writes every byte
-(docs/results, issue 24; compare triton-lang/triton#11111).
+Each program writes its row-major FP8 tiles, then, after a barrier, reads those bytes back (from L2: it has just
+written them) and stores them transposed, as recipes.fp8.kernels' transpose kernel moves bytes. It does not
+transpose the registers the FP8 conversion wrote: on an H200 (Triton 3.6.0) every tile that did (FP8 or FP32
+transposed, cast before or after) wrote up to a quarter of the transposed bytes wrong for SwiGLU, its gradient and
+squared ReLU's gradient, while the plain transpose kernel writes every byte (docs/results, issue 24; compare
+triton-lang/triton#11111). Against that kernel run separately, this saves a launch and a read of the FP8 tensor
+from memory.
 """
 
 from __future__ import annotations
@@ -42,11 +49,13 @@ import triton
 import triton.language as tl
 
 from recipes.fp8.activation_ops import OPS
-from recipes.fp8.kernels import INTERPRETED, _bytes, _format_args, _to_fp8, transpose_fp8
+from recipes.fp8.kernels import INTERPRETED, _bytes, _format_args, _tensorwise_scale, _to_fp8
 
 # Globals a Triton kernel reads must be constexprs; Python code compares their `.value`.
 IDENTITY, SWIGLU, SQUARED_RELU, SWIGLU_BACKWARD, SQUARED_RELU_BACKWARD = (tl.constexpr(i) for i in range(len(OPS)))
-AMAX_ONLY, CAST, CAST_AND_RECORD = (tl.constexpr(i) for i in range(3))
+# What the FP8 kernel does: the amax only; cast with the scale of an amax it is given; cast with a given scale and
+# record the amax.
+AMAX_ONLY, CAST_BY_AMAX, CAST_AND_RECORD = (tl.constexpr(i) for i in range(3))
 
 if not INTERPRETED:
     from triton.language.extra import libdevice
@@ -152,26 +161,53 @@ def _tile(rows, cols, step, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, GROUP:
 
 
 @triton.jit
-def _fp8_producer_kernel(a, b, out, scale_ptr, amax_bits, rows, cols, a_cols, b_cols,
+def _store_transposed(out, out_t, rows, cols, out_cols, offset, step, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                      GROUP: tl.constexpr, EVEN: tl.constexpr):
+    """out_t[offset + c, r] = out[r, offset + c] over tile `step` of this program, read back as bytes from `out`,
+    as recipes.fp8.kernels' transpose kernel moves them."""
+    r, c, mask = _tile(rows, cols, step, BLOCK_R, BLOCK_C, GROUP, EVEN)
+    tile = tl.load(out.to(tl.pointer_type(tl.uint8)) + r[:, None] * out_cols + offset + c[None, :], mask=mask)
+    tl.store(out_t.to(tl.pointer_type(tl.uint8)) + (offset + c)[:, None] * rows + r[None, :], tl.trans(tile),
+             mask=tl.trans(mask))
+
+
+@triton.jit
+def _fp8_producer_kernel(a, b, out, out_t, scale_ptr, scale_inv, amax_bits, rows, cols, a_cols, b_cols,
                          OP: tl.constexpr, MODE: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr,
                          BIAS: tl.constexpr, OUT: tl.constexpr, SOFTWARE: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr):
     """GROUP BLOCK_R x BLOCK_C tiles of the op's output, one below the other (two for swiglu_backward: columns c
-    and cols + c)."""
+    and cols + c), row-major into `out` and transposed into `out_t`. `scale_ptr`: the amax to scale by
+    (CAST_BY_AMAX) or the scale (CAST_AND_RECORD); the first program writes 1 / scale to `scale_inv`."""
+    if MODE != AMAX_ONLY:
+        if MODE == CAST_BY_AMAX:
+            scale = _tensorwise_scale(tl.load(scale_ptr), FP8_MAX)
+        else:
+            scale = tl.load(scale_ptr)
+        first_program = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+        tl.store(scale_inv, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=first_program)
     amax = tl.zeros((BLOCK_R, BLOCK_C), tl.int32)
     for step in range(GROUP):
         r, c, mask = _tile(rows, cols, step, BLOCK_R, BLOCK_C, GROUP, EVEN)
         first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
-        if MODE != CAST:
+        if MODE != CAST_BY_AMAX:
             amax = _running_amax(amax, first, second, mask, OP)
         if MODE != AMAX_ONLY:
-            scale = tl.load(scale_ptr)
             out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
             _store_fp8(first, scale, out, r, c, mask, out_cols, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
             if OP == SWIGLU_BACKWARD:
                 _store_fp8(second, scale, out, r, cols + c, mask, out_cols, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
-    if MODE != CAST:
+    if MODE != CAST_BY_AMAX:
         _record_amax(amax, amax_bits)
+    if MODE != AMAX_ONLY:
+        # The transposed copy from the bytes just stored (this program's, still in L2) after a barrier that makes
+        # them visible to all its threads, not from the registers the FP8 conversion wrote (module doc).
+        tl.debug_barrier()
+        out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
+        for step in range(GROUP):
+            _store_transposed(out, out_t, rows, cols, out_cols, 0, step, BLOCK_R, BLOCK_C, GROUP, EVEN)
+            if OP == SWIGLU_BACKWARD:
+                _store_transposed(out, out_t, rows, cols, out_cols, cols, step, BLOCK_R, BLOCK_C, GROUP, EVEN)
 
 
 @triton.jit
@@ -246,16 +282,19 @@ def _operands(op_name: str, a: torch.Tensor, b: Optional[torch.Tensor]):
 
 
 def _launch(op_name: str, a: torch.Tensor, b: Optional[torch.Tensor], mode: int, scale: torch.Tensor,
-            amax_bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            amax_bits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the FP8 output (rows, width), its (width, rows) copy, its scale_inv); empty outputs for AMAX_ONLY."""
     op, a, b, rows, cols, width, grid = _operands(op_name, a, b)
     written = 0 if mode == AMAX_ONLY.value else width
     out = torch.empty((rows, written), dtype=dtype, device=a.device)
-    _FP8_KERNEL[grid](a, b, _bytes(out), scale, amax_bits, rows, cols, a.shape[1], b.shape[1], OP=op, MODE=mode,
-                      **_format_args(dtype), **(_INTERPRETED_TILE if INTERPRETED else {}))
-    return out
+    out_t = torch.empty((written, rows), dtype=dtype, device=a.device)
+    scale_inv = torch.empty((), dtype=torch.float32, device=a.device)
+    _FP8_KERNEL[grid](a, b, _bytes(out), _bytes(out_t), scale, scale_inv, amax_bits, rows, cols, a.shape[1],
+                      b.shape[1], OP=op, MODE=mode, **_format_args(dtype),
+                      **(_INTERPRETED_TILE if INTERPRETED else {}))
+    return out, out_t, scale_inv
 
 
-@torch.library.custom_op("fp8_recipes::produced_amax", mutates_args=())
 def produced_amax(op: str, a: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
     """max |op(a, b)| as an FP32 scalar (NaN if any value is NaN)."""
     amax = torch.zeros((), dtype=torch.float32, device=a.device)
@@ -263,26 +302,25 @@ def produced_amax(op: str, a: torch.Tensor, b: Optional[torch.Tensor]) -> torch.
     return amax
 
 
-@produced_amax.register_fake
-def _(op, a, b):
-    return a.new_empty((), dtype=torch.float32)
-
-
-@torch.library.custom_op("fp8_recipes::produce_fp8", mutates_args=())
-def produce_fp8(op: str, a: torch.Tensor, b: Optional[torch.Tensor], scale: torch.Tensor,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """op(a, b) * scale cast to `dtype`, saturating (NaN stays NaN): (rows, width) and its (width, rows) copy."""
-    out = _launch(op, a, b, CAST.value, scale, scale.view(torch.int32), dtype)
-    return out, transpose_fp8(out)
+@torch.library.custom_op("fp8_recipes::produce_fp8_current", mutates_args=())
+def produce_fp8_current(op: str, a: torch.Tensor, b: Optional[torch.Tensor],
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """op(a, b) in `dtype` with current scaling (recipes.fp8.current_scaling: its scale from its own amax,
+    saturating, NaN stays NaN): (rows, width), its (width, rows) copy, and scale_inv."""
+    if op == "identity":
+        amax = produced_amax(op, a, b)
+    else:
+        (a, amax), op, b = produce_bf16_with_amax(op, a, b), "identity", None
+    return _launch(op, a, b, CAST_BY_AMAX.value, amax, amax.view(torch.int32), dtype)
 
 
 @torch.library.custom_op("fp8_recipes::produce_fp8_recording_amax", mutates_args=("history",))
 def produce_fp8_recording_amax(op: str, a: torch.Tensor, b: Optional[torch.Tensor], scale: torch.Tensor,
                                dtype: torch.dtype, history: torch.Tensor,
-                               slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """produce_fp8, and history.view(-1)[slot] = max(it, max |op(a, b)|): delayed scaling's open history slot."""
-    out = _launch(op, a, b, CAST_AND_RECORD.value, scale, history.view(-1)[slot:].view(torch.int32), dtype)
-    return out, transpose_fp8(out)
+                               slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """op(a, b) * scale in `dtype` (saturating, NaN stays NaN): (rows, width), its (width, rows) copy and
+    scale_inv; and history.view(-1)[slot] = max(it, max |op(a, b)|): delayed scaling's open history slot."""
+    return _launch(op, a, b, CAST_AND_RECORD.value, scale, history.view(-1)[slot:].view(torch.int32), dtype)
 
 
 def _launch_bf16(op_name: str, a: torch.Tensor, b: Optional[torch.Tensor],
@@ -302,34 +340,27 @@ def produce_bf16(op: str, a: torch.Tensor, b: Optional[torch.Tensor]) -> torch.T
     return _launch_bf16(op, a, b, None)
 
 
-@torch.library.custom_op("fp8_recipes::produce_bf16_with_amax", mutates_args=())
 def produce_bf16_with_amax(op: str, a: torch.Tensor,
                            b: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(op(a, b) in BF16, its amax as an FP32 scalar), one pass: current scaling computes the op once and casts
-    the BF16 values (exactly the op's, which rounds to BF16) in a second pass that reads 2 bytes per element."""
+    """(op(a, b) in BF16, its amax as an FP32 scalar), one pass: the BF16 values are exactly the op's (it rounds
+    to BF16), so a cast of them is the op's cast."""
     amax = torch.zeros((), dtype=torch.float32, device=a.device)
     return _launch_bf16(op, a, b, amax), amax
 
 
-def _fake_bf16(op, a, b):
-    return a.new_empty((a.shape[0], _widths(OPS.index(op), a, b)[1]), dtype=torch.bfloat16)
-
-
-produce_bf16.register_fake(_fake_bf16)
-
-
-@produce_bf16_with_amax.register_fake
+@produce_bf16.register_fake
 def _(op, a, b):
-    return _fake_bf16(op, a, b), a.new_empty((), dtype=torch.float32)
+    return a.new_empty((a.shape[0], _widths(OPS.index(op), a, b)[1]), dtype=torch.bfloat16)
 
 
 def _fake_fp8(op, a, b, dtype):
     width = _widths(OPS.index(op), a, b)[1]
-    return a.new_empty((a.shape[0], width), dtype=dtype), a.new_empty((width, a.shape[0]), dtype=dtype)
+    return (a.new_empty((a.shape[0], width), dtype=dtype), a.new_empty((width, a.shape[0]), dtype=dtype),
+            a.new_empty((), dtype=torch.float32))
 
 
-@produce_fp8.register_fake
-def _(op, a, b, scale, dtype):
+@produce_fp8_current.register_fake
+def _(op, a, b, dtype):
     return _fake_fp8(op, a, b, dtype)
 
 

@@ -1,7 +1,9 @@
 """Triton kernels for the FP8 operands Inductor writes slowly: transposed copies, written in one pass.
 
-    transpose_fp8(data)                    the per-tensor recipes' transposed operands (x^T and dy^T for wgrad,
-                                           W^T for dgrad): the same FP8 bytes, laid out (K, rows)
+    transpose_fp8(data)                    the per-tensor recipes' transposed operands whose row-major copy
+                                           Inductor's cast writes (x^T for wgrad, W^T for dgrad; the operands
+                                           recipes.fp8.fused_quantize writes come transposed from its kernel):
+                                           the same FP8 bytes, laid out (K, rows)
     quantize_1x128_with_transpose(x, ...)  blockwise activations and gradients: x quantized in 1x128 blocks
                                            along K, and x^T in 1x128 blocks along the rows, from one read of x
 
@@ -70,13 +72,19 @@ def _to_fp8(y, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr
 
 
 @triton.jit
-def _power_of_two_scale(amax, FP8_MAX: tl.constexpr):
-    """recipes.fp8.blockwise's scale of a block with this amax: tensorwise_scale (fp8_max / amax; FP32's max
-    where that overflows; 1 for an all-zero block; NaN for a non-finite amax), then power_of_two_floor."""
+def _tensorwise_scale(amax, FP8_MAX: tl.constexpr):
+    """recipes.fp8.current_scaling's tensorwise_scale: fp8_max / amax correctly rounded; FP32's max where that
+    overflows; 1 for amax 0; NaN for a non-finite amax."""
     scale = tl.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
     scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
     scale = tl.where(amax == 0, 1.0, scale)
-    scale = tl.where((amax == amax) & (amax != float("inf")), scale, float("nan"))
+    return tl.where((amax == amax) & (amax != float("inf")), scale, float("nan"))
+
+
+@triton.jit
+def _power_of_two_scale(amax, FP8_MAX: tl.constexpr):
+    """recipes.fp8.blockwise's scale of a block with this amax: _tensorwise_scale, then power_of_two_floor."""
+    scale = _tensorwise_scale(amax, FP8_MAX)
     exponent_only = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
     return tl.where((scale == scale) & (scale != float("inf")) & (scale > 0), exponent_only, scale)
 

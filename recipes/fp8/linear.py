@@ -27,7 +27,7 @@ from torch import nn
 from recipes.config import AmaxComputeAlgo, ConfigError, PrecisionConfig, Recipe
 from recipes.fp8.all_gather import Fp8GatheredWeight
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise
-from recipes.fp8.current_scaling import fp32_quotient, quantize_tensorwise, tensorwise_scale
+from recipes.fp8.current_scaling import quantize_tensorwise
 from recipes.fp8.delayed_scaling import GRAD, INPUT, WEIGHT, DelayedScalingState, open_slot, quantize_delayed
 from recipes.fp8.formats import forward_and_backward_dtypes
 from recipes.fp8.activation_ops import reference_output
@@ -105,8 +105,8 @@ def fused_quantize_for(t: torch.Tensor):
 
 class PerTensorScaling(Fp8Recipe):
     """What the per-tensor recipes share: one scale per tensor, so the transposed copy reuses the bytes, and with
-    the fused kernels an activation (forward or backward) and a linear's incoming gradient are written in FP8 by
-    the kernel that computes them, then transposed (recipes.fp8.fused_quantize). A linear's input keeps the cast
+    the fused kernels an activation (forward or backward) and a linear's incoming gradient are written in FP8, in
+    both layouts, by the kernel that computes them (recipes.fp8.fused_quantize). A linear's input keeps the cast
     Inductor fuses into the kernel that produces it (a norm, attention's layout copy)."""
 
     def quantize_with_transpose(self, t, role, state):
@@ -118,15 +118,14 @@ class PerTensorScaling(Fp8Recipe):
         kernels = self._fused(a)
         if kernels is None:
             return super().quantize_produced(op, a, b, role, state)
-        data, data_t, scale = self.fused_cast(kernels, op, a, b, self.dtype(role), state, role)
-        scale_inv = fp32_quotient(1.0, scale)
+        data, data_t, scale_inv = self.fused_cast(kernels, op, a, b, self.dtype(role), state, role)
         return Float8Tensor(data, scale_inv), Float8Tensor(data_t, scale_inv)
 
     def _fused(self, t: torch.Tensor):
         return fused_quantize_for(t) if self.fused_kernels else None
 
     def fused_cast(self, kernels, op, a, b, dtype, state, role) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(FP8 data, its transpose, the scale) of op(a, b) from recipes.fp8.fused_quantize."""
+        """(FP8 data, its transpose, scale_inv) of op(a, b) from recipes.fp8.fused_quantize."""
         raise NotImplementedError
 
 
@@ -139,12 +138,7 @@ class TensorwiseScaling(PerTensorScaling):
         return quantize_tensorwise(t, self.dtype(role))
 
     def fused_cast(self, kernels, op, a, b, dtype, state, role):
-        if op == "identity":
-            amax = kernels.produced_amax(op, a, b)
-        else:
-            (a, amax), op, b = kernels.produce_bf16_with_amax(op, a, b), "identity", None
-        scale = tensorwise_scale(amax, dtype)
-        return *kernels.produce_fp8(op, a, b, scale, dtype), scale
+        return kernels.produce_fp8_current(op, a, b, dtype)
 
 
 @dataclass(frozen=True)
@@ -160,9 +154,8 @@ class DelayedScaling(PerTensorScaling):
         return quantize_delayed(t, self.dtype(role), state, role)
 
     def fused_cast(self, kernels, op, a, b, dtype, state, role):
-        scale = state[1][role]  # the scale is known: one pass casts and records the amax
-        data, data_t = kernels.produce_fp8_recording_amax(op, a, b, scale, dtype, *open_slot(state, role))
-        return data, data_t, scale
+        # The scale is known: one pass casts and records the amax.
+        return kernels.produce_fp8_recording_amax(op, a, b, state[1][role], dtype, *open_slot(state, role))
 
 
 @dataclass(frozen=True)
