@@ -11,6 +11,8 @@ inputs, with the operand's `scale_inv` (1 / scale), in one launch.
                                                  delayed scaling: op(a, b) * scale in FP8 (both layouts) and
                                                  scale_inv, op(a, b)'s amax max-ed into history[slot]: the scale
                                                  is known, so one pass does it all
+    produce_fp8_current_into, produce_fp8_recording_amax_into
+                                                 the same, written into given tensors (a weight cache's buffers)
     produce_bf16(op, a, b)                       op(a, b) in BF16 (the BF16 MLP's backward)
     produced_amax(op, a, b)                      the amax of op(a, b), without writing it
     produce_bf16_with_amax(op, a, b)             op(a, b) in BF16 and its amax
@@ -282,13 +284,15 @@ def _operands(op_name: str, a: torch.Tensor, b: Optional[torch.Tensor]):
 
 
 def _launch(op_name: str, a: torch.Tensor, b: Optional[torch.Tensor], mode: int, scale: torch.Tensor,
-            amax_bits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the FP8 output (rows, width), its (width, rows) copy, its scale_inv); empty outputs for AMAX_ONLY."""
+            amax_bits: torch.Tensor, dtype: torch.dtype,
+            into: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the FP8 output (rows, width), its (width, rows) copy, its scale_inv), written into `into`'s three tensors
+    where given; empty outputs for AMAX_ONLY."""
     op, a, b, rows, cols, width, grid = _operands(op_name, a, b)
     written = 0 if mode == AMAX_ONLY.value else width
-    out = torch.empty((rows, written), dtype=dtype, device=a.device)
-    out_t = torch.empty((written, rows), dtype=dtype, device=a.device)
-    scale_inv = torch.empty((), dtype=torch.float32, device=a.device)
+    out, out_t, scale_inv = into or (torch.empty((rows, written), dtype=dtype, device=a.device),
+                                     torch.empty((written, rows), dtype=dtype, device=a.device),
+                                     torch.empty((), dtype=torch.float32, device=a.device))
     _FP8_KERNEL[grid](a, b, _bytes(out), _bytes(out_t), scale, scale_inv, amax_bits, rows, cols, a.shape[1],
                       b.shape[1], OP=op, MODE=mode, **_format_args(dtype),
                       **(_INTERPRETED_TILE if INTERPRETED else {}))
@@ -302,16 +306,27 @@ def produced_amax(op: str, a: torch.Tensor, b: Optional[torch.Tensor]) -> torch.
     return amax
 
 
+def _current(op: str, a: torch.Tensor, b: Optional[torch.Tensor], dtype: torch.dtype, into: Optional[tuple] = None):
+    if op == "identity":
+        amax = produced_amax(op, a, b)
+    else:
+        (a, amax), op, b = produce_bf16_with_amax(op, a, b), "identity", None
+    return _launch(op, a, b, CAST_BY_AMAX.value, amax, amax.view(torch.int32), dtype, into)
+
+
 @torch.library.custom_op("fp8_recipes::produce_fp8_current", mutates_args=())
 def produce_fp8_current(op: str, a: torch.Tensor, b: Optional[torch.Tensor],
                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """op(a, b) in `dtype` with current scaling (recipes.fp8.current_scaling: its scale from its own amax,
     saturating, NaN stays NaN): (rows, width), its (width, rows) copy, and scale_inv."""
-    if op == "identity":
-        amax = produced_amax(op, a, b)
-    else:
-        (a, amax), op, b = produce_bf16_with_amax(op, a, b), "identity", None
-    return _launch(op, a, b, CAST_BY_AMAX.value, amax, amax.view(torch.int32), dtype)
+    return _current(op, a, b, dtype)
+
+
+@torch.library.custom_op("fp8_recipes::produce_fp8_current_into", mutates_args=("out", "out_t", "scale_inv"))
+def produce_fp8_current_into(op: str, a: torch.Tensor, b: Optional[torch.Tensor], out: torch.Tensor,
+                             out_t: torch.Tensor, scale_inv: torch.Tensor) -> None:
+    """produce_fp8_current written into existing tensors (a weight cache's buffers), in out's FP8 type."""
+    _current(op, a, b, out.dtype, (out, out_t, scale_inv))
 
 
 @torch.library.custom_op("fp8_recipes::produce_fp8_recording_amax", mutates_args=("history",))
@@ -321,6 +336,16 @@ def produce_fp8_recording_amax(op: str, a: torch.Tensor, b: Optional[torch.Tenso
     """op(a, b) * scale in `dtype` (saturating, NaN stays NaN): (rows, width), its (width, rows) copy and
     scale_inv; and history.view(-1)[slot] = max(it, max |op(a, b)|): delayed scaling's open history slot."""
     return _launch(op, a, b, CAST_AND_RECORD.value, scale, history.view(-1)[slot:].view(torch.int32), dtype)
+
+
+@torch.library.custom_op("fp8_recipes::produce_fp8_recording_amax_into",
+                         mutates_args=("history", "out", "out_t", "scale_inv"))
+def produce_fp8_recording_amax_into(op: str, a: torch.Tensor, b: Optional[torch.Tensor], scale: torch.Tensor,
+                                    history: torch.Tensor, slot: int, out: torch.Tensor, out_t: torch.Tensor,
+                                    scale_inv: torch.Tensor) -> None:
+    """produce_fp8_recording_amax written into existing tensors (a weight cache's buffers), in out's FP8 type."""
+    _launch(op, a, b, CAST_AND_RECORD.value, scale, history.view(-1)[slot:].view(torch.int32), out.dtype,
+            (out, out_t, scale_inv))
 
 
 def _launch_bf16(op_name: str, a: torch.Tensor, b: Optional[torch.Tensor],
@@ -367,3 +392,13 @@ def _(op, a, b, dtype):
 @produce_fp8_recording_amax.register_fake
 def _(op, a, b, scale, dtype, history, slot):
     return _fake_fp8(op, a, b, dtype)
+
+
+@produce_fp8_current_into.register_fake
+def _(op, a, b, out, out_t, scale_inv):
+    return None
+
+
+@produce_fp8_recording_amax_into.register_fake
+def _(op, a, b, scale, history, slot, out, out_t, scale_inv):
+    return None

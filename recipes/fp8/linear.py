@@ -78,6 +78,14 @@ class Fp8Recipe:
         quantized = self.quantize(t, role, state)
         return quantized, self.transposed(quantized, t, role, state)
 
+    def quantize_into(self, t: torch.Tensor, role: int, state,
+                      cached: tuple[Float8Tensor, Float8Tensor]) -> tuple[Float8Tensor, Float8Tensor]:
+        """quantize_with_transpose written into `cached`'s buffers (a weight cache, filled in place)."""
+        for buffer, value in zip(cached, self.quantize_with_transpose(t, role, state)):
+            buffer.data.copy_(value.data)
+            buffer.scale_inv.copy_(value.scale_inv)
+        return cached
+
     def quantize_produced(self, op: str, a: torch.Tensor, b: Optional[torch.Tensor], role: int,
                           state) -> tuple[Float8Tensor, Float8Tensor]:
         """quantize_with_transpose of recipes.fp8.fused_quantize's op(a, b) (an MLP activation, forward or
@@ -106,8 +114,9 @@ def fused_quantize_for(t: torch.Tensor):
 class PerTensorScaling(Fp8Recipe):
     """What the per-tensor recipes share: one scale per tensor, so the transposed copy reuses the bytes, and with
     the fused kernels an activation (forward or backward) and a linear's incoming gradient are written in FP8, in
-    both layouts, by the kernel that computes them (recipes.fp8.fused_quantize). A linear's input keeps the cast
-    Inductor fuses into the kernel that produces it (a norm, attention's layout copy)."""
+    both layouts, by the kernel that computes them (recipes.fp8.fused_quantize), and so is a weight into its cache
+    for the step's micro-batches. A linear's input keeps the cast Inductor fuses into the kernel that produces it
+    (a norm, attention's layout copy)."""
 
     def quantize_with_transpose(self, t, role, state):
         if role == GRAD and self._fused(t) is not None:  # a gradient arrives materialized
@@ -121,11 +130,23 @@ class PerTensorScaling(Fp8Recipe):
         data, data_t, scale_inv = self.fused_cast(kernels, op, a, b, self.dtype(role), state, role)
         return Float8Tensor(data, scale_inv), Float8Tensor(data_t, scale_inv)
 
+    def quantize_into(self, t, role, state, cached):
+        kernels = self._fused(t)
+        if kernels is None:
+            return super().quantize_into(t, role, state, cached)
+        # One read of the weight writes both buffers (and, in delayed scaling, records its amax).
+        self.fused_cast(kernels, "identity", t, None, self.dtype(role), state, role,
+                        into=(cached[0].data, cached[1].data, cached[0].scale_inv))
+        cached[1].scale_inv.copy_(cached[0].scale_inv)
+        return cached
+
     def _fused(self, t: torch.Tensor):
         return fused_quantize_for(t) if self.fused_kernels else None
 
-    def fused_cast(self, kernels, op, a, b, dtype, state, role) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(FP8 data, its transpose, scale_inv) of op(a, b) from recipes.fp8.fused_quantize."""
+    def fused_cast(self, kernels, op, a, b, dtype, state, role,
+                   into: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(FP8 data, its transpose, scale_inv) of op(a, b) from recipes.fp8.fused_quantize, written into `into`'s
+        three tensors where given (then in their FP8 type)."""
         raise NotImplementedError
 
 
@@ -137,8 +158,11 @@ class TensorwiseScaling(PerTensorScaling):
     def quantize(self, t, role, state):
         return quantize_tensorwise(t, self.dtype(role))
 
-    def fused_cast(self, kernels, op, a, b, dtype, state, role):
-        return kernels.produce_fp8_current(op, a, b, dtype)
+    def fused_cast(self, kernels, op, a, b, dtype, state, role, into=None):
+        if into is None:
+            return kernels.produce_fp8_current(op, a, b, dtype)
+        kernels.produce_fp8_current_into(op, a, b, *into)
+        return into
 
 
 @dataclass(frozen=True)
@@ -153,9 +177,12 @@ class DelayedScaling(PerTensorScaling):
     def quantize(self, t, role, state):
         return quantize_delayed(t, self.dtype(role), state, role)
 
-    def fused_cast(self, kernels, op, a, b, dtype, state, role):
+    def fused_cast(self, kernels, op, a, b, dtype, state, role, into=None):
         # The scale is known: one pass casts and records the amax.
-        return kernels.produce_fp8_recording_amax(op, a, b, state[1][role], dtype, *open_slot(state, role))
+        if into is None:
+            return kernels.produce_fp8_recording_amax(op, a, b, state[1][role], dtype, *open_slot(state, role))
+        kernels.produce_fp8_recording_amax_into(op, a, b, state[1][role], *open_slot(state, role), *into)
+        return into
 
 
 @dataclass(frozen=True)
@@ -305,14 +332,9 @@ def _weight_operands(recipe, weight, state, cache_mode, cached) -> tuple[Float8T
         return weight.as_float8(), None
     if cache_mode == CACHE_REUSE:
         return cached
-    w_fp8 = recipe.quantize(weight, WEIGHT, state)
     if cache_mode != CACHE_REFRESH:
-        return w_fp8, None
-    w_t = recipe.transposed(w_fp8, weight, WEIGHT, state)
-    for buffer, value in zip(cached, (w_fp8, w_t)):
-        buffer.data.copy_(value.data)
-        buffer.scale_inv.copy_(value.scale_inv)
-    return w_fp8, w_t
+        return recipe.quantize(weight, WEIGHT, state), None
+    return recipe.quantize_into(weight, WEIGHT, state, cached)
 
 
 class WeightCache(nn.Module):
