@@ -188,6 +188,7 @@ def _fp8_producer_kernel(a, b, out, out_t, scale_ptr, scale_inv, amax_bits, rows
             scale = tl.load(scale_ptr)
         first_program = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
         tl.store(scale_inv, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), mask=first_program)
+    out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
     amax = tl.zeros((BLOCK_R, BLOCK_C), tl.int32)
     for step in range(GROUP):
         r, c, mask = _tile(rows, cols, step, BLOCK_R, BLOCK_C, GROUP, EVEN)
@@ -195,7 +196,6 @@ def _fp8_producer_kernel(a, b, out, out_t, scale_ptr, scale_inv, amax_bits, rows
         if MODE != CAST_BY_AMAX:
             amax = _running_amax(amax, first, second, mask, OP)
         if MODE != AMAX_ONLY:
-            out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
             _store_fp8(first, scale, out, r, c, mask, out_cols, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
             if OP == SWIGLU_BACKWARD:
                 _store_fp8(second, scale, out, r, cols + c, mask, out_cols, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
@@ -205,7 +205,6 @@ def _fp8_producer_kernel(a, b, out, out_t, scale_ptr, scale_inv, amax_bits, rows
         # The transposed copy from the bytes just stored (this program's, still in L2) after a barrier that makes
         # them visible to all its threads, not from the registers the FP8 conversion wrote (module doc).
         tl.debug_barrier()
-        out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
         for step in range(GROUP):
             _store_transposed(out, out_t, rows, cols, out_cols, 0, step, BLOCK_R, BLOCK_C, GROUP, EVEN)
             if OP == SWIGLU_BACKWARD:
