@@ -17,18 +17,22 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch._inductor.utils import run_and_get_code
 
 from recipes.engine.training import build_optimizer, optimizer_step
 from recipes.config import TrainerConfig, load_option
 from recipes.fp8 import Fp8Training
 from recipes.fp8.blockwise import quantize_blockwise
 from recipes.fp8.convert import convert_to_fp8
+from recipes.fp8.current_scaling import cast_to_fp8
 from recipes.fp8.activation_ops import OPS
 from recipes.fp8.formats import E4M3, E5M2
 from recipes.fp8.mlp import Bf16Mlp, Fp8Mlp
 from recipes.fp8.linear import (
     CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, Bf16Linear, BlockwiseScaling, DelayedScaling, Fp8Linear, TensorwiseScaling,
+    written_once,
 )
+from recipes.fp8.tensor import Float8Tensor
 from recipes.fp8.training import attach_main_grads, attach_weight_caches, expose_main_grads, set_weight_cache_mode
 from recipes.models.transformer import MLP, Transformer
 
@@ -207,6 +211,26 @@ def test_quantize_1x128_with_transpose_writes_the_reference_bytes(kernels, dtype
 def test_transpose_fp8_moves_every_byte(kernels, shape):
     q = (torch.randn(shape, generator=torch.Generator().manual_seed(2)) * 100).to(E4M3)
     assert torch.equal(kernels.transpose_fp8(q).view(torch.uint8), q.t().contiguous().view(torch.uint8))
+
+
+@needs_triton
+def test_a_compiled_cast_read_by_the_gemm_and_the_transpose_kernel_is_written_once(kernels):
+    """Inductor would write one copy of the FP8 bytes for each extern kernel reading them; written_once keeps one."""
+    def operands_of_two_gemms(x, scale, w, fix):
+        quantized = Float8Tensor(cast_to_fp8(x * 2, scale, E4M3), scale)
+        data = (written_once(quantized) if fix else quantized).data
+        return kernels.transpose_fp8(data), torch._scaled_mm(data, w.t(), scale, scale, out_dtype=torch.bfloat16)
+
+    x, w, scale = torch.randn(64, 128).to(torch.bfloat16), torch.randn(32, 128).to(E4M3), torch.tensor(0.5)
+    fp8_buffers = {}
+    for fix in (False, True):
+        torch._dynamo.reset()
+        outputs, (code, *_) = run_and_get_code(torch.compile(operands_of_two_gemms), x, scale, w, fix)
+        fp8_buffers[fix] = code.count("empty_strided_cpu((64, 128), (128, 1), torch.float8_e4m3fn)")
+        for got, expected in zip(outputs, operands_of_two_gemms(x, scale, w, fix)):
+            assert torch.equal(got.view(torch.uint8) if got.dtype == E4M3 else got,
+                               expected.view(torch.uint8) if expected.dtype == E4M3 else expected)
+    assert fp8_buffers == {False: 2, True: 1}
 
 
 @needs_triton

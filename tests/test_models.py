@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from recipes.config import CONF_DIR, Activation, ModelConfig, Normalization, RopeScaling, load_option
 from recipes.metrics import count_parameters, flops_per_token
@@ -237,6 +238,28 @@ def test_layernorm1p_matches_float64_formula_with_one_plus_weight(scale):
     w, b = norm.weight.detach().double(), norm.bias.detach().double()
     expected = layernorm_formula(x.double(), 1 + w, b, 1e-5)
     torch.testing.assert_close(norm(x).double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_layernorm1p_gradients_are_aten_layer_norms(compiled):
+    """The two-pass forward with aten's backward: the values and gradients F.layer_norm gives, compiled or not."""
+    g = torch.Generator().manual_seed(5)
+    x = ((torch.randn(6, 64, generator=g) + 0.5) * 3).to(torch.bfloat16)
+    dy = torch.randn(6, 64, generator=g).to(torch.bfloat16)
+    norm = LayerNorm1p(64, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=g) * 0.1)
+        norm.bias.copy_(torch.randn(64, generator=g) * 0.1)
+    weight, bias = (p.detach().clone().requires_grad_() for p in (norm.weight, norm.bias))
+    x_ours, x_aten = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ours = (torch.compile(norm) if compiled else norm)(x_ours)
+    aten = F.layer_norm(x_aten.float(), (64,), weight + 1, bias, 1e-5).to(torch.bfloat16)
+    ours.backward(dy)
+    aten.backward(dy)
+    assert ours.dtype == x_ours.grad.dtype == torch.bfloat16
+    pairs = ((ours, aten), (x_ours.grad, x_aten.grad), (norm.weight.grad, weight.grad), (norm.bias.grad, bias.grad))
+    for a, b in pairs:
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)
 
 
 def test_layernorm1p_with_zero_weight_is_plain_layernorm():

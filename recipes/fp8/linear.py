@@ -76,6 +76,8 @@ class Fp8Recipe:
     def quantize_with_transpose(self, t: torch.Tensor, role: int, state) -> tuple[Float8Tensor, Float8Tensor]:
         """t quantized for a GEMM contracting its last dimension, and for one contracting its first."""
         quantized = self.quantize(t, role, state)
+        if self.fused_kernels and self.transpose_reuses_quantization(role):
+            quantized = written_once(quantized)
         return quantized, self.transposed(quantized, t, role, state)
 
     def quantize_into(self, t: torch.Tensor, role: int, state,
@@ -91,6 +93,16 @@ class Fp8Recipe:
         """quantize_with_transpose of recipes.fp8.fused_quantize's op(a, b) (an MLP activation, forward or
         backward), from the kernel that computes it where the recipe has one."""
         return self.quantize_with_transpose(reference_output(op, a, b), role, state)
+
+
+def written_once(quantized: Float8Tensor) -> Float8Tensor:
+    """`quantized` with its FP8 bytes fixed as one buffer under torch.compile. Inductor gives a cast that two extern
+    kernels read (the GEMM and the transpose kernel) a copy each, written by the same fused kernel: one more write
+    of every such tensor. Eager: unchanged."""
+    if not torch.compiler.is_compiling():
+        return quantized
+    data = torch.ops.prims.inductor_force_stride_order(quantized.data, quantized.data.stride())
+    return quantized._replace(data=data)
 
 
 def _kernels_for(t: torch.Tensor):
