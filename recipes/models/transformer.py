@@ -66,9 +66,9 @@ class LayerNorm1p(nn.Module):
 
 
 class _LayerNorm1pFunction(torch.autograd.Function):
-    """F.layer_norm(x.float(), weight=1 + weight, bias).to(x.dtype), its mean and variance in two passes. Inductor
-    computes aten's variance with a per-element Welford update (a division per element) and ran that kernel 20%
-    slower on an H200 (Nemotron-4 15B's rows); the backward is aten's own."""
+    """F.layer_norm(x.float(), weight=1 + weight, bias).to(x.dtype), its mean and variance in two passes over the row
+    (Inductor compiles aten's variance into a per-element Welford update, a division per element: the slower
+    kernel, docs/results issue 24); the backward is aten's own."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
