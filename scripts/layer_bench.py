@@ -13,11 +13,11 @@ output layer, with causal attention counted half (Megatron-LM); a second column 
 the same blocks in the same process, as the outside reference for the per-tensor recipes. `--peer te` adds
 Transformer Engine's layers (scripts/te_peer.py) in each of TE's recipes (or those `--te-recipes` names), with the
 same shapes, micro-batches, inputs, loss, AdamW (fused, weight decay on matrices) and timing, trained with BF16
-parameters and BF16 gradients summed by autograd; `--peer te_megatron` adds them trained as Megatron-LM trains them, with the work ours does:
-FP32 main gradients summed inside TE's weight-gradient GEMMs and FP32 master weights. How a TE column differs
-from ours beyond that: eager (ours: each block compiled), TE's fused kernels and its attention backend choice
-(cuDNN fused attention on Hopper; ours: PyTorch SDPA under the model's own order, cuDNN's fused attention first:
-recipes.models.attention).
+parameters and BF16 gradients summed by autograd; `--peer te_megatron` adds them trained as Megatron-LM trains
+them, with the work ours does: FP32 main gradients summed inside TE's weight-gradient GEMMs and FP32 master
+weights. How a TE column differs from ours beyond that: eager (ours: each block compiled), TE's fused kernels and
+its attention backend choice (cuDNN fused attention on Hopper; ours: PyTorch SDPA under the model's own order,
+cuDNN's fused attention first: recipes.models.attention).
 
 With `--profile`, each step's kernel time is split into GEMMs / attention / FP8 quantization / other (recipes.profiling),
 the time the GPU sat idle is split into gaps between queued kernels and waits for the host, and the "limit" column is

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from recipes.fp8.activation_ops import reference_output
-from recipes.fp8.formats import E4M3, E5M2
 from recipes.fp8.current_scaling import cast_to_fp8, fp32_quotient, quantize_tensorwise, tensorwise_scale
+from recipes.fp8.formats import E4M3, E5M2
 
 
 def same_fp8(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -84,7 +84,8 @@ def check_scale_edge_cases(kernels, device) -> None:
 
 def scale_edge_cases(device) -> dict[str, torch.Tensor]:
     """Tensors whose amax takes current scaling's scale through each of its cases: zero (scale 1), tiny (the
-    quotient overflows: FP32's max; normal numbers, as Triton's interpreter loads BF16 subnormals wrong), huge (a scale below 1), inf and NaN (NaN)."""
+    quotient overflows: FP32's max; normal numbers, as Triton's interpreter loads BF16 subnormals wrong), huge (a
+    scale below 1), inf and NaN (NaN)."""
     plain = torch.randn(48, 80, generator=torch.Generator().manual_seed(3))
     cases = {"zero": torch.zeros(48, 80), "tiny": (plain + plain.sign()) * 1e-37, "huge": plain * 1e37, "plain": plain}
     for name, value in (("inf", float("inf")), ("nan", float("nan"))):
