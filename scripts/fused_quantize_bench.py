@@ -5,8 +5,8 @@
 One row per op and mode, as recipes.fp8.mlp and recipes.fp8.linear call them for one micro-batch (the model's
 sequence length): the activation forward on fc1's output, its backward on (dh, fc1's output), and the identity
 cast-transpose of a linear's incoming gradient; modes `current` and `delayed` (the recipe's own fused cast,
-recipes.fp8.linear's `fused_cast`: every pass it makes, the FP8 transpose included) and, for the backward ops,
-`bf16` (the BF16 MLP's). The time is GPU kernel time per call (every kernel of the call, listed in results.json),
+recipes.fp8.linear's `fused_cast`: every pass it makes, the FP8 transpose included), `blockwise` (1x128 blocks both
+ways, E4M3, as fp8_blockwise runs them: `quantize_produced`) and, for the backward ops, `bf16` (the BF16 MLP's). The time is GPU kernel time per call (every kernel of the call, listed in results.json),
 from the profiler over --iterations calls after --warmup (autotuning included in warm-up). GB/s counts the bytes
 each call must move (its inputs read once, its outputs written once, the transposed copy included); `of copy`
 divides that by an element-wise kernel's rate (a BF16 negation) measured the same way. Without CUDA the kernels
@@ -29,12 +29,12 @@ from recipes.config import ModelConfig, load_option
 from recipes.fp8.activation_ops import FORWARD_AND_BACKWARD
 from recipes.fp8.delayed_scaling import DelayedScalingState
 from recipes.fp8.formats import E4M3, E5M2
-from recipes.fp8.linear import GRAD, INPUT, DelayedScaling, TensorwiseScaling
+from recipes.fp8.linear import GRAD, INPUT, BlockwiseScaling, DelayedScaling, TensorwiseScaling
 from recipes.fp8.mlp import ACTIVATION_OPS
 from recipes.profiling import profile_kernels
 from recipes.provenance import provenance
 
-MODES = ("current", "delayed", "bf16")
+MODES = ("current", "delayed", "blockwise", "bf16")
 
 
 def op_shapes(cfg: ModelConfig, tokens: int) -> list[tuple[str, tuple[int, int], tuple[int, int] | None, int]]:
@@ -52,9 +52,12 @@ def op_shapes(cfg: ModelConfig, tokens: int) -> list[tuple[str, tuple[int, int],
 def _call(kernels, op: str, mode: str, a, b, dtype) -> Callable[[], object]:
     if mode == "bf16":
         return lambda: kernels.produce_bf16(op, a, b)
+    role = GRAD if dtype == E5M2 else INPUT
+    if mode == "blockwise":
+        blockwise = BlockwiseScaling(E4M3, E4M3, fused_kernels=True)
+        return lambda: blockwise.quantize_produced(op, a, b, role, None)
     recipe = {"current": TensorwiseScaling, "delayed": DelayedScaling}[mode](E4M3, E5M2, fused_kernels=True)
     state = DelayedScalingState(16).to(a.device)
-    role = GRAD if dtype == E5M2 else INPUT
     return lambda: recipe.fused_cast(kernels, op, a, b, dtype, state.tensors(), role)
 
 
@@ -98,6 +101,8 @@ def bench_model(cfg: ModelConfig, name: str, args, device: torch.device, copy_ra
             if mode == "bf16" and not op.endswith("_backward"):
                 continue
             written = 2 * a_shape[0] * out_cols  # FP8 and its transpose, or BF16
+            if mode == "blockwise":
+                written += 2 * 4 * a_shape[0] * out_cols // 128  # an FP32 scale_inv per 1x128 block, both ways
             ms, launched = kernel_ms(_call(kernels, op, mode, a, b, dtype), args.warmup, args.iterations, device)
             gb_per_s = (read + written) / ms / 1e6
             rows.append({"model": name, "op": op, "mode": mode, "a": list(a_shape), "b": b_shape and list(b_shape),

@@ -1,13 +1,14 @@
 """The checks of recipes.fp8.fused_quantize's kernels, shared by the CPU suite (Triton's interpreter,
 tests/test_fused_linears.py) and the GPU suite (tests/test_gpu.py): for every op, the amax, the FP8 bytes in both
-orientations, the recorded history slot and the BF16 values with their amax equal the unfused reference's, on plain
-and on awkward inputs."""
+orientations (per tensor and in 1x128 blocks), the scales, the recorded history slot and the BF16 values with their
+amax equal the unfused reference's, on plain and on awkward inputs."""
 
 from __future__ import annotations
 
 import torch
 
 from recipes.fp8.activation_ops import reference_output
+from recipes.fp8.blockwise import quantize_blockwise
 from recipes.fp8.current_scaling import cast_to_fp8, fp32_quotient, quantize_tensorwise, tensorwise_scale
 from recipes.fp8.formats import E4M3, E5M2
 
@@ -61,6 +62,18 @@ def check_op(kernels, op: str, a: torch.Tensor, b, dtype: torch.dtype, compiled:
     assert same_float(scale_inv, fp32_quotient(1.0, scale)), op
     before[1, 0] = torch.maximum(before[1, 0], ref_amax)
     assert same_float(history, before), op
+
+
+def check_1x128(kernels, op: str, a: torch.Tensor, b, dtype: torch.dtype, compiled: bool = False) -> None:
+    """produce_fp8_1x128's (data, scale_inv, data_t, scale_inv_t) against the unfused blockwise quantization of the
+    op's output and of its transpose."""
+    produce = torch.compile(kernels.produce_fp8_1x128) if compiled else kernels.produce_fp8_1x128
+    ref = reference_output(op, a, b)
+    data, scale_inv, data_t, scale_inv_t = produce(op, a, b, dtype)
+    for (d, s), expected in (((data, scale_inv), quantize_blockwise(ref, dtype, (1, 128))),
+                             ((data_t, scale_inv_t), quantize_blockwise(ref.t().contiguous(), dtype, (1, 128)))):
+        assert d.dtype == dtype and same_fp8(d, expected.data), op
+        assert same_float(s, expected.scale_inv), op
 
 
 def check_current(produced: tuple, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:

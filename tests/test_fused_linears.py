@@ -22,7 +22,6 @@ from torch._inductor.utils import run_and_get_code
 from recipes.engine.training import build_optimizer, optimizer_step
 from recipes.config import TrainerConfig, load_option
 from recipes.fp8 import Fp8Training
-from recipes.fp8.blockwise import quantize_blockwise
 from recipes.fp8.convert import convert_to_fp8
 from recipes.fp8.current_scaling import cast_to_fp8
 from recipes.fp8.activation_ops import OPS
@@ -36,7 +35,7 @@ from recipes.fp8.tensor import Float8Tensor
 from recipes.fp8.training import attach_main_grads, attach_weight_caches, expose_main_grads, set_weight_cache_mode
 from recipes.models.transformer import MLP, Transformer
 
-from fused_quantize_checks import check_op, check_scale_edge_cases, op_inputs, same_fp8
+from fused_quantize_checks import check_1x128, check_op, check_scale_edge_cases, op_inputs
 
 MICRO_BATCHES = 3
 
@@ -196,14 +195,17 @@ def awkward_input(rows: int, cols: int, seed: int) -> torch.Tensor:
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", [E4M3, E5M2])
-def test_quantize_1x128_with_transpose_writes_the_reference_bytes(kernels, dtype):
-    x = awkward_input(256, 384, seed=1)
-    data, scale_inv, data_t, scale_inv_t = kernels.quantize_1x128_with_transpose(x, dtype)
-    for (d, s), ref in (((data, scale_inv), quantize_blockwise(x, dtype, (1, 128))),
-                        ((data_t, scale_inv_t), quantize_blockwise(x.t().contiguous(), dtype, (1, 128)))):
-        assert d.dtype == dtype and same_fp8(d, ref.data)
-        assert torch.equal(s.isnan(), ref.scale_inv.isnan()) and torch.equal(s.nan_to_num(), ref.scale_inv.nan_to_num())
+@pytest.mark.parametrize("op", OPS)
+def test_blockwise_kernel_writes_the_reference_bytes(fused_quantize, op):
+    """Each op's output and its transpose in 1x128 blocks, from one kernel, are the unfused blockwise quantization's
+    bytes and scales: on values over 40 binades with zero blocks, NaN and infinities, and (a materialized tensor) on
+    60 binades with a block whose amax is FP32-subnormal (its scale overflows)."""
+    cases = [op_inputs(op, rows=256, cols=384, device="cpu", seed=4, awkward=awkward) for awkward in (False, True)]
+    if op == "identity":
+        cases.append((awkward_input(256, 384, seed=1), None))
+    for a, b in cases:
+        for dtype in (E4M3, E5M2):
+            check_1x128(fused_quantize, op, a, b, dtype)
 
 
 @needs_triton
@@ -236,7 +238,7 @@ def test_a_compiled_cast_read_by_the_gemm_and_the_transpose_kernel_is_written_on
 @needs_triton
 @pytest.mark.parametrize("recipe", [TensorwiseScaling(E4M3, E5M2), DelayedScaling(E4M3, E5M2, amax_history_len=4),
                                     BlockwiseScaling(E4M3, E4M3, emulate=True)], ids=["current", "delayed", "blockwise"])
-def test_fp8_linear_with_fused_kernels_equals_reference(kernels, recipe):
+def test_fp8_linear_with_fused_kernels_equals_reference(kernels, fused_quantize, recipe):
     """The same layer with and without the kernels: identical outputs and gradients, bit for bit."""
     inputs, grads, weight = operands(k=128, n=256, rows=128)  # the interpreter runs ~0.5 s per 128 x 128 tile
     results = []
@@ -251,7 +253,8 @@ def test_fp8_linear_with_fused_kernels_equals_reference(kernels, recipe):
 
 @pytest.fixture
 def fused_quantize(monkeypatch):
-    """recipes.fp8.fused_quantize under Triton's CPU interpreter, used by the per-tensor recipes on CPU tensors."""
+    """recipes.fp8.fused_quantize under Triton's CPU interpreter, used by the per-tensor and blockwise recipes on CPU
+    tensors."""
     from recipes.fp8 import fused_quantize as module
 
     monkeypatch.setattr("recipes.fp8.linear.fused_quantize_for", lambda t: module)
@@ -281,8 +284,8 @@ def test_current_scaling_kernel_computes_the_reference_scale(fused_quantize):
 
 @needs_triton
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_nemotron"])
-@pytest.mark.parametrize("precision", ["bf16", "fp8_current", "fp8_delayed"])
-def test_fused_mlp_equals_the_unfused_one(fused_quantize, model, precision):
+@pytest.mark.parametrize("precision", ["bf16", "fp8_current", "fp8_delayed", "fp8_blockwise"])
+def test_fused_mlp_equals_the_unfused_one(kernels, fused_quantize, model, precision):
     """fc1, activation and fc2 as one function with the kernels (recipes.fp8.mlp; BF16: the Bf16Linears of the fused
     linears) against the modules without them and autograd's activation: identical outputs, input and weight
     gradients and amax histories over micro-batches, bit for bit."""
@@ -290,12 +293,14 @@ def test_fused_mlp_equals_the_unfused_one(fused_quantize, model, precision):
     torch.manual_seed(0)
     base = MLP(cfg)
     generator = torch.Generator().manual_seed(1)
-    inputs = [torch.randn(64, 128, generator=generator).to(torch.bfloat16) for _ in range(MICRO_BATCHES)]
-    grads = [(torch.randn(64, 128, generator=generator) * 1e-3).to(torch.bfloat16) for _ in range(MICRO_BATCHES)]
+    rows = 128 if precision == "fp8_blockwise" else 64  # blockwise wgrad: 1x128 blocks along the tokens
+    inputs = [torch.randn(rows, 128, generator=generator).to(torch.bfloat16) for _ in range(MICRO_BATCHES)]
+    grads = [(torch.randn(rows, 128, generator=generator) * 1e-3).to(torch.bfloat16) for _ in range(MICRO_BATCHES)]
     fused_type, linear_type = (Bf16Mlp, Bf16Linear) if precision == "bf16" else (Fp8Mlp, Fp8Linear)
     results = []
     for fused in (False, True):
-        settings = dataclasses.replace(load_option("precision", precision), fused_kernels=fused, amax_history_len=4)
+        settings = dataclasses.replace(load_option("precision", precision), fused_kernels=fused, amax_history_len=4,
+                                       emulate=precision == "fp8_blockwise")  # no block-scaled GEMM on a CPU
         blocks = nn.ModuleList([nn.Sequential(copy.deepcopy(base))])
         convert_to_fp8(blocks, settings, bf16_linears=precision == "bf16")
         mlp = blocks[0][0]
@@ -329,9 +334,17 @@ kernels = [(fq._fp8_producer_kernel, {**pointers, "out": "*fp8e4nv", "out_t": "*
             dict(FP8_MAX=448.0, MANTISSA=3, BIAS=7, OUT=triton.language.float8e4nv, SOFTWARE=False), fp8_runs),
            (fq._bf16_producer_kernel, {**pointers, "out": "*bf16", "amax_bits": "*i32", **sizes},
             dict(SOFTWARE=False), bf16_runs)]
+tiles = {fq._fp8_producer_kernel: fq._TILES, fq._bf16_producer_kernel: fq._TILES}
+# The blockwise kernel with every op (128 x 128 tiles, no masks).
+kernels.append((fq._fp8_1x128_producer_kernel, {**pointers, "out": "*fp8e4nv", "scale_inv": "*fp32",
+                                                "out_t": "*fp8e4nv", "scale_inv_t": "*fp32", **sizes},
+                dict(FP8_MAX=448.0, MANTISSA=3, BIAS=7, OUT=triton.language.float8e4nv, SOFTWARE=False, B=fq.BLOCK),
+                [(op, {}) for op in range(len(fq.OPS))]))
+tiles[fq._fp8_1x128_producer_kernel] = fq._1X128_TILES
 for kernel, signature, constants, runs in kernels:
-    for (op, mode), tile in ((run, tile) for run in runs for tile in fq._TILES):
-        const = {**constants, "OP": op, **mode, **tile.kwargs, "EVEN": False}  # masks: more registers
+    for (op, mode), tile in ((run, tile) for run in runs for tile in tiles[kernel]):
+        masks = {} if kernel is fq._fp8_1x128_producer_kernel else {"EVEN": False}  # masks: more registers
+        const = {**constants, "OP": op, **mode, **tile.kwargs, **masks}
         source = ASTSource(kernel, {**signature, **{name: "constexpr" for name in const}}, constexprs=const)
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.num_warps})
         with open(sys.argv[1], "w") as f:
@@ -367,14 +380,16 @@ def test_fused_quantize_bench_times_each_op_and_mode_of_a_model(fused_quantize, 
                                                   Path(__file__).parents[1] / "scripts" / "fused_quantize_bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.main(["--model", "tiny_nemotron", "--seq-length", "16", "--warmup", "0", "--iterations", "1",
+    tokens = 128  # blockwise: 1x128 blocks along the tokens too
+    assert bench.main(["--model", "tiny_nemotron", "--seq-length", str(tokens), "--warmup", "0", "--iterations", "1",
                        "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert [(r["op"], r["mode"]) for r in rows] == [
-        ("squared_relu", m) for m in ("current", "delayed")] + [
-        ("squared_relu_backward", m) for m in ("current", "delayed", "bf16")] + [
-        ("identity", m) for m in ("current", "delayed")]
+        ("squared_relu", m) for m in ("current", "delayed", "blockwise")] + [
+        ("squared_relu_backward", m) for m in ("current", "delayed", "blockwise", "bf16")] + [
+        ("identity", m) for m in ("current", "delayed", "blockwise")]
     ffn = load_option("model", "tiny_nemotron").ffn_hidden_size
-    cast = rows[1]  # squared ReLU: reads BF16 (16, ffn), writes FP8 (16, ffn) and its transpose
-    assert cast["bytes"] == 16 * ffn * 2 + 2 * 16 * ffn and cast["ms"] > 0
+    cast, blockwise = rows[1], rows[2]  # squared ReLU: reads BF16 (tokens, ffn), writes FP8 (tokens, ffn) both ways
+    assert cast["bytes"] == tokens * ffn * 2 + 2 * tokens * ffn and cast["ms"] > 0
+    assert blockwise["bytes"] == cast["bytes"] + 2 * 4 * tokens * ffn // 128  # and a scale per block, both ways
     assert (tmp_path / "results.md").read_text().count("| tiny_nemotron |") == len(rows)

@@ -14,7 +14,7 @@ from recipes.fp8.current_scaling import quantize_tensorwise
 from recipes.fp8.formats import E4M3, E5M2
 from recipes.fp8.linear import TensorwiseScaling, Fp8Linear
 
-from fused_quantize_checks import check_op, check_scale_edge_cases, op_inputs, same_fp8
+from fused_quantize_checks import check_1x128, check_op, check_scale_edge_cases, op_inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -259,21 +259,24 @@ def awkward_input(rows: int, cols: int, seed: int) -> torch.Tensor:
     return x.to(torch.bfloat16).cuda()
 
 
-@pytest.mark.parametrize("dtype", [E4M3, E5M2])
-@pytest.mark.parametrize("compiled", [False, True])
-def test_blockwise_kernel_writes_the_reference_bytes_on_cuda(dtype, compiled):
-    """One read of x gives the 1x128 quantization of x and of x^T that the reference path (CUDA) computes."""
-    from recipes.fp8 import kernels
-    from recipes.fp8.blockwise import quantize_blockwise
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_blockwise_kernel_writes_the_reference_bytes_on_cuda(op, compiled):
+    """recipes.fp8.fused_quantize's produce_fp8_1x128 against PyTorch's CUDA activation and the blockwise
+    quantization of its output and of the transpose: the same bytes and scales, on awkward values (a materialized
+    tensor: also an FP32-subnormal block amax), a small shape and a model-sized one, with every autotuned tile."""
+    from recipes.fp8 import fused_quantize
 
-    for x in (awkward_input(256, 384, seed=1), torch.randn(1024, 640, device="cuda", dtype=torch.bfloat16) * 3):
-        fused = torch.compile(kernels.quantize_1x128_with_transpose) if compiled else kernels.quantize_1x128_with_transpose
-        data, scale_inv, data_t, scale_inv_t = fused(x, dtype)
-        for (d, s), ref in (((data, scale_inv), quantize_blockwise(x, dtype, (1, 128))),
-                            ((data_t, scale_inv_t), quantize_blockwise(x.t().contiguous(), dtype, (1, 128)))):
-            assert same_fp8(d, ref.data)
-            assert torch.equal(s.isnan(), ref.scale_inv.isnan())
-            assert torch.equal(s.nan_to_num(), ref.scale_inv.nan_to_num())
+    tunings = [None] if compiled else [[tile] for tile in fused_quantize._1X128_TILES]  # eager: every tile
+    for tiles in tunings:
+        with autotuned_over((fused_quantize._FP8_1X128_KERNEL,), tiles):
+            cases = [op_inputs(op, rows, cols, "cuda", seed=rows, awkward=awkward)
+                     for rows, cols, awkward in ((256, 384, True), (1024, 640, False), (8192, 1792, False))]
+            if op == "identity":
+                cases.append((awkward_input(256, 384, seed=1), None))
+            for a, b in cases:
+                for dtype in (E4M3, E5M2):
+                    check_1x128(fused_quantize, op, a, b, dtype, compiled)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -314,7 +317,7 @@ def autotuned_over(autotuners, tiles):
 
 
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_nemotron"])
-@pytest.mark.parametrize("precision", ["bf16", "fp8_current", "fp8_delayed"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8_current", "fp8_delayed", "fp8_blockwise"])
 def test_fused_mlp_on_cuda_equals_the_unfused_one_and_compiles(model, precision):
     """recipes.fp8.mlp with the kernels on CUDA, eager, against the unfused MLP (FP8 linears, or Bf16Linears and
     autograd's activation), eager: identical outputs, gradients (main gradients over three micro-batches) and amax

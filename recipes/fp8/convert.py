@@ -5,9 +5,9 @@ recipes; `num_layers_at_start_in_bf16` / `num_layers_at_end_in_bf16` keep whole 
 The recipe is the one the config names, never another one and never BF16 (see recipes.fp8.linear).
 With `bf16_linears`, the blocks' BF16 linears (all of them for precision=bf16) become `Bf16Linear`s, which can
 cast their weights once per optimizer step and accumulate weight gradients in FP32 inside the GEMM.
-With `precision.fused_kernels`, each MLP of per-tensor FP8 linears (or of Bf16Linears) becomes recipes.fp8.mlp's
-fused form (fc1, activation and fc2 in one function; the same parameters and buffers under the same names).
-"""
+With `precision.fused_kernels`, each MLP of per-tensor or blockwise FP8 linears (or of Bf16Linears) becomes
+recipes.fp8.mlp's fused form (fc1, activation and fc2 in one function; the same parameters and buffers under the
+same names)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Per-tensor FP8 operands written by the kernel that produces them: the MLP's activation (forward and backward)
-and a linear's incoming gradient (identity), both FP8 copies (row-major and transposed) from one read of the op's
-inputs, with the operand's `scale_inv` (1 / scale), in one launch.
+"""FP8 operands written by the kernel that produces them: the MLP's activation (forward and backward) and a
+linear's incoming gradient (identity), both FP8 copies (row-major and transposed) from one read of the op's inputs,
+with the operand's `scale_inv` (1 / scale; per 1x128 block in blockwise scaling), in one launch.
 
     produce_fp8_current(op, a, b, dtype)         current scaling: op(a, b) in FP8, row-major and transposed, and
                                                  scale_inv, the scale computed in the casting kernel from the amax
@@ -16,6 +16,11 @@ inputs, with the operand's `scale_inv` (1 / scale), in one launch.
     produce_bf16(op, a, b)                       op(a, b) in BF16 (the BF16 MLP's backward)
     produced_amax(op, a, b)                      the amax of op(a, b), without writing it
     produce_bf16_with_amax(op, a, b)             op(a, b) in BF16 and its amax
+    produce_fp8_1x128(op, a, b, dtype)           blockwise scaling: op(a, b) in 1x128 blocks along its rows and its
+                                                 transpose in 1x128 blocks along its rows (each cast by its own
+                                                 blocks' power-of-two scales), with both scale_invs: the blocks lie
+                                                 inside a program's 128 x 128 tile, so no pass over the tensor comes
+                                                 first
 
 The ops (recipes.fp8.activation_ops) are computed with the BF16 roundings of the eager model, so that the FP8
 bytes are those of the unfused reference, `reference_output` quantized:
@@ -30,8 +35,7 @@ silu and its derivative are computed as ATen's CUDA kernels compute them (libdev
 one fused multiply-add nvcc makes of `1 + x * (1 - s)`). The amax is a max over FP32 bit patterns of |value|,
 which orders as the values do and keeps NaN (as torch.amax). The tile sizes are autotuned on GPUs; under Triton's
 CPU interpreter the kernels run with one tile size and NumPy's exp (recipes.fp8.kernels says how FP8 is
-converted there). The transposed copies are the per-tensor recipes'; blockwise scales would be per-tile and are
-not written here yet.
+converted there).
 
 Each program writes its row-major FP8 tiles, then, after a barrier, reads those bytes back (from L2: it has just
 written them) and stores them transposed, as recipes.fp8.kernels' transpose kernel moves bytes. It does not
@@ -39,7 +43,8 @@ transpose the registers the FP8 conversion wrote: on an H200 (Triton 3.6.0) ever
 transposed, cast before or after) wrote up to a quarter of the transposed bytes wrong for SwiGLU, its gradient and
 squared ReLU's gradient, while the plain transpose kernel writes every byte (docs/results, issue 24; compare
 triton-lang/triton#11111). Against that kernel run separately, this saves a launch and a read of the FP8 tensor
-from memory.
+from memory. The blockwise kernel's transpose is cast by other scales than its row-major copy: it stores those
+bytes row-major where the transpose goes, then, after a barrier, transposes that tile in place the same way.
 """
 
 from __future__ import annotations
@@ -51,7 +56,9 @@ import triton
 import triton.language as tl
 
 from recipes.fp8.activation_ops import OPS
-from recipes.fp8.kernels import INTERPRETED, _bytes, _format_args, _tensorwise_scale, _to_fp8
+from recipes.fp8.kernels import (
+    BLOCK, INTERPRETED, _bytes, _format_args, _power_of_two_scale, _tensorwise_scale, _to_fp8,
+)
 
 # Globals a Triton kernel reads must be constexprs; Python code compares their `.value`.
 IDENTITY, SWIGLU, SQUARED_RELU, SWIGLU_BACKWARD, SQUARED_RELU_BACKWARD = (tl.constexpr(i) for i in range(len(OPS)))
@@ -345,6 +352,119 @@ def produce_fp8_recording_amax_into(op: str, a: torch.Tensor, b: Optional[torch.
     """produce_fp8_recording_amax written into existing tensors (a weight cache's buffers), in out's FP8 type."""
     _launch(op, a, b, CAST_AND_RECORD.value, scale, history.view(-1)[slot:].view(torch.int32), out.dtype,
             (out, out_t, scale_inv))
+
+
+@triton.jit
+def _cast_1x128(values, column_scale, out, scale_inv, scratch, r, first_column, rows, out_cols, tile_r,
+                FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
+                SOFTWARE: tl.constexpr, B: tl.constexpr):
+    """values (rows r, the B columns from first_column) cast by their row blocks' scales into `out` (row-major),
+    the scales' inverses into `scale_inv`; and cast by `column_scale` (their column blocks') into `scratch`: out_t's
+    tile for these columns, row-major for now (the tile's row i at out_t's row first_column + i)."""
+    mask = tl.full(values.shape, 1, tl.int1)
+    row_scale = _power_of_two_scale(tl.max(_magnitude_bits(values, mask), 1).to(tl.float32, bitcast=True), FP8_MAX)
+    c = first_column + tl.arange(0, B)
+    _store_fp8(values, row_scale[:, None], out, r, c, mask, out_cols, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
+    tl.store(scale_inv + r * (out_cols // B) + first_column // B,
+             tl.div_rn(tl.full(row_scale.shape, 1.0, tl.float32), row_scale))
+    column_fp8 = _to_fp8(values * column_scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
+    tl.store(scratch + (first_column + r - tile_r * B)[:, None] * rows + (tile_r * B + tl.arange(0, B))[None, :],
+             column_fp8)
+
+
+@triton.jit
+def _transpose_tile_in_place(out_t, rows, first_column, tile_r, B: tl.constexpr, Q: tl.constexpr):
+    """out_t's B x B tile at rows first_column.., columns tile_r * B.. transposed in place: it holds the column-cast
+    bytes row-major (_cast_1x128). Q x Q quadrants at a time, each pair read whole before either is written (fewer
+    live registers than the whole tile), moved as bytes, as recipes.fp8.kernels' transpose kernel moves them."""
+    i = tl.arange(0, Q)
+    base = out_t.to(tl.pointer_type(tl.uint8)) + first_column * rows + tile_r * B
+    for p in range(B // Q):
+        for q in range(p, B // Q):
+            upper = base + (p * Q + i)[:, None] * rows + (q * Q + i)[None, :]
+            lower = base + (q * Q + i)[:, None] * rows + (p * Q + i)[None, :]
+            upper_tile, lower_tile = tl.load(upper), tl.load(lower)
+            tl.debug_barrier()
+            tl.store(upper, tl.trans(lower_tile))
+            tl.store(lower, tl.trans(upper_tile))
+
+
+@triton.jit
+def _fp8_1x128_producer_kernel(a, b, out, scale_inv, out_t, scale_inv_t, rows, cols, a_cols, b_cols,
+                               OP: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
+                               OUT: tl.constexpr, SOFTWARE: tl.constexpr, B: tl.constexpr, SUB: tl.constexpr,
+                               Q: tl.constexpr):
+    """One B x B tile of the op's output (two for swiglu_backward: columns c and cols + c) in 1 x B blocks: B row
+    blocks into `out`, B column blocks (1 x B blocks of the transpose) into `out_t`, each block's scale_inv beside.
+    SUB rows at a time: a first pass takes the column blocks' amaxes, a second recomputes the values (the inputs
+    again, from L2) and casts them both ways."""
+    tile_r, tile_c = tl.program_id(0), tl.program_id(1)
+    c = tile_c * B + tl.arange(0, B)
+    mask = tl.full((SUB, B), 1, tl.int1)
+    out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
+    first_bits = tl.zeros((B,), tl.int32)
+    second_bits = first_bits
+    for step in range(B // SUB):
+        r = tile_r * B + step * SUB + tl.arange(0, SUB)
+        first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+        first_bits = tl.maximum(first_bits, tl.max(_magnitude_bits(first, mask), 0))
+        if OP == SWIGLU_BACKWARD:
+            second_bits = tl.maximum(second_bits, tl.max(_magnitude_bits(second, mask), 0))
+    first_scale = _power_of_two_scale(first_bits.to(tl.float32, bitcast=True), FP8_MAX)
+    one = tl.full(first_scale.shape, 1.0, tl.float32)
+    tl.store(scale_inv_t + c * (rows // B) + tile_r, tl.div_rn(one, first_scale))
+    second_scale = first_scale
+    if OP == SWIGLU_BACKWARD:
+        second_scale = _power_of_two_scale(second_bits.to(tl.float32, bitcast=True), FP8_MAX)
+        tl.store(scale_inv_t + (cols + c) * (rows // B) + tile_r, tl.div_rn(one, second_scale))
+    for step in range(B // SUB):
+        r = tile_r * B + step * SUB + tl.arange(0, SUB)
+        first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+        _cast_1x128(first, first_scale, out, scale_inv, out_t, r, tile_c * B, rows, out_cols, tile_r, FP8_MAX,
+                    MANTISSA, BIAS, OUT, SOFTWARE, B)
+        if OP == SWIGLU_BACKWARD:
+            _cast_1x128(second, second_scale, out, scale_inv, out_t, r, cols + tile_c * B, rows, out_cols, tile_r,
+                        FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B)
+    # The transposed copy from the column-cast bytes just stored, after a barrier that makes them visible to all the
+    # program's threads, not from registers (module doc).
+    tl.debug_barrier()
+    _transpose_tile_in_place(out_t, rows, tile_c * B, tile_r, B, Q)
+    if OP == SWIGLU_BACKWARD:
+        _transpose_tile_in_place(out_t, rows, cols + tile_c * B, tile_r, B, Q)
+
+
+# The blockwise kernel's SUB-row steps and Q x Q transpose quadrants, autotuned per shape and op on GPUs: the ones
+# ptxas compiles without spills for every op (at most 164 registers a thread; 4 warps spilled up to 2.4 KB).
+_1X128_TILES = [triton.Config({"SUB": sub, "Q": q}, num_warps=w)
+                for sub, q, w in ((16, 32, 8), (16, 32, 16), (32, 32, 16), (16, 64, 16), (32, 64, 16))]
+_FP8_1X128_KERNEL = (_fp8_1x128_producer_kernel if INTERPRETED
+                     else triton.autotune(_1X128_TILES, key=["rows", "cols", "OP"])(_fp8_1x128_producer_kernel))
+
+
+@torch.library.custom_op("fp8_recipes::produce_fp8_1x128", mutates_args=())
+def produce_fp8_1x128(op: str, a: torch.Tensor, b: Optional[torch.Tensor],
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """op(a, b) (rows, width) in 1 x 128 blocks along its rows, and its transpose (width, rows) in 1 x 128 blocks
+    along its rows, power-of-two scales: (data, scale_inv, data_t, scale_inv_t) as recipes.fp8.blockwise's
+    quantize_blockwise gives them for op(a, b) and op(a, b)^T."""
+    op_code, a, b, rows, cols, width, _ = _operands(op, a, b)
+    if rows % BLOCK or cols % BLOCK:
+        raise ValueError(f"blockwise FP8 needs dimensions divisible by {BLOCK}, got {(rows, width)} for {op}")
+    data, data_t = (torch.empty(shape, dtype=dtype, device=a.device) for shape in ((rows, width), (width, rows)))
+    scale_inv = torch.empty((rows, width // BLOCK), dtype=torch.float32, device=a.device)
+    scale_inv_t = torch.empty((width, rows // BLOCK), dtype=torch.float32, device=a.device)
+    _FP8_1X128_KERNEL[(rows // BLOCK, cols // BLOCK)](
+        a, b, _bytes(data), scale_inv, _bytes(data_t), scale_inv_t, rows, cols, a.shape[1], b.shape[1], OP=op_code,
+        B=BLOCK, **_format_args(dtype), **({"SUB": 64, "Q": 64} if INTERPRETED else {}),
+    )
+    return data, scale_inv, data_t, scale_inv_t
+
+
+@produce_fp8_1x128.register_fake
+def _(op, a, b, dtype):
+    rows, width = a.shape[0], _widths(OPS.index(op), a, b)[1]
+    return (a.new_empty((rows, width), dtype=dtype), a.new_empty((rows, width // BLOCK), dtype=torch.float32),
+            a.new_empty((width, rows), dtype=dtype), a.new_empty((width, rows // BLOCK), dtype=torch.float32))
 
 
 def _launch_bf16(op_name: str, a: torch.Tensor, b: Optional[torch.Tensor],

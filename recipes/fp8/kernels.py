@@ -1,17 +1,13 @@
-"""Triton kernels for the FP8 operands Inductor writes slowly: transposed copies, written in one pass.
+"""Triton kernels for the FP8 operands Inductor writes slowly, and the FP32 -> FP8 conversion and scales the other
+kernels share (recipes.fp8.fused_quantize).
 
-    transpose_fp8(data)                    the per-tensor recipes' transposed operands whose row-major copy
-                                           Inductor's cast writes (x^T for wgrad, W^T for dgrad; the operands
-                                           recipes.fp8.fused_quantize writes come transposed from its kernel):
-                                           the same FP8 bytes, laid out (K, rows)
-    quantize_1x128_with_transpose(x, ...)  blockwise activations and gradients: x quantized in 1x128 blocks
-                                           along K, and x^T in 1x128 blocks along the rows, from one read of x
+    transpose_fp8(data)    the per-tensor recipes' transposed operands whose row-major copy Inductor's cast writes
+                           (x^T for wgrad, W^T for dgrad; the operands recipes.fp8.fused_quantize writes come
+                           transposed from its kernels): the same FP8 bytes, laid out (K, rows)
 
-Each produces exactly the bytes and scales of the reference path (recipes.fp8.current_scaling,
-recipes.fp8.blockwise: the same FP32 operations in the same order), checked in tests/test_gpu.py. Inductor fuses
-the row-major quantization into the kernel that produces the tensor; asked for the transposed copy as well, it
-writes that with strided stores. These kernels tile through shared memory instead, as Transformer Engine's
-cast-transpose kernels do. Both are opaque custom ops for torch.compile.
+It produces exactly the bytes of the reference path, checked in tests/test_gpu.py. Asked for a transposed copy,
+Inductor writes it with strided stores; this kernel tiles through shared memory instead, as Transformer Engine's
+cast-transpose kernels do. It is an opaque custom op for torch.compile.
 
 Under Triton's CPU interpreter (TRITON_INTERPRET=1 before Triton is first imported; the CPU tests set it) the
 FP32 -> FP8 conversion is done in integer arithmetic instead of the hardware's `cvt` (the interpreter's own
@@ -32,13 +28,6 @@ from recipes.fp8.formats import E4M3, E5M2, fp8_max
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK = 128  # the blockwise recipe's 1x128 blocks; a 128 x 128 tile holds 128 of them in each orientation
 _FORMAT = {E4M3: (3, 7, tl.float8e4nv), E5M2: (2, 15, tl.float8e5)}  # mantissa bits, exponent bias, Triton type
-
-
-@triton.jit
-def _amax(magnitudes, axis: tl.constexpr):
-    """Max along `axis`, NaN where any element is NaN (as torch.amax; the hardware's max ignores NaN)."""
-    has_nan = tl.max((magnitudes != magnitudes).to(tl.int32), axis) > 0
-    return tl.where(has_nan, float("nan"), tl.max(magnitudes, axis))
 
 
 @triton.jit
@@ -98,29 +87,6 @@ def _fp8_transpose_kernel(src, dst, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: 
     tl.store(dst + c[:, None] * rows + r[None, :], tl.trans(tile), mask=tl.trans(mask))
 
 
-@triton.jit
-def _fp8_quantize_1x128_both_kernel(x, data, scale_inv, data_t, scale_inv_t, rows, cols, FP8_MAX: tl.constexpr,
-                                MANTISSA: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr, SOFTWARE: tl.constexpr,
-                                B: tl.constexpr):
-    """One B x B tile: B row blocks (1 x B along K) and B column blocks (B x 1, i.e. 1 x B blocks of x^T)."""
-    tile_r, tile_c = tl.program_id(0), tl.program_id(1)
-    r = tile_r * B + tl.arange(0, B)
-    c = tile_c * B + tl.arange(0, B)
-    values = tl.load(x + r[:, None] * cols + c[None, :]).to(tl.float32)
-    magnitudes = tl.abs(values)
-
-    row_scale = _power_of_two_scale(_amax(magnitudes, 1), FP8_MAX)
-    row_fp8 = _to_fp8(values * row_scale[:, None], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
-    tl.store(data + r[:, None] * cols + c[None, :], row_fp8)
-    tl.store(scale_inv + r * (cols // B) + tile_c, tl.div_rn(tl.full(row_scale.shape, 1.0, tl.float32), row_scale))
-
-    column_scale = _power_of_two_scale(_amax(magnitudes, 0), FP8_MAX)
-    column_fp8 = _to_fp8(values * column_scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
-    tl.store(data_t + c[:, None] * rows + r[None, :], tl.trans(column_fp8))
-    tl.store(scale_inv_t + c * (rows // B) + tile_r,
-             tl.div_rn(tl.full(column_scale.shape, 1.0, tl.float32), column_scale))
-
-
 def _format_args(dtype: torch.dtype) -> dict:
     mantissa, bias, triton_type = _FORMAT[dtype]
     return dict(FP8_MAX=fp8_max(dtype), MANTISSA=mantissa, BIAS=bias, OUT=triton_type, SOFTWARE=INTERPRETED)
@@ -153,30 +119,3 @@ def transpose_fp8(data: torch.Tensor) -> torch.Tensor:
 @transpose_fp8.register_fake
 def _(data):
     return data.new_empty((data.shape[1], data.shape[0]))
-
-
-@torch.library.custom_op("fp8_recipes::quantize_1x128_with_transpose", mutates_args=())
-def quantize_1x128_with_transpose(
-    x: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (rows, K) in 1x128 blocks along K, and x^T (K, rows) in 1x128 blocks along rows, power-of-two scales:
-    (data, scale_inv) and (data_t, scale_inv_t) as recipes.fp8.blockwise.quantize_blockwise gives them."""
-    rows, cols = x.shape
-    if rows % BLOCK or cols % BLOCK:
-        raise ValueError(f"blockwise FP8 needs dimensions divisible by {BLOCK}, got {tuple(x.shape)}")
-    data = torch.empty((rows, cols), dtype=dtype, device=x.device)
-    data_t = torch.empty((cols, rows), dtype=dtype, device=x.device)
-    scale_inv = torch.empty((rows, cols // BLOCK), dtype=torch.float32, device=x.device)
-    scale_inv_t = torch.empty((cols, rows // BLOCK), dtype=torch.float32, device=x.device)
-    _fp8_quantize_1x128_both_kernel[(rows // BLOCK, cols // BLOCK)](
-        x.contiguous(), _bytes(data), scale_inv, _bytes(data_t), scale_inv_t, rows, cols, B=BLOCK,
-        num_warps=8, **_format_args(dtype),
-    )
-    return data, scale_inv, data_t, scale_inv_t
-
-
-@quantize_1x128_with_transpose.register_fake
-def _(x, dtype):
-    rows, cols = x.shape
-    return (x.new_empty((rows, cols), dtype=dtype), x.new_empty((rows, cols // BLOCK), dtype=torch.float32),
-            x.new_empty((cols, rows), dtype=dtype), x.new_empty((cols, rows // BLOCK), dtype=torch.float32))

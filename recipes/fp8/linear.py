@@ -94,6 +94,10 @@ class Fp8Recipe:
         backward), from the kernel that computes it where the recipe has one."""
         return self.quantize_with_transpose(reference_output(op, a, b), role, state)
 
+    def _fused(self, t: torch.Tensor):
+        """recipes.fp8.fused_quantize where this recipe uses its kernels for t (on CUDA), else None."""
+        return fused_quantize_for(t) if self.fused_kernels else None
+
 
 def written_once(quantized: Float8Tensor) -> Float8Tensor:
     """`quantized` with its FP8 bytes fixed as one buffer under torch.compile. Inductor gives a cast that two extern
@@ -152,9 +156,6 @@ class PerTensorScaling(Fp8Recipe):
         cached[1].scale_inv.copy_(cached[0].scale_inv)
         return cached
 
-    def _fused(self, t: torch.Tensor):
-        return fused_quantize_for(t) if self.fused_kernels else None
-
     def fused_cast(self, kernels, op, a, b, dtype, state, role,
                    into: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(FP8 data, its transpose, scale_inv) of op(a, b) from recipes.fp8.fused_quantize, written into `into`'s
@@ -199,7 +200,10 @@ class DelayedScaling(PerTensorScaling):
 
 @dataclass(frozen=True)
 class BlockwiseScaling(Fp8Recipe):
-    """Sub-channel scaling (TE Float8BlockScaling): 1x128 activation/gradient blocks, 128x128 weight blocks."""
+    """Sub-channel scaling (TE Float8BlockScaling): 1x128 activation/gradient blocks, 128x128 weight blocks. With the
+    fused kernels (power-of-two scales), an activation or gradient and its transpose are quantized in 1x128 blocks
+    from one read, by the kernel that computes it where it is an MLP activation (recipes.fp8.fused_quantize's
+    produce_fp8_1x128)."""
 
     power_of_2_scales: bool = True
     fast_accum_fprop = False  # cuBLAS block scaling has no fast-accumulation mode
@@ -212,11 +216,19 @@ class BlockwiseScaling(Fp8Recipe):
         return role == WEIGHT
 
     def quantize_with_transpose(self, t, role, state):
-        kernels = _kernels_for(t) if self.fused_kernels and self.power_of_2_scales and role != WEIGHT else None
+        if role != WEIGHT and self._fused(t) is not None:
+            return self.quantize_produced("identity", t, None, role, state)
+        return super().quantize_with_transpose(t, role, state)
+
+    def quantize_produced(self, op, a, b, role, state):
+        kernels = self._fused(a)
         if kernels is None:
-            return super().quantize_with_transpose(t, role, state)
-        data, scale_inv, data_t, scale_inv_t = kernels.quantize_1x128_with_transpose(t, self.dtype(role))
+            return super().quantize_produced(op, a, b, role, state)
+        data, scale_inv, data_t, scale_inv_t = kernels.produce_fp8_1x128(op, a, b, self.dtype(role))
         return Float8Tensor(data, scale_inv, ACTIVATION_BLOCK), Float8Tensor(data_t, scale_inv_t, ACTIVATION_BLOCK)
+
+    def _fused(self, t):
+        return super()._fused(t) if self.power_of_2_scales else None  # the kernels' scales are powers of two
 
 
 class MXFP8Scaling(Fp8Recipe):

@@ -10,14 +10,17 @@ beforehand) neither its output nor its gradient is written in BF16:
 
 Current scaling needs the amax before the cast: the op's kernel writes it in BF16 with its amax, and a second
 pass casts those values (the op, compute-heavy for SwiGLU, runs once; the cast reads 2 bytes per element).
+Blockwise scaling's 1x128 blocks lie inside the kernel's tiles: one pass writes h (or d) in FP8 both ways, its
+transpose cast by its own blocks' scales.
 
 BF16 (`Bf16Mlp`, the BF16 blocks of the fused linears): the activation's backward writes both halves of SwiGLU's
 gradient from one read of its inputs (Inductor's kernel reads every input twice, once per half).
 
 The two linears keep their modules (recipes.fp8.linear's Fp8Linear or Bf16Linear: weight, scaling state, weight
 cache, main gradient), so checkpoints and the FP8 object see the same layers as without the fusion. Transformer
-Engine's LayerNormMLP fuses the same way. FP8: per-tensor recipes with FP8 weight gradients only (`fused_mlp`). The
-kernels are recipes.fp8.fused_quantize's, on CUDA; elsewhere the same values come from PyTorch's operators.
+Engine's LayerNormMLP fuses the same way. FP8: per-tensor and blockwise recipes with FP8 weight gradients only
+(`fused_mlp`). The kernels are recipes.fp8.fused_quantize's, on CUDA; elsewhere the same values come from PyTorch's
+operators.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from recipes.config import Activation
 from recipes.fp8.activation_ops import FORWARD_AND_BACKWARD, reference_output
 from recipes.fp8 import linear
 from recipes.fp8.linear import (
-    CACHE_REUSE, GRAD, INPUT, Bf16Linear, Fp8Linear, PerTensorScaling, bf16_weight, bf16_weight_gradient,
-    cache_arguments, cache_tensors, dgrad, fprop, weight_gradient,
+    CACHE_REUSE, GRAD, INPUT, Bf16Linear, BlockwiseScaling, Fp8Linear, Fp8Recipe, PerTensorScaling, bf16_weight,
+    bf16_weight_gradient, cache_arguments, cache_tensors, dgrad, fprop, weight_gradient,
 )
 from recipes.fp8.tensor import Float8Tensor
 
@@ -40,20 +43,21 @@ ACTIVATION_OPS = {Activation.swiglu: "swiglu", Activation.squared_relu: "squared
 
 def fused_mlp(module: nn.Module):
     """The fused form of an MLP (a module that names its `activation`) whose fc1 and fc2 are both Bf16Linear, or
-    both Fp8Linear of a per-tensor recipe with FP8 weight gradients; None for anything else."""
+    both Fp8Linear of a per-tensor or blockwise recipe with FP8 weight gradients; None for anything else."""
     fc1, fc2 = getattr(module, "fc1", None), getattr(module, "fc2", None)
     if getattr(module, "activation", None) not in ACTIVATION_OPS or type(fc1) is not type(fc2):
         return None
     if type(fc1) is Bf16Linear:
         return Bf16Mlp(module)
-    if type(fc1) is Fp8Linear and isinstance(fc1.recipe, PerTensorScaling) and fc1.recipe.fp8_wgrad:
+    fused_recipe = isinstance(getattr(fc1, "recipe", None), (PerTensorScaling, BlockwiseScaling))
+    if type(fc1) is Fp8Linear and fused_recipe and fc1.recipe.fp8_wgrad:
         return Fp8Mlp(module)
     return None
 
 
 class _Fp8MlpFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w2, recipe: PerTensorScaling, op: str, modes: tuple, blocks: tuple, main_grad1,
+    def forward(ctx, x, w1, w2, recipe: Fp8Recipe, op: str, modes: tuple, blocks: tuple, main_grad1,
                 main_grad2, state_len: int, *tensors):
         # Tensors one by one, as recipes.fp8.linear's function takes them, so that Dynamo traces this whole.
         cache1, cache2 = tensors[:4], tensors[4:8]
@@ -65,6 +69,7 @@ class _Fp8MlpFunction(torch.autograd.Function):
         ctx.recipe, ctx.op, ctx.states, ctx.transposed = recipe, op, (state1, state2), (transposed1, transposed2)
         ctx.accumulate = tuple(mode == CACHE_REUSE for mode in modes)
         ctx.weight_dtypes = (w1.dtype, w2.dtype)
+        ctx.blocks = (x_t.block, saved_w1.block, h_t.block, saved_w2.block)  # the saved operands' scale blocks
         ctx.save_for_backward(x_t.data, x_t.scale_inv, saved_w1.data, saved_w1.scale_inv, h_t.data, h_t.scale_inv,
                               saved_w2.data, saved_w2.scale_inv, fc1_out, w1, w2, main_grad1, main_grad2)
         return y
@@ -73,17 +78,18 @@ class _Fp8MlpFunction(torch.autograd.Function):
     def backward(ctx, dy):
         (x_data, x_scale_inv, w1_data, w1_scale_inv, h_data, h_scale_inv, w2_data, w2_scale_inv, fc1_out, w1, w2,
          main_grad1, main_grad2) = ctx.saved_tensors
-        recipe: PerTensorScaling = ctx.recipe
+        recipe: Fp8Recipe = ctx.recipe
         (state1, state2), (transposed1, transposed2) = ctx.states, ctx.transposed
+        x_block, w1_block, h_block, w2_block = ctx.blocks
         dy = dy.contiguous()
         dy_fp8, dy_t = recipe.quantize_with_transpose(dy, GRAD, state2)
-        dh = dgrad(recipe, dy_fp8, Float8Tensor(w2_data, w2_scale_inv), transposed2, w2, state2, dy.dtype)
-        dw2 = weight_gradient(recipe, dy_t, Float8Tensor(h_data, h_scale_inv), main_grad2, ctx.accumulate[1],
-                              ctx.weight_dtypes[1])
+        dh = dgrad(recipe, dy_fp8, Float8Tensor(w2_data, w2_scale_inv, w2_block), transposed2, w2, state2, dy.dtype)
+        dw2 = weight_gradient(recipe, dy_t, Float8Tensor(h_data, h_scale_inv, h_block), main_grad2,
+                              ctx.accumulate[1], ctx.weight_dtypes[1])
         d_fp8, d_t = recipe.quantize_produced(FORWARD_AND_BACKWARD[ctx.op], dh, fc1_out, GRAD, state1)
-        dx = dgrad(recipe, d_fp8, Float8Tensor(w1_data, w1_scale_inv), transposed1, w1, state1, dy.dtype)
-        dw1 = weight_gradient(recipe, d_t, Float8Tensor(x_data, x_scale_inv), main_grad1, ctx.accumulate[0],
-                              ctx.weight_dtypes[0])
+        dx = dgrad(recipe, d_fp8, Float8Tensor(w1_data, w1_scale_inv, w1_block), transposed1, w1, state1, dy.dtype)
+        dw1 = weight_gradient(recipe, d_t, Float8Tensor(x_data, x_scale_inv, x_block), main_grad1,
+                              ctx.accumulate[0], ctx.weight_dtypes[0])
         return (dx, dw1, dw2) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 
