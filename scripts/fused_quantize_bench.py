@@ -6,11 +6,12 @@ One row per op and mode, as recipes.fp8.mlp and recipes.fp8.linear call them for
 sequence length): the activation forward on fc1's output, its backward on (dh, fc1's output), and the identity
 cast-transpose of a linear's incoming gradient; modes `current` and `delayed` (the recipe's own fused cast,
 recipes.fp8.linear's `fused_cast`: every pass it makes, the FP8 transpose included), `blockwise` (1x128 blocks both
-ways, E4M3, as fp8_blockwise runs them: `quantize_produced`) and, for the backward ops, `bf16` (the BF16 MLP's). The time is GPU kernel time per call (every kernel of the call, listed in results.json),
-from the profiler over --iterations calls after --warmup (autotuning included in warm-up). GB/s counts the bytes
-each call must move (its inputs read once, its outputs written once, the transposed copy included); `of copy`
-divides that by an element-wise kernel's rate (a BF16 negation) measured the same way. Without CUDA the kernels
-run in Triton's interpreter (TRITON_INTERPRET=1) and the times mean nothing.
+ways, E4M3, as fp8_blockwise runs them: `quantize_produced`) and, for the backward ops, `bf16` (the BF16 MLP's).
+The time is GPU kernel time per call (every kernel of the call, listed in results.json), from the profiler over
+--iterations calls after --warmup (autotuning included in warm-up). GB/s counts the bytes each call must move (its
+inputs read once, its outputs written once, the transposed copy and blockwise scales included); `of copy` divides
+that by an element-wise kernel's rate (a BF16 negation) measured the same way. Without CUDA the kernels run in
+Triton's interpreter (TRITON_INTERPRET=1) and the times mean nothing.
 """
 
 from __future__ import annotations

@@ -375,12 +375,17 @@ def _cast_1x128(values, column_scale, out, scale_inv, scratch, r, first_column, 
 @triton.jit
 def _transpose_tile_in_place(out_t, rows, first_column, tile_r, B: tl.constexpr, Q: tl.constexpr):
     """out_t's B x B tile at rows first_column.., columns tile_r * B.. transposed in place: it holds the column-cast
-    bytes row-major (_cast_1x128). Q x Q quadrants at a time, each pair read whole before either is written (fewer
-    live registers than the whole tile), moved as bytes, as recipes.fp8.kernels' transpose kernel moves them."""
+    bytes row-major (_cast_1x128). Q x Q quadrants at a time (fewer live registers than the whole tile): each
+    diagonal one, then each pair across the diagonal, read whole before any of it is written, moved as bytes, as
+    recipes.fp8.kernels' transpose kernel moves them."""
     i = tl.arange(0, Q)
     base = out_t.to(tl.pointer_type(tl.uint8)) + first_column * rows + tile_r * B
     for p in range(B // Q):
-        for q in range(p, B // Q):
+        diagonal = base + (p * Q + i)[:, None] * rows + (p * Q + i)[None, :]
+        tile = tl.load(diagonal)
+        tl.debug_barrier()
+        tl.store(diagonal, tl.trans(tile))
+        for q in range(p + 1, B // Q):
             upper = base + (p * Q + i)[:, None] * rows + (q * Q + i)[None, :]
             lower = base + (q * Q + i)[:, None] * rows + (p * Q + i)[None, :]
             upper_tile, lower_tile = tl.load(upper), tl.load(lower)

@@ -49,8 +49,8 @@ def fused_mlp(module: nn.Module):
         return None
     if type(fc1) is Bf16Linear:
         return Bf16Mlp(module)
-    fused_recipe = isinstance(getattr(fc1, "recipe", None), (PerTensorScaling, BlockwiseScaling))
-    if type(fc1) is Fp8Linear and fused_recipe and fc1.recipe.fp8_wgrad:
+    if (type(fc1) is Fp8Linear and isinstance(fc1.recipe, (PerTensorScaling, BlockwiseScaling))
+            and fc1.recipe.fp8_wgrad):
         return Fp8Mlp(module)
     return None
 
