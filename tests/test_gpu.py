@@ -392,6 +392,30 @@ def test_cublaslt_fp8_gemm_into_fp32_equals_scaled_mm(accumulate, dtypes):
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
+def test_cublaslt_blockwise_gemm_into_fp32_equals_scaled_mm(accumulate):
+    """The blockwise weight gradient (1x128 blocks both) through cuBLASLt with beta = 1 writes what
+    torch.nn.functional.scaled_mm followed by an FP32 add writes. Every block has its own binade, so scales read
+    from the wrong place would show."""
+    from recipes.fp8 import cublaslt
+    from recipes.fp8.blockwise import ACTIVATION_BLOCK, quantize_blockwise
+    from recipes.fp8.gemm import _blockwise_gemm, block_scaled_mm_into
+
+    def operand(rows):
+        binades = 2.0 ** torch.randint(-12, 12, (rows, 2048 // 128), device="cuda")
+        return quantize_blockwise(torch.randn(rows, 2048, device="cuda") * binades.repeat_interleave(128, 1), E4M3,
+                                  ACTIVATION_BLOCK)
+
+    a, b = operand(1024), operand(768)
+    start = torch.randn(1024, 768, device="cuda") * 1e-2
+    out = start.clone()
+    assert cublaslt.supports(a.data, b.data, out)
+    block_scaled_mm_into(a.data, a.scale_inv, b.data, b.scale_inv, out, accumulate)
+    expected = _blockwise_gemm(a, b, torch.float32)
+    expected = expected + start if accumulate else expected
+    assert relative_error(out, expected.double()) < 1e-6
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
 def test_bf16_gemm_into_fp32_main_grad(accumulate):
     from recipes.fp8.gemm import mm_into
 

@@ -1,13 +1,17 @@
-"""Per-tensor FP8 GEMM that accumulates into an FP32 output, through cuBLASLt's C API (ctypes; nothing to build).
+"""FP8 GEMM that accumulates into an FP32 output, through cuBLASLt's C API (ctypes; nothing to build).
 
     out = scale_a * scale_b * (a @ b^T)            (accumulate=False)
     out = scale_a * scale_b * (a @ b^T) + out      (accumulate=True: beta = 1, inside the GEMM)
 
-`torch._scaled_mm` has no beta, so a weight gradient summed over micro-batches would cost an extra pass over the
+The scales are per tensor (FP32 0-d tensors) or, with scale_mode=SCALE_VEC128, one per 1x128 block of each
+operand's rows (cuBLAS block scaling on Hopper, the layout torch.nn.functional.scaled_mm takes for BlockWise1x128:
+(rows, K / 128) with the rows contiguous).
+
+`torch._scaled_mm` and `torch.nn.functional.scaled_mm` have no beta, so a weight gradient summed over micro-batches would cost an extra pass over the
 FP32 gradient per micro-batch (read the GEMM's output and the gradient, write the gradient); Transformer Engine
 avoids it the same way as here (transformer_engine/common/gemm/cublaslt_gemm.cu: C = D = main_grad, beta = 1).
-a (M, K) and b (N, K) are row-major FP8 ("TN": K-major both), out (M, N) row-major FP32, scales FP32 0-d tensors.
-Row-major out = (b @ a^T) column-major, so cuBLAS computes it with A := b (transposed) and B := a.
+a (M, K) and b (N, K) are row-major FP8 ("TN": K-major both), out (M, N) row-major FP32. Row-major out =
+(b @ a^T) column-major, so cuBLAS computes it with A := b (transposed) and B := a.
 
 Enum values are those of cublasLt.h / library_types.h (CUDA 12 and 13 agree on every one used here).
 """
@@ -26,6 +30,8 @@ CUDA_R_32F, CUDA_R_8F_E4M3, CUDA_R_8F_E5M2 = 0, 28, 29
 CUBLAS_COMPUTE_32F = 68
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB, DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_FAST_ACCUM = 3, 4, 17, 18, 25
+DESC_A_SCALE_MODE, DESC_B_SCALE_MODE = 31, 32
+SCALE_SCALAR, SCALE_VEC128 = 0, 4  # cublasLtMatmulMatrixScale_t: per tensor; per 1x128 block (FP32)
 PREF_MAX_WORKSPACE_BYTES = 1
 WORKSPACE_BYTES = 32 * 2**20  # what cuBLAS recommends for Hopper
 _FP8_TYPES = {torch.float8_e4m3fn: CUDA_R_8F_E4M3, torch.float8_e5m2: CUDA_R_8F_E5M2}
@@ -104,8 +110,8 @@ def _workspace(device: int) -> torch.Tensor:
 class _Plan:
     """The descriptors and algorithm of one GEMM shape and type combination, made once and reused."""
 
-    def __init__(self, m: int, n: int, k: int, a_type: int, b_type: int, fast_accum: bool, device: int,
-                 scale_pointers: tuple[int, int]):
+    def __init__(self, m: int, n: int, k: int, a_type: int, b_type: int, fast_accum: bool, scale_mode: int,
+                 device: int, scale_pointers: tuple[int, int]):
         lib = library()
         self.desc = ctypes.c_void_p()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), CUBLAS_COMPUTE_32F, CUDA_R_32F), "DescCreate")
@@ -113,6 +119,8 @@ class _Plan:
         _set(set_desc, self.desc, DESC_TRANSA, ctypes.c_int32(CUBLAS_OP_T))
         _set(set_desc, self.desc, DESC_TRANSB, ctypes.c_int32(CUBLAS_OP_N))
         _set(set_desc, self.desc, DESC_FAST_ACCUM, ctypes.c_int8(int(fast_accum)))
+        for attribute in (DESC_A_SCALE_MODE, DESC_B_SCALE_MODE):
+            _set(set_desc, self.desc, attribute, ctypes.c_int32(scale_mode))
         self.set_scales(*scale_pointers)  # before the heuristic, which must see an FP8-scaled GEMM
         # cuBLAS's m x n output is our (M, N) output transposed: cuBLAS A := b (N, K), cuBLAS B := a (M, K).
         self.layouts = []
@@ -131,7 +139,8 @@ class _Plan:
                "AlgoGetHeuristic")
         lib.cublasLtMatmulPreferenceDestroy(preference)
         if found.value == 0:
-            raise CublasLtError(f"cuBLASLt has no FP8 algorithm for an ({n} x {k}) x ({k} x {m}) GEMM with FP32 output")
+            raise CublasLtError(f"cuBLASLt has no FP8 algorithm for an ({n} x {k}) x ({k} x {m}) GEMM with FP32 output"
+                                f" and scale mode {scale_mode}")
 
 
     def set_scales(self, a_scale: int, b_scale: int) -> None:
@@ -153,18 +162,19 @@ def supports(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out: torch.Tensor,
-              accumulate: bool, fast_accum: bool = False) -> None:
+              accumulate: bool, fast_accum: bool = False, scale_mode: int = SCALE_SCALAR) -> None:
     """out (FP32, M x N) = scale_a * scale_b * a @ b^T (+ out when accumulate), on the current CUDA stream.
     The caller checks `supports` first."""
     (m, k), (n, k_b) = a.shape, b.shape
     if out.shape != (m, n) or k_b != k:
         raise ValueError(f"cublaslt.scaled_mm: a {tuple(a.shape)}, b {tuple(b.shape)}, out {tuple(out.shape)}")
     device = out.device.index
-    key = (m, n, k, a.dtype, b.dtype, fast_accum, device)
+    key = (m, n, k, a.dtype, b.dtype, fast_accum, scale_mode, device)
     scales = (scale_b.data_ptr(), scale_a.data_ptr())
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _PLANS[key] = _Plan(m, n, k, _FP8_TYPES[a.dtype], _FP8_TYPES[b.dtype], fast_accum, device, scales)
+        plan = _PLANS[key] = _Plan(m, n, k, _FP8_TYPES[a.dtype], _FP8_TYPES[b.dtype], fast_accum, scale_mode, device,
+                                      scales)
     else:
         plan.set_scales(*scales)
     alpha, beta = ctypes.c_float(1.0), ctypes.c_float(1.0 if accumulate else 0.0)

@@ -18,9 +18,9 @@ with the operand's `scale_inv` (1 / scale; per 1x128 block in blockwise scaling)
     produce_bf16_with_amax(op, a, b)             op(a, b) in BF16 and its amax
     produce_fp8_1x128(op, a, b, dtype)           blockwise scaling: op(a, b) in 1x128 blocks along its rows and its
                                                  transpose in 1x128 blocks along its rows (each cast by its own
-                                                 blocks' power-of-two scales), with both scale_invs: the blocks lie
-                                                 inside a program's 128 x 128 tile, so no pass over the tensor comes
-                                                 first
+                                                 blocks' power-of-two scales), with both scale_invs: a block lies
+                                                 inside one program's strip of rows or columns, so no pass over the
+                                                 tensor comes first
 
 The ops (recipes.fp8.activation_ops) are computed with the BF16 roundings of the eager model, so that the FP8
 bytes are those of the unfused reference, `reference_output` quantized:
@@ -43,8 +43,10 @@ transpose the registers the FP8 conversion wrote: on an H200 (Triton 3.6.0) ever
 transposed, cast before or after) wrote up to a quarter of the transposed bytes wrong for SwiGLU, its gradient and
 squared ReLU's gradient, while the plain transpose kernel writes every byte (docs/results, issue 24; compare
 triton-lang/triton#11111). Against that kernel run separately, this saves a launch and a read of the FP8 tensor
-from memory. The blockwise kernel's transpose is cast by other scales than its row-major copy: it stores those
-bytes row-major where the transpose goes, then, after a barrier, transposes that tile in place the same way.
+from memory. The blockwise kernel's transpose is cast by other scales than its row-major copy, so other programs
+write it: each reads a strip of 128 rows by a few columns (from L2: the programs writing the same tile's rows run
+beside it), casts each column by its block's scale with the FP8 bits computed in integer arithmetic, and stores
+that tile transposed.
 """
 
 from __future__ import annotations
@@ -355,93 +357,67 @@ def produce_fp8_recording_amax_into(op: str, a: torch.Tensor, b: Optional[torch.
 
 
 @triton.jit
-def _cast_1x128(values, column_scale, out, scale_inv, scratch, r, first_column, rows, out_cols, tile_r,
+def _row_blocks(a, b, out, scale_inv, rows_from, tile_c, cols, a_cols, b_cols, out_cols, OP: tl.constexpr,
                 FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
-                SOFTWARE: tl.constexpr, B: tl.constexpr):
-    """values (rows r, the B columns from first_column) cast by their row blocks' scales into `out` (row-major),
-    the scales' inverses into `scale_inv`; and cast by `column_scale` (their column blocks') into `scratch`: out_t's
-    tile for these columns, row-major for now (the tile's row i at out_t's row first_column + i)."""
-    mask = tl.full(values.shape, 1, tl.int1)
-    row_scale = _power_of_two_scale(tl.max(_magnitude_bits(values, mask), 1).to(tl.float32, bitcast=True), FP8_MAX)
-    c = first_column + tl.arange(0, B)
-    _store_fp8(values, row_scale[:, None], out, r, c, mask, out_cols, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
-    tl.store(scale_inv + r * (out_cols // B) + first_column // B,
-             tl.div_rn(tl.full(row_scale.shape, 1.0, tl.float32), row_scale))
-    column_fp8 = _to_fp8(values * column_scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
-    tl.store(scratch + (first_column + r - tile_r * B)[:, None] * rows + (tile_r * B + tl.arange(0, B))[None, :],
-             column_fp8)
+                SOFTWARE: tl.constexpr, B: tl.constexpr, SUB: tl.constexpr):
+    """The op's SUB rows from rows_from, in tile column tile_c, cast by their 1 x B blocks' scales into `out`
+    (row-major), the scales' inverses into `scale_inv`; for swiglu_backward also its second output's tile."""
+    r = rows_from + tl.arange(0, SUB)
+    c = tile_c * B + tl.arange(0, B)
+    mask = tl.full((SUB, B), 1, tl.int1)
+    first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+    for half in tl.static_range(2 if OP == SWIGLU_BACKWARD else 1):
+        values = second if half else first
+        scale = _power_of_two_scale(tl.max(_magnitude_bits(values, mask), 1).to(tl.float32, bitcast=True), FP8_MAX)
+        _store_fp8(values, scale[:, None], out, r, half * cols + c, mask, out_cols, FP8_MAX, MANTISSA, BIAS, OUT,
+                   SOFTWARE)
+        tl.store(scale_inv + r * (out_cols // B) + half * (cols // B) + tile_c,
+                 tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
 
 
 @triton.jit
-def _transpose_tile_in_place(out_t, rows, first_column, tile_r, B: tl.constexpr, Q: tl.constexpr):
-    """out_t's B x B tile at rows first_column.., columns tile_r * B.. transposed in place: it holds the column-cast
-    bytes row-major (_cast_1x128). Q x Q quadrants at a time (fewer live registers than the whole tile): each
-    diagonal one, then each pair across the diagonal, read whole before any of it is written, moved as bytes, as
-    recipes.fp8.kernels' transpose kernel moves them."""
-    i = tl.arange(0, Q)
-    base = out_t.to(tl.pointer_type(tl.uint8)) + first_column * rows + tile_r * B
-    for p in range(B // Q):
-        diagonal = base + (p * Q + i)[:, None] * rows + (p * Q + i)[None, :]
-        tile = tl.load(diagonal)
-        tl.debug_barrier()
-        tl.store(diagonal, tl.trans(tile))
-        for q in range(p + 1, B // Q):
-            upper = base + (p * Q + i)[:, None] * rows + (q * Q + i)[None, :]
-            lower = base + (q * Q + i)[:, None] * rows + (p * Q + i)[None, :]
-            upper_tile, lower_tile = tl.load(upper), tl.load(lower)
-            tl.debug_barrier()
-            tl.store(upper, tl.trans(lower_tile))
-            tl.store(lower, tl.trans(upper_tile))
+def _column_blocks(a, b, out_t, scale_inv_t, tile_r, columns_from, rows, cols, a_cols, b_cols, OP: tl.constexpr,
+                   FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
+                   SOFTWARE: tl.constexpr, B: tl.constexpr, SUB: tl.constexpr):
+    """The op's SUB columns from columns_from, in tile row tile_r, cast by their B x 1 blocks' scales and stored
+    transposed into `out_t`, the scales' inverses into `scale_inv_t`; for swiglu_backward also its second output's
+    tile. The FP8 bits are computed in integer arithmetic: the hardware's paired conversion wrote wrong transposed
+    bytes on the H200 (module doc)."""
+    r = tile_r * B + tl.arange(0, B)
+    c = columns_from + tl.arange(0, SUB)
+    mask = tl.full((B, SUB), 1, tl.int1)
+    first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+    for half in tl.static_range(2 if OP == SWIGLU_BACKWARD else 1):
+        values = second if half else first
+        scale = _power_of_two_scale(tl.max(_magnitude_bits(values, mask), 0).to(tl.float32, bitcast=True), FP8_MAX)
+        bits = _to_fp8(values * scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, True)
+        tl.store(out_t.to(tl.pointer_type(tl.uint8)) + (half * cols + c)[:, None] * rows + r[None, :],
+                 tl.trans(bits))
+        tl.store(scale_inv_t + (half * cols + c) * (rows // B) + tile_r,
+                 tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
 
 
 @triton.jit
 def _fp8_1x128_producer_kernel(a, b, out, scale_inv, out_t, scale_inv_t, rows, cols, a_cols, b_cols,
                                OP: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
-                               OUT: tl.constexpr, SOFTWARE: tl.constexpr, B: tl.constexpr, SUB: tl.constexpr,
-                               Q: tl.constexpr):
-    """One B x B tile of the op's output (two for swiglu_backward: columns c and cols + c) in 1 x B blocks: B row
-    blocks into `out`, B column blocks (1 x B blocks of the transpose) into `out_t`, each block's scale_inv beside.
-    SUB rows at a time: a first pass takes the column blocks' amaxes, a second recomputes the values (the inputs
-    again, from L2) and casts them both ways."""
-    tile_r, tile_c = tl.program_id(0), tl.program_id(1)
-    c = tile_c * B + tl.arange(0, B)
-    mask = tl.full((SUB, B), 1, tl.int1)
+                               OUT: tl.constexpr, SOFTWARE: tl.constexpr, B: tl.constexpr, SUB: tl.constexpr):
+    """One SUB-wide strip of a B x B tile of the op's output (two tiles for swiglu_backward: columns c and
+    cols + c): SUB rows in their 1 x B row blocks into `out`, or SUB columns in their B x 1 column blocks into
+    `out_t` (transposed). A tile's 2 * B / SUB programs are consecutive, so its inputs are read from memory once
+    and from L2 after that; a program reads them once and keeps nothing across steps."""
+    strips = B // SUB
+    tile_r, strip, tile_c = tl.program_id(0) // (2 * strips), tl.program_id(0) % (2 * strips), tl.program_id(1)
     out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
-    first_bits = tl.zeros((B,), tl.int32)
-    second_bits = first_bits
-    for step in range(B // SUB):
-        r = tile_r * B + step * SUB + tl.arange(0, SUB)
-        first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
-        first_bits = tl.maximum(first_bits, tl.max(_magnitude_bits(first, mask), 0))
-        if OP == SWIGLU_BACKWARD:
-            second_bits = tl.maximum(second_bits, tl.max(_magnitude_bits(second, mask), 0))
-    first_scale = _power_of_two_scale(first_bits.to(tl.float32, bitcast=True), FP8_MAX)
-    one = tl.full(first_scale.shape, 1.0, tl.float32)
-    tl.store(scale_inv_t + c * (rows // B) + tile_r, tl.div_rn(one, first_scale))
-    second_scale = first_scale
-    if OP == SWIGLU_BACKWARD:
-        second_scale = _power_of_two_scale(second_bits.to(tl.float32, bitcast=True), FP8_MAX)
-        tl.store(scale_inv_t + (cols + c) * (rows // B) + tile_r, tl.div_rn(one, second_scale))
-    for step in range(B // SUB):
-        r = tile_r * B + step * SUB + tl.arange(0, SUB)
-        first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
-        _cast_1x128(first, first_scale, out, scale_inv, out_t, r, tile_c * B, rows, out_cols, tile_r, FP8_MAX,
-                    MANTISSA, BIAS, OUT, SOFTWARE, B)
-        if OP == SWIGLU_BACKWARD:
-            _cast_1x128(second, second_scale, out, scale_inv, out_t, r, cols + tile_c * B, rows, out_cols, tile_r,
-                        FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B)
-    # The transposed copy from the column-cast bytes just stored, after a barrier that makes them visible to all the
-    # program's threads, not from registers (module doc).
-    tl.debug_barrier()
-    _transpose_tile_in_place(out_t, rows, tile_c * B, tile_r, B, Q)
-    if OP == SWIGLU_BACKWARD:
-        _transpose_tile_in_place(out_t, rows, cols + tile_c * B, tile_r, B, Q)
+    if strip < strips:
+        _row_blocks(a, b, out, scale_inv, tile_r * B + strip * SUB, tile_c, cols, a_cols, b_cols, out_cols, OP,
+                    FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, SUB)
+    else:
+        _column_blocks(a, b, out_t, scale_inv_t, tile_r, tile_c * B + (strip - strips) * SUB, rows, cols, a_cols,
+                       b_cols, OP, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, SUB)
 
 
-# The blockwise kernel's SUB-row steps and Q x Q transpose quadrants, autotuned per shape and op on GPUs: the ones
-# ptxas compiles without spills for every op (at most 164 registers a thread; 4 warps spilled up to 2.4 KB).
-_1X128_TILES = [triton.Config({"SUB": sub, "Q": q}, num_warps=w)
-                for sub, q, w in ((16, 32, 8), (16, 32, 16), (32, 32, 16), (16, 64, 16), (32, 64, 16))]
+# The blockwise kernel's strip widths and warps, autotuned per shape and op on GPUs.
+_1X128_TILES = [triton.Config({"SUB": sub}, num_warps=w) for sub, w in ((16, 4), (32, 4), (32, 8), (64, 8))]
 _FP8_1X128_KERNEL = (_fp8_1x128_producer_kernel if INTERPRETED
                      else triton.autotune(_1X128_TILES, key=["rows", "cols", "OP"])(_fp8_1x128_producer_kernel))
 
@@ -458,9 +434,10 @@ def produce_fp8_1x128(op: str, a: torch.Tensor, b: Optional[torch.Tensor],
     data, data_t = (torch.empty(shape, dtype=dtype, device=a.device) for shape in ((rows, width), (width, rows)))
     scale_inv = torch.empty((rows, width // BLOCK), dtype=torch.float32, device=a.device)
     scale_inv_t = torch.empty((width, rows // BLOCK), dtype=torch.float32, device=a.device)
-    _FP8_1X128_KERNEL[(rows // BLOCK, cols // BLOCK)](
+    grid = lambda meta: (rows // BLOCK * 2 * (BLOCK // meta["SUB"]), cols // BLOCK)  # noqa: E731
+    _FP8_1X128_KERNEL[grid](
         a, b, _bytes(data), scale_inv, _bytes(data_t), scale_inv_t, rows, cols, a.shape[1], b.shape[1], OP=op_code,
-        B=BLOCK, **_format_args(dtype), **({"SUB": 64, "Q": 64} if INTERPRETED else {}),
+        B=BLOCK, **_format_args(dtype), **({"SUB": 64} if INTERPRETED else {}),
     )
     return data, scale_inv, data_t, scale_inv_t
 

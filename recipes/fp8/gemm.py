@@ -21,9 +21,9 @@ generates: a compiled emulated-MXFP8 model on an H200 computed other gradients t
 There is no silent fallback: a block-scaled GEMM without a native kernel and without emulation raises.
 
 The weight-gradient GEMM can also write into, or add to, an FP32 main gradient (`fp8_gemm_into`, `mm_into`):
-inside the GEMM on CUDA (cuBLASLt with beta = 1 for per-tensor FP8, recipes.fp8.cublaslt; cuBLAS's FP32-output
-BF16 GEMM), so that summing a weight's gradient over micro-batches costs no pass of its own; elsewhere the GEMM's
-result is written or added in a second step, with the same numbers.
+inside the GEMM on CUDA (cuBLASLt with beta = 1 for per-tensor FP8 and for 1x128 blocks, recipes.fp8.cublaslt;
+cuBLAS's FP32-output BF16 GEMM), so that summing a weight's gradient over micro-batches costs no pass of its own;
+elsewhere the GEMM's result is written or added in a second step, with the same numbers.
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ def fp8_gemm_into(a: Float8Tensor, b: Float8Tensor, out: torch.Tensor, accumulat
     """out (FP32) = a @ b^T, or out += a @ b^T when `accumulate`: a weight gradient into its main gradient."""
     if a.block is None and b.block is None:
         scaled_mm_into(a.data, b.data, a.scale_inv, b.scale_inv, out, accumulate)
+    elif a.block == b.block == ACTIVATION_BLOCK and a.data.is_cuda and not emulate:
+        block_scaled_mm_into(a.data, a.scale_inv, b.data, b.scale_inv, out, accumulate)
     else:
         _write_or_add(out, fp8_gemm(a, b, torch.float32, False, emulate), accumulate)
 
@@ -80,6 +82,19 @@ def scaled_mm_into(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scal
         cublaslt.scaled_mm(a, b, scale_a, scale_b, out, accumulate)
     else:
         _write_or_add(out, tensorwise_mm(a, b, scale_a, scale_b, torch.float32), accumulate)
+
+
+@torch.library.custom_op("fp8_recipes::block_scaled_mm_into", mutates_args=("out",))
+def block_scaled_mm_into(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
+                         out: torch.Tensor, accumulate: bool) -> None:
+    """`a @ b^T` of two operands in 1x128 blocks (a weight gradient's) into FP32 `out`, on CUDA."""
+    a_operand = Float8Tensor(a, a_scale_inv, ACTIVATION_BLOCK)
+    b_operand = Float8Tensor(b, b_scale_inv, ACTIVATION_BLOCK)
+    if cublaslt.supports(a, b, out):
+        cublaslt.scaled_mm(a, b, _native_block_scale(a_operand), _native_block_scale(b_operand), out, accumulate,
+                           scale_mode=cublaslt.SCALE_VEC128)
+    else:
+        _write_or_add(out, _blockwise_gemm(a_operand, b_operand, torch.float32), accumulate)
 
 
 @torch.library.custom_op("fp8_recipes::mm_into", mutates_args=("out",))
