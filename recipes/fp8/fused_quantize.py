@@ -45,8 +45,8 @@ squared ReLU's gradient, while the plain transpose kernel writes every byte (doc
 triton-lang/triton#11111). Against that kernel run separately, this saves a launch and a read of the FP8 tensor
 from memory. The blockwise kernel's transpose is cast by other scales than its row-major copy, so other programs
 write it: each reads a strip of 128 rows by a few columns (from L2: the programs writing the same tile's rows run
-beside it), casts each column by its block's scale with the FP8 bits computed in integer arithmetic, and stores
-that tile transposed.
+beside it), casts each column by its block's scale, and stores that tile transposed as bytes: the FP8 values
+bitcast to uint8 first, which wrote every byte right on the H200 for every op (docs/results, issue 25).
 """
 
 from __future__ import annotations
@@ -381,7 +381,7 @@ def _column_blocks(a, b, out_t, scale_inv_t, tile_r, columns_from, rows, cols, a
                    SOFTWARE: tl.constexpr, B: tl.constexpr, SUB: tl.constexpr):
     """The op's SUB columns from columns_from, in tile row tile_r, cast by their B x 1 blocks' scales and stored
     transposed into `out_t`, the scales' inverses into `scale_inv_t`; for swiglu_backward also its second output's
-    tile. The FP8 bits are computed in integer arithmetic: the hardware's paired conversion wrote wrong transposed
+    tile. The FP8 values are bitcast to bytes before they are transposed: the transpose of FP8 values wrote wrong
     bytes on the H200 (module doc)."""
     r = tile_r * B + tl.arange(0, B)
     c = columns_from + tl.arange(0, SUB)
@@ -390,9 +390,9 @@ def _column_blocks(a, b, out_t, scale_inv_t, tile_r, columns_from, rows, cols, a
     for half in tl.static_range(2 if OP == SWIGLU_BACKWARD else 1):
         values = second if half else first
         scale = _power_of_two_scale(tl.max(_magnitude_bits(values, mask), 0).to(tl.float32, bitcast=True), FP8_MAX)
-        bits = _to_fp8(values * scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, True)
+        fp8 = _to_fp8(values * scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
         tl.store(out_t.to(tl.pointer_type(tl.uint8)) + (half * cols + c)[:, None] * rows + r[None, :],
-                 tl.trans(bits))
+                 tl.trans(fp8.to(tl.uint8, bitcast=True)))
         tl.store(scale_inv_t + (half * cols + c) * (rows // B) + tile_r,
                  tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
 
@@ -417,7 +417,7 @@ def _fp8_1x128_producer_kernel(a, b, out, scale_inv, out_t, scale_inv_t, rows, c
 
 
 # The blockwise kernel's strip widths and warps, autotuned per shape and op on GPUs.
-_1X128_TILES = [triton.Config({"SUB": sub}, num_warps=w) for sub, w in ((16, 4), (32, 4), (32, 8), (64, 8))]
+_1X128_TILES = [triton.Config({"SUB": sub}, num_warps=w) for sub, w in ((16, 4), (32, 4), (32, 8))]
 _FP8_1X128_KERNEL = (_fp8_1x128_producer_kernel if INTERPRETED
                      else triton.autotune(_1X128_TILES, key=["rows", "cols", "OP"])(_fp8_1x128_producer_kernel))
 

@@ -55,11 +55,9 @@ def _to_fp8(y, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr
     saturate. Compare-and-select rather than NaN-propagating min/max, the form triton-lang/triton#11111 reports
     corrupting a later store (it did not cause this project's wrong transposed bytes: docs/results, issue 24)."""
     y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
-    if SOFTWARE:  # an if-else, not an early return: the compiler then builds only the branch SOFTWARE selects
-        fp8 = _fp8_bits(y, MANTISSA, BIAS)
-    else:
-        fp8 = y.to(OUT, fp_downcast_rounding="rtne")
-    return fp8
+    if SOFTWARE:
+        return _fp8_bits(y, MANTISSA, BIAS)
+    return y.to(OUT, fp_downcast_rounding="rtne")
 
 
 @triton.jit
