@@ -66,14 +66,14 @@ def check_op(kernels, op: str, a: torch.Tensor, b, dtype: torch.dtype, compiled:
 
 def check_1x128(kernels, op: str, a: torch.Tensor, b, dtype: torch.dtype, compiled: bool = False) -> None:
     """produce_fp8_1x128's (data, scale_inv, data_t, scale_inv_t) against the unfused blockwise quantization of the
-    op's output and of its transpose."""
+    op's output and of its transpose; the scale_invs with their rows contiguous (cuBLAS's layout)."""
     produce = torch.compile(kernels.produce_fp8_1x128) if compiled else kernels.produce_fp8_1x128
     ref = reference_output(op, a, b)
     data, scale_inv, data_t, scale_inv_t = produce(op, a, b, dtype)
     for (d, s), expected in (((data, scale_inv), quantize_blockwise(ref, dtype, (1, 128))),
                              ((data_t, scale_inv_t), quantize_blockwise(ref.t().contiguous(), dtype, (1, 128)))):
         assert d.dtype == dtype and same_fp8(d, expected.data), op
-        assert same_float(s, expected.scale_inv), op
+        assert same_float(s, expected.scale_inv) and s.stride() == (1, s.shape[0]), op
 
 
 def check_current(produced: tuple, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:

@@ -357,7 +357,7 @@ def produce_fp8_recording_amax_into(op: str, a: torch.Tensor, b: Optional[torch.
 
 
 @triton.jit
-def _row_blocks(a, b, out, scale_inv, rows_from, tile_c, cols, a_cols, b_cols, out_cols, OP: tl.constexpr,
+def _row_blocks(a, b, out, scale_inv, rows_from, tile_c, rows, cols, a_cols, b_cols, out_cols, OP: tl.constexpr,
                 FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
                 SOFTWARE: tl.constexpr, B: tl.constexpr, SUB: tl.constexpr):
     """The op's SUB rows from rows_from, in tile column tile_c, cast by their 1 x B blocks' scales into `out`
@@ -371,14 +371,14 @@ def _row_blocks(a, b, out, scale_inv, rows_from, tile_c, cols, a_cols, b_cols, o
         scale = _power_of_two_scale(tl.max(_magnitude_bits(values, mask), 1).to(tl.float32, bitcast=True), FP8_MAX)
         _store_fp8(values, scale[:, None], out, r, half * cols + c, mask, out_cols, FP8_MAX, MANTISSA, BIAS, OUT,
                    SOFTWARE)
-        tl.store(scale_inv + r * (out_cols // B) + half * (cols // B) + tile_c,
+        tl.store(scale_inv + (half * (cols // B) + tile_c) * rows + r,
                  tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
 
 
 @triton.jit
-def _column_blocks(a, b, out_t, scale_inv_t, tile_r, columns_from, rows, cols, a_cols, b_cols, OP: tl.constexpr,
-                   FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
-                   SOFTWARE: tl.constexpr, B: tl.constexpr, SUB: tl.constexpr):
+def _column_blocks(a, b, out_t, scale_inv_t, tile_r, columns_from, rows, cols, a_cols, b_cols, out_cols,
+                   OP: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
+                   OUT: tl.constexpr, SOFTWARE: tl.constexpr, B: tl.constexpr, SUB: tl.constexpr):
     """The op's SUB columns from columns_from, in tile row tile_r, cast by their B x 1 blocks' scales and stored
     transposed into `out_t`, the scales' inverses into `scale_inv_t`; for swiglu_backward also its second output's
     tile. The FP8 values are bitcast to bytes before they are transposed: the transpose of FP8 values wrote wrong
@@ -393,7 +393,7 @@ def _column_blocks(a, b, out_t, scale_inv_t, tile_r, columns_from, rows, cols, a
         fp8 = _to_fp8(values * scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
         tl.store(out_t.to(tl.pointer_type(tl.uint8)) + (half * cols + c)[:, None] * rows + r[None, :],
                  tl.trans(fp8.to(tl.uint8, bitcast=True)))
-        tl.store(scale_inv_t + (half * cols + c) * (rows // B) + tile_r,
+        tl.store(scale_inv_t + tile_r * out_cols + half * cols + c,
                  tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
 
 
@@ -409,11 +409,11 @@ def _fp8_1x128_producer_kernel(a, b, out, scale_inv, out_t, scale_inv_t, rows, c
     tile_r, strip, tile_c = tl.program_id(0) // (2 * strips), tl.program_id(0) % (2 * strips), tl.program_id(1)
     out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
     if strip < strips:
-        _row_blocks(a, b, out, scale_inv, tile_r * B + strip * SUB, tile_c, cols, a_cols, b_cols, out_cols, OP,
+        _row_blocks(a, b, out, scale_inv, tile_r * B + strip * SUB, tile_c, rows, cols, a_cols, b_cols, out_cols, OP,
                     FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, SUB)
     else:
         _column_blocks(a, b, out_t, scale_inv_t, tile_r, tile_c * B + (strip - strips) * SUB, rows, cols, a_cols,
-                       b_cols, OP, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, SUB)
+                       b_cols, out_cols, OP, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, SUB)
 
 
 # The blockwise kernel's strip widths and warps, autotuned per shape and op on GPUs.
@@ -427,13 +427,14 @@ def produce_fp8_1x128(op: str, a: torch.Tensor, b: Optional[torch.Tensor],
                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """op(a, b) (rows, width) in 1 x 128 blocks along its rows, and its transpose (width, rows) in 1 x 128 blocks
     along its rows, power-of-two scales: (data, scale_inv, data_t, scale_inv_t) as recipes.fp8.blockwise's
-    quantize_blockwise gives them for op(a, b) and op(a, b)^T."""
+    quantize_blockwise gives them for op(a, b) and op(a, b)^T. The scale_invs are stored with their rows contiguous
+    (strides (1, rows)), the layout cuBLAS's block scaling reads, so that the GEMMs need no copy of them."""
     op_code, a, b, rows, cols, width, _ = _operands(op, a, b)
     if rows % BLOCK or cols % BLOCK:
         raise ValueError(f"blockwise FP8 needs dimensions divisible by {BLOCK}, got {(rows, width)} for {op}")
     data, data_t = (torch.empty(shape, dtype=dtype, device=a.device) for shape in ((rows, width), (width, rows)))
-    scale_inv = torch.empty((rows, width // BLOCK), dtype=torch.float32, device=a.device)
-    scale_inv_t = torch.empty((width, rows // BLOCK), dtype=torch.float32, device=a.device)
+    scale_inv, scale_inv_t = (torch.empty_strided(shape, (1, shape[0]), dtype=torch.float32, device=a.device)
+                              for shape in ((rows, width // BLOCK), (width, rows // BLOCK)))
     grid = lambda meta: (rows // BLOCK * 2 * (BLOCK // meta["SUB"]), cols // BLOCK)  # noqa: E731
     _FP8_1X128_KERNEL[grid](
         a, b, _bytes(data), scale_inv, _bytes(data_t), scale_inv_t, rows, cols, a.shape[1], b.shape[1], OP=op_code,
@@ -445,8 +446,9 @@ def produce_fp8_1x128(op: str, a: torch.Tensor, b: Optional[torch.Tensor],
 @produce_fp8_1x128.register_fake
 def _(op, a, b, dtype):
     rows, width = a.shape[0], _widths(OPS.index(op), a, b)[1]
-    return (a.new_empty((rows, width), dtype=dtype), a.new_empty((rows, width // BLOCK), dtype=torch.float32),
-            a.new_empty((width, rows), dtype=dtype), a.new_empty((width, rows // BLOCK), dtype=torch.float32))
+    scale_inv, scale_inv_t = (a.new_empty_strided(shape, (1, shape[0]), dtype=torch.float32)
+                              for shape in ((rows, width // BLOCK), (width, rows // BLOCK)))
+    return a.new_empty((rows, width), dtype=dtype), scale_inv, a.new_empty((width, rows), dtype=dtype), scale_inv_t
 
 
 def _launch_bf16(op_name: str, a: torch.Tensor, b: Optional[torch.Tensor],
