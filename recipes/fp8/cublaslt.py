@@ -7,9 +7,10 @@ The scales are per tensor (FP32 0-d tensors) or, with scale_mode=SCALE_VEC128, o
 operand's rows (cuBLAS block scaling on Hopper, the layout torch.nn.functional.scaled_mm takes for BlockWise1x128:
 (rows, K / 128) with the rows contiguous).
 
-`torch._scaled_mm` and `torch.nn.functional.scaled_mm` have no beta, so a weight gradient summed over micro-batches would cost an extra pass over the
-FP32 gradient per micro-batch (read the GEMM's output and the gradient, write the gradient); Transformer Engine
-avoids it the same way as here (transformer_engine/common/gemm/cublaslt_gemm.cu: C = D = main_grad, beta = 1).
+`torch._scaled_mm` and `torch.nn.functional.scaled_mm` have no beta, so a weight gradient summed over micro-batches
+would cost an extra pass over the FP32 gradient per micro-batch (read the GEMM's output and the gradient, write the
+gradient); Transformer Engine avoids it the same way as here (transformer_engine/common/gemm/cublaslt_gemm.cu:
+C = D = main_grad, beta = 1).
 a (M, K) and b (N, K) are row-major FP8 ("TN": K-major both), out (M, N) row-major FP32. Row-major out =
 (b @ a^T) column-major, so cuBLAS computes it with A := b (transposed) and B := a.
 
