@@ -196,13 +196,15 @@ def awkward_input(rows: int, cols: int, seed: int) -> torch.Tensor:
 
 @needs_triton
 @pytest.mark.parametrize("op", OPS)
-def test_blockwise_kernel_writes_the_reference_bytes(fused_quantize, op):
+@pytest.mark.parametrize("pack", [1, 0], ids=["words", "bytes"])
+def test_blockwise_kernel_writes_the_reference_bytes(fused_quantize, monkeypatch, op, pack):
     """Each op's output and its transpose in 1x128 blocks, from one kernel, are the unfused blockwise quantization's
     bytes and scales: on values over 40 binades with zero blocks, NaN and infinities, and (a materialized tensor) on
     60 binades with a block whose amax is FP32-subnormal (its scale overflows)."""
     cases = [op_inputs(op, rows=256, cols=384, device="cpu", seed=4, awkward=awkward) for awkward in (False, True)]
     if op == "identity":
         cases.append((awkward_input(256, 384, seed=1), None))
+    monkeypatch.setitem(fused_quantize._INTERPRETED_1X128_TILE, "PACK", pack)  # both column-strip forms
     for a, b in cases:
         for dtype in (E4M3, E5M2):
             check_1x128(fused_quantize, op, a, b, dtype)
@@ -337,7 +339,7 @@ kernels = [(fq._fp8_producer_kernel, {**pointers, "out": "*fp8e4nv", "out_t": "*
 tiles = {fq._fp8_producer_kernel: fq._TILES, fq._bf16_producer_kernel: fq._TILES}
 # The blockwise kernel with every op (128 x 128 tiles, no masks).
 kernels.append((fq._fp8_1x128_producer_kernel, {**pointers, "out": "*fp8e4nv", "scale_inv": "*fp32",
-                                                "out_t": "*fp8e4nv", "scale_inv_t": "*fp32", **sizes},
+                                                "out_t": "*i32", "scale_inv_t": "*fp32", **sizes},
                 dict(FP8_MAX=448.0, MANTISSA=3, BIAS=7, OUT=triton.language.float8e4nv, SOFTWARE=False, B=fq.BLOCK),
                 [(op, {}) for op in range(len(fq.OPS))]))
 tiles[fq._fp8_1x128_producer_kernel] = fq._1X128_TILES

@@ -378,29 +378,61 @@ def _row_blocks(a, b, out, scale_inv, rows_from, tile_c, rows, cols, a_cols, b_c
 @triton.jit
 def _column_blocks(a, b, out_t, scale_inv_t, tile_r, columns_from, rows, cols, a_cols, b_cols, out_cols,
                    OP: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
-                   OUT: tl.constexpr, SOFTWARE: tl.constexpr, B: tl.constexpr, SUB: tl.constexpr):
+                   OUT: tl.constexpr, SOFTWARE: tl.constexpr, B: tl.constexpr, SUB: tl.constexpr,
+                   PACK: tl.constexpr):
     """The op's SUB columns from columns_from, in tile row tile_r, cast by their B x 1 blocks' scales and stored
-    transposed into `out_t`, the scales' inverses into `scale_inv_t`; for swiglu_backward also its second output's
-    tile. The FP8 values are bitcast to bytes before they are transposed: the transpose of FP8 values wrote wrong
-    bytes on the H200 (module doc)."""
-    r = tile_r * B + tl.arange(0, B)
+    transposed into `out_t` (int32 words: 4 FP8 bytes each), the scales' inverses into `scale_inv_t`; for
+    swiglu_backward also its second output's tile."""
     c = columns_from + tl.arange(0, SUB)
-    mask = tl.full((B, SUB), 1, tl.int1)
-    first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
-    for half in tl.static_range(2 if OP == SWIGLU_BACKWARD else 1):
-        values = second if half else first
-        scale = _power_of_two_scale(tl.max(_magnitude_bits(values, mask), 0).to(tl.float32, bitcast=True), FP8_MAX)
-        fp8 = _to_fp8(values * scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
-        tl.store(out_t.to(tl.pointer_type(tl.uint8)) + (half * cols + c)[:, None] * rows + r[None, :],
-                 tl.trans(fp8.to(tl.uint8, bitcast=True)))
-        tl.store(scale_inv_t + tile_r * out_cols + half * cols + c,
-                 tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
+    if PACK:
+        # Rows 4i + j (j = 0..3) as four (B / 4, SUB) tiles of one layout, so that a thread holds the 4 bytes of one
+        # word of out_t's row: the transpose then moves 32-bit words, not bytes.
+        quarter = tile_r * B + 4 * tl.arange(0, B // 4)
+        mask = tl.full((B // 4, SUB), 1, tl.int1)
+        f0, s0 = _produced_tiles(a, b, quarter, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+        f1, s1 = _produced_tiles(a, b, quarter + 1, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+        f2, s2 = _produced_tiles(a, b, quarter + 2, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+        f3, s3 = _produced_tiles(a, b, quarter + 3, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+        for half in tl.static_range(2 if OP == SWIGLU_BACKWARD else 1):
+            v0, v1, v2, v3 = (s0, s1, s2, s3) if half else (f0, f1, f2, f3)
+            bits = tl.maximum(tl.maximum(_magnitude_bits(v0, mask), _magnitude_bits(v1, mask)),
+                              tl.maximum(_magnitude_bits(v2, mask), _magnitude_bits(v3, mask)))
+            scale = _power_of_two_scale(tl.max(bits, 0).to(tl.float32, bitcast=True), FP8_MAX)
+            word = (_fp8_byte(v0 * scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
+                    | (_fp8_byte(v1 * scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE) << 8)
+                    | (_fp8_byte(v2 * scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE) << 16)
+                    | (_fp8_byte(v3 * scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE) << 24))
+            words = tile_r * (B // 4) + tl.arange(0, B // 4)
+            tl.store(out_t + (half * cols + c)[:, None] * (rows // 4) + words[None, :], tl.trans(word))
+            tl.store(scale_inv_t + tile_r * out_cols + half * cols + c,
+                     tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
+    else:
+        r = tile_r * B + tl.arange(0, B)
+        mask = tl.full((B, SUB), 1, tl.int1)
+        first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+        for half in tl.static_range(2 if OP == SWIGLU_BACKWARD else 1):
+            values = second if half else first
+            scale = _power_of_two_scale(tl.max(_magnitude_bits(values, mask), 0).to(tl.float32, bitcast=True),
+                                        FP8_MAX)
+            fp8 = _to_fp8(values * scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
+            tl.store(out_t.to(tl.pointer_type(tl.uint8)) + (half * cols + c)[:, None] * rows + r[None, :],
+                     tl.trans(fp8.to(tl.uint8, bitcast=True)))
+            tl.store(scale_inv_t + tile_r * out_cols + half * cols + c,
+                     tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
+
+
+@triton.jit
+def _fp8_byte(y, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
+              SOFTWARE: tl.constexpr):
+    """The FP8 bit pattern of y, zero-extended to int32 (bitcast to bytes first: module doc)."""
+    return _to_fp8(y, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE).to(tl.uint8, bitcast=True).to(tl.int32)
 
 
 @triton.jit
 def _fp8_1x128_producer_kernel(a, b, out, scale_inv, out_t, scale_inv_t, rows, cols, a_cols, b_cols,
                                OP: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
-                               OUT: tl.constexpr, SOFTWARE: tl.constexpr, B: tl.constexpr, SUB: tl.constexpr):
+                               OUT: tl.constexpr, SOFTWARE: tl.constexpr, B: tl.constexpr, SUB: tl.constexpr,
+                               PACK: tl.constexpr):
     """One SUB-wide strip of a B x B tile of the op's output (two tiles for swiglu_backward: columns c and
     cols + c): SUB rows in their 1 x B row blocks into `out`, or SUB columns in their B x 1 column blocks into
     `out_t` (transposed). A tile's 2 * B / SUB programs are consecutive, so its inputs are read from memory once
@@ -413,12 +445,15 @@ def _fp8_1x128_producer_kernel(a, b, out, scale_inv, out_t, scale_inv_t, rows, c
                     FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, SUB)
     else:
         _column_blocks(a, b, out_t, scale_inv_t, tile_r, tile_c * B + (strip - strips) * SUB, rows, cols, a_cols,
-                       b_cols, out_cols, OP, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, SUB)
+                       b_cols, out_cols, OP, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, SUB, PACK)
 
 
-# The blockwise kernel's strip widths and warps, autotuned per shape and op on GPUs: the fastest on the H200 that
-# compile without spills for every op (32 rows on 4 warps spilled for swiglu_backward).
-_1X128_TILES = [triton.Config({"SUB": sub}, num_warps=w) for sub, w in ((16, 4), (32, 8))]
+# The blockwise kernel's strip widths, warps and column-strip form (PACK: the transposed bytes packed in words),
+# autotuned per shape and op on GPUs: the fastest on the H200 that compile without spills for every op (32 rows on
+# 4 warps spilled for swiglu_backward).
+_1X128_TILES = [triton.Config({"SUB": sub, "PACK": pack}, num_warps=w)
+                for sub, w, pack in ((16, 4, 0), (32, 8, 0), (16, 8, 1), (32, 8, 1))]
+_INTERPRETED_1X128_TILE = {"SUB": 64, "PACK": 1}
 _FP8_1X128_KERNEL = (_fp8_1x128_producer_kernel if INTERPRETED
                      else triton.autotune(_1X128_TILES, key=["rows", "cols", "OP"])(_fp8_1x128_producer_kernel))
 
@@ -438,8 +473,8 @@ def produce_fp8_1x128(op: str, a: torch.Tensor, b: Optional[torch.Tensor],
                               for shape in ((rows, width // BLOCK), (width, rows // BLOCK)))
     grid = lambda meta: (rows // BLOCK * 2 * (BLOCK // meta["SUB"]), cols // BLOCK)  # noqa: E731
     _FP8_1X128_KERNEL[grid](
-        a, b, _bytes(data), scale_inv, _bytes(data_t), scale_inv_t, rows, cols, a.shape[1], b.shape[1], OP=op_code,
-        B=BLOCK, **_format_args(dtype), **({"SUB": 64} if INTERPRETED else {}),
+        a, b, _bytes(data), scale_inv, data_t.view(torch.int32), scale_inv_t, rows, cols, a.shape[1], b.shape[1],
+        OP=op_code, B=BLOCK, **_format_args(dtype), **(_INTERPRETED_1X128_TILE if INTERPRETED else {}),
     )
     return data, scale_inv, data_t, scale_inv_t
 
