@@ -196,15 +196,15 @@ def awkward_input(rows: int, cols: int, seed: int) -> torch.Tensor:
 
 @needs_triton
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("pack", [1, 0], ids=["words", "bytes"])
-def test_blockwise_kernel_writes_the_reference_bytes(fused_quantize, monkeypatch, op, pack):
+@pytest.mark.parametrize("keep", [1, 0], ids=["kept", "recomputed"])
+def test_blockwise_kernel_writes_the_reference_bytes(fused_quantize, monkeypatch, op, keep):
     """Each op's output and its transpose in 1x128 blocks, from one kernel, are the unfused blockwise quantization's
     bytes and scales: on values over 40 binades with zero blocks, NaN and infinities, and (a materialized tensor) on
     60 binades with a block whose amax is FP32-subnormal (its scale overflows)."""
     cases = [op_inputs(op, rows=256, cols=384, device="cpu", seed=4, awkward=awkward) for awkward in (False, True)]
     if op == "identity":
         cases.append((awkward_input(256, 384, seed=1), None))
-    monkeypatch.setitem(fused_quantize._INTERPRETED_1X128_TILE, "PACK", pack)  # both column-strip forms
+    monkeypatch.setitem(fused_quantize._INTERPRETED_1X128_TILE, "KEEP", keep)  # the values kept or computed again
     for a, b in cases:
         for dtype in (E4M3, E5M2):
             check_1x128(fused_quantize, op, a, b, dtype)
@@ -337,9 +337,10 @@ kernels = [(fq._fp8_producer_kernel, {**pointers, "out": "*fp8e4nv", "out_t": "*
            (fq._bf16_producer_kernel, {**pointers, "out": "*bf16", "amax_bits": "*i32", **sizes},
             dict(SOFTWARE=False), bf16_runs)]
 tiles = {fq._fp8_producer_kernel: fq._TILES, fq._bf16_producer_kernel: fq._TILES}
-# The blockwise kernel with every op (128 x 128 tiles, no masks).
+# The blockwise kernel with every op (128 x 128 tiles, no masks), specialized as its launches are: every size a
+# multiple of 128 and every pointer 16-byte aligned, so Triton compiles it for arguments divisible by 16.
 kernels.append((fq._fp8_1x128_producer_kernel, {**pointers, "out": "*fp8e4nv", "scale_inv": "*fp32",
-                                                "out_t": "*i32", "scale_inv_t": "*fp32", **sizes},
+                                                "out_t": "*i32", "scale_inv_t": "*fp32", "scratch": "*i16", **sizes},
                 dict(FP8_MAX=448.0, MANTISSA=3, BIAS=7, OUT=triton.language.float8e4nv, SOFTWARE=False, B=fq.BLOCK),
                 [(op, {}) for op in range(len(fq.OPS))]))
 tiles[fq._fp8_1x128_producer_kernel] = fq._1X128_TILES
@@ -347,7 +348,10 @@ for kernel, signature, constants, runs in kernels:
     for (op, mode), tile in ((run, tile) for run in runs for tile in tiles[kernel]):
         masks = {} if kernel is fq._fp8_1x128_producer_kernel else {"EVEN": False}  # masks: more registers
         const = {**constants, "OP": op, **mode, **tile.kwargs, **masks}
-        source = ASTSource(kernel, {**signature, **{name: "constexpr" for name in const}}, constexprs=const)
+        divisible = ({(i,): [["tt.divisibility", 16]] for i in range(len(signature))}
+                     if kernel is fq._fp8_1x128_producer_kernel else {})
+        source = ASTSource(kernel, {**signature, **{name: "constexpr" for name in const}}, constexprs=const,
+                           attrs=divisible)
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.num_warps})
         with open(sys.argv[1], "w") as f:
             f.write(ptx.asm["ptx"])

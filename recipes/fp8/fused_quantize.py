@@ -19,8 +19,8 @@ with the operand's `scale_inv` (1 / scale; per 1x128 block in blockwise scaling)
     produce_fp8_1x128(op, a, b, dtype)           blockwise scaling: op(a, b) in 1x128 blocks along its rows and its
                                                  transpose in 1x128 blocks along its rows (each cast by its own
                                                  blocks' power-of-two scales), with both scale_invs: a block lies
-                                                 inside one program's strip of rows or columns, so no pass over the
-                                                 tensor comes first
+                                                 inside one program's 128 x 128 tile, so no pass over the tensor
+                                                 comes first
 
 The ops (recipes.fp8.activation_ops) are computed with the BF16 roundings of the eager model, so that the FP8
 bytes are those of the unfused reference, `reference_output` quantized:
@@ -43,11 +43,13 @@ transpose the registers the FP8 conversion wrote: on an H200 (Triton 3.6.0) ever
 transposed, cast before or after) wrote up to a quarter of the transposed bytes wrong for SwiGLU, its gradient and
 squared ReLU's gradient, while the plain transpose kernel writes every byte (docs/results, issue 24; compare
 triton-lang/triton#11111). Against that kernel run separately, this saves a launch and a read of the FP8 tensor
-from memory. The blockwise kernel's transpose is cast by other scales than its row-major copy, so other programs
-write it: each reads a strip of 128 rows by a few columns (from L2: the programs writing the same tile's rows run
-beside it), casts each column by its block's scale, and stores that tile transposed: the FP8 values bitcast to
-uint8 first, which wrote every byte right on the H200 for every op, and either transposed as bytes or, packed four
-rows to an int32 word, transposed as words (10-20% faster on the H200; the autotuner picks; docs/results, issue 25).
+from memory. The blockwise kernel's transpose is cast by other scales than its row-major copy. One program per
+128 x 128 tile writes the tile's rows in strips, then its columns in strips of 128 rows by a few columns, each
+column cast by its block's scale: the FP8 values bitcast to uint8 first (that wrote every byte right on the H200
+for every op), packed four rows to an int32 word and transposed as words. The column strips either read the op's
+values back from a scratch the row strips wrote them to in BF16 (KEEP: the op computed once; from L2, the program
+has just written them) or compute them again from the inputs (cheaper where the op is cheap); the autotuner picks
+per shape and op (docs/results, issue 25).
 """
 
 from __future__ import annotations
@@ -358,14 +360,14 @@ def produce_fp8_recording_amax_into(op: str, a: torch.Tensor, b: Optional[torch.
 
 
 @triton.jit
-def _row_blocks(a, b, out, scale_inv, rows_from, tile_c, rows, cols, a_cols, b_cols, out_cols, OP: tl.constexpr,
+def _row_blocks(a, b, out, scale_inv, scratch, r, tile_c, rows, cols, a_cols, b_cols, out_cols, OP: tl.constexpr,
                 FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
-                SOFTWARE: tl.constexpr, B: tl.constexpr, SUB: tl.constexpr):
-    """The op's SUB rows from rows_from, in tile column tile_c, cast by their 1 x B blocks' scales into `out`
-    (row-major), the scales' inverses into `scale_inv`; for swiglu_backward also its second output's tile."""
-    r = rows_from + tl.arange(0, SUB)
+                SOFTWARE: tl.constexpr, B: tl.constexpr, KEEP: tl.constexpr):
+    """The op's rows r, in tile column tile_c, cast by their 1 x B blocks' scales into `out` (row-major), the
+    scales' inverses into `scale_inv`; for swiglu_backward also its second output's tile. KEEP: the values also
+    into `scratch` as BF16 bits (exact: the ops round to BF16), for the tile's column blocks."""
     c = tile_c * B + tl.arange(0, B)
-    mask = tl.full((SUB, B), 1, tl.int1)
+    mask = tl.full((r.shape[0], B), 1, tl.int1)
     first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
     for half in tl.static_range(2 if OP == SWIGLU_BACKWARD else 1):
         values = second if half else first
@@ -374,52 +376,16 @@ def _row_blocks(a, b, out, scale_inv, rows_from, tile_c, rows, cols, a_cols, b_c
                    SOFTWARE)
         tl.store(scale_inv + (half * (cols // B) + tile_c) * rows + r,
                  tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
+        if KEEP:
+            tl.store(scratch + r[:, None] * out_cols + (half * cols + c)[None, :],
+                     (values.to(tl.int32, bitcast=True) >> 16).to(tl.int16))
 
 
 @triton.jit
-def _column_blocks(a, b, out_t, scale_inv_t, tile_r, columns_from, rows, cols, a_cols, b_cols, out_cols,
-                   OP: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
-                   OUT: tl.constexpr, SOFTWARE: tl.constexpr, B: tl.constexpr, SUB: tl.constexpr,
-                   PACK: tl.constexpr):
-    """The op's SUB columns from columns_from, in tile row tile_r, cast by their B x 1 blocks' scales and stored
-    transposed into `out_t` (int32 words: 4 FP8 bytes each), the scales' inverses into `scale_inv_t`; for
-    swiglu_backward also its second output's tile."""
-    c = columns_from + tl.arange(0, SUB)
-    if PACK:
-        # Rows 4i + j (j = 0..3) as four (B / 4, SUB) tiles of one layout, so that a thread holds the 4 bytes of one
-        # word of out_t's row: the transpose then moves 32-bit words, not bytes.
-        quarter = tile_r * B + 4 * tl.arange(0, B // 4)
-        mask = tl.full((B // 4, SUB), 1, tl.int1)
-        f0, s0 = _produced_tiles(a, b, quarter, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
-        f1, s1 = _produced_tiles(a, b, quarter + 1, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
-        f2, s2 = _produced_tiles(a, b, quarter + 2, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
-        f3, s3 = _produced_tiles(a, b, quarter + 3, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
-        for half in tl.static_range(2 if OP == SWIGLU_BACKWARD else 1):
-            v0, v1, v2, v3 = (s0, s1, s2, s3) if half else (f0, f1, f2, f3)
-            bits = tl.maximum(tl.maximum(_magnitude_bits(v0, mask), _magnitude_bits(v1, mask)),
-                              tl.maximum(_magnitude_bits(v2, mask), _magnitude_bits(v3, mask)))
-            scale = _power_of_two_scale(tl.max(bits, 0).to(tl.float32, bitcast=True), FP8_MAX)
-            word = (_fp8_byte(v0 * scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
-                    | (_fp8_byte(v1 * scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE) << 8)
-                    | (_fp8_byte(v2 * scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE) << 16)
-                    | (_fp8_byte(v3 * scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE) << 24))
-            words = tile_r * (B // 4) + tl.arange(0, B // 4)
-            tl.store(out_t + (half * cols + c)[:, None] * (rows // 4) + words[None, :], tl.trans(word))
-            tl.store(scale_inv_t + tile_r * out_cols + half * cols + c,
-                     tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
-    else:
-        r = tile_r * B + tl.arange(0, B)
-        mask = tl.full((B, SUB), 1, tl.int1)
-        first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
-        for half in tl.static_range(2 if OP == SWIGLU_BACKWARD else 1):
-            values = second if half else first
-            scale = _power_of_two_scale(tl.max(_magnitude_bits(values, mask), 0).to(tl.float32, bitcast=True),
-                                        FP8_MAX)
-            fp8 = _to_fp8(values * scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
-            tl.store(out_t.to(tl.pointer_type(tl.uint8)) + (half * cols + c)[:, None] * rows + r[None, :],
-                     tl.trans(fp8.to(tl.uint8, bitcast=True)))
-            tl.store(scale_inv_t + tile_r * out_cols + half * cols + c,
-                     tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
+def _kept(scratch, r, c, out_cols):
+    """The values _row_blocks kept at rows r, columns c."""
+    bits = tl.load(scratch + r[:, None] * out_cols + c[None, :]).to(tl.int32)
+    return (bits << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -430,31 +396,76 @@ def _fp8_byte(y, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constex
 
 
 @triton.jit
-def _fp8_1x128_producer_kernel(a, b, out, scale_inv, out_t, scale_inv_t, rows, cols, a_cols, b_cols,
+def _transposed_blocks(v0, v1, v2, v3, out_t, scale_inv_t, tile_r, c, rows, out_cols, FP8_MAX: tl.constexpr,
+                       MANTISSA: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr, SOFTWARE: tl.constexpr,
+                       B: tl.constexpr):
+    """Columns c of tile row tile_r, given as its rows 4i + j (vj: four (B / 4, SUB) tiles of one layout), cast by
+    their B x 1 blocks' scales and stored transposed into `out_t` as int32 words: a thread holds the 4 bytes of one
+    word, so the transpose moves words, not bytes. The scales' inverses into `scale_inv_t`."""
+    mask = tl.full(v0.shape, 1, tl.int1)
+    bits = tl.maximum(tl.maximum(_magnitude_bits(v0, mask), _magnitude_bits(v1, mask)),
+                      tl.maximum(_magnitude_bits(v2, mask), _magnitude_bits(v3, mask)))
+    scale = _power_of_two_scale(tl.max(bits, 0).to(tl.float32, bitcast=True), FP8_MAX)
+    word = (_fp8_byte(v0 * scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
+            | (_fp8_byte(v1 * scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE) << 8)
+            | (_fp8_byte(v2 * scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE) << 16)
+            | (_fp8_byte(v3 * scale[None, :], FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE) << 24))
+    words = tile_r * (B // 4) + tl.arange(0, B // 4)
+    tl.store(out_t + c[:, None] * (rows // 4) + words[None, :], tl.trans(word))
+    tl.store(scale_inv_t + tile_r * out_cols + c, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
+
+
+@triton.jit
+def _column_blocks(a, b, out_t, scale_inv_t, scratch, tile_r, c, rows, cols, a_cols, b_cols, out_cols,
+                   OP: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
+                   OUT: tl.constexpr, SOFTWARE: tl.constexpr, B: tl.constexpr, KEEP: tl.constexpr):
+    """The op's columns c in tile row tile_r cast by their B x 1 blocks' scales and stored transposed; for
+    swiglu_backward also its second output's tile. KEEP: the values read from `scratch`, else computed again
+    from the op's inputs (from L2: this program has just read them)."""
+    quarter = tile_r * B + 4 * tl.arange(0, B // 4)
+    for half in tl.static_range(2 if OP == SWIGLU_BACKWARD else 1):
+        at = half * cols + c
+        if KEEP:
+            v0, v1 = _kept(scratch, quarter, at, out_cols), _kept(scratch, quarter + 1, at, out_cols)
+            v2, v3 = _kept(scratch, quarter + 2, at, out_cols), _kept(scratch, quarter + 3, at, out_cols)
+        else:
+            mask = tl.full((B // 4, c.shape[0]), 1, tl.int1)
+            f0, s0 = _produced_tiles(a, b, quarter, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+            f1, s1 = _produced_tiles(a, b, quarter + 1, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+            f2, s2 = _produced_tiles(a, b, quarter + 2, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+            f3, s3 = _produced_tiles(a, b, quarter + 3, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
+            v0, v1, v2, v3 = (s0, s1, s2, s3) if half else (f0, f1, f2, f3)
+        _transposed_blocks(v0, v1, v2, v3, out_t, scale_inv_t, tile_r, at, rows, out_cols, FP8_MAX, MANTISSA, BIAS,
+                           OUT, SOFTWARE, B)
+
+
+@triton.jit
+def _fp8_1x128_producer_kernel(a, b, out, scale_inv, out_t, scale_inv_t, scratch, rows, cols, a_cols, b_cols,
                                OP: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
                                OUT: tl.constexpr, SOFTWARE: tl.constexpr, B: tl.constexpr, SUB: tl.constexpr,
-                               PACK: tl.constexpr):
-    """One SUB-wide strip of a B x B tile of the op's output (two tiles for swiglu_backward: columns c and
-    cols + c): SUB rows in their 1 x B row blocks into `out`, or SUB columns in their B x 1 column blocks into
-    `out_t` (transposed). A tile's 2 * B / SUB programs are consecutive, so its inputs are read from memory once
-    and from L2 after that; a program reads them once and keeps nothing across steps."""
-    strips = B // SUB
-    tile_r, strip, tile_c = tl.program_id(0) // (2 * strips), tl.program_id(0) % (2 * strips), tl.program_id(1)
+                               KEEP: tl.constexpr):
+    """One B x B tile of the op's output (two tiles for swiglu_backward: columns c and cols + c), in strips of SUB:
+    its rows in their 1 x B blocks into `out`, then its columns in their B x 1 blocks into `out_t` (transposed).
+    KEEP (not for identity, whose input is its output): the op is computed once, its values kept in `scratch`
+    (L2: the program reads them back at once) between the two."""
+    tile_r, tile_c = tl.program_id(0), tl.program_id(1)
     out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
-    if strip < strips:
-        _row_blocks(a, b, out, scale_inv, tile_r * B + strip * SUB, tile_c, rows, cols, a_cols, b_cols, out_cols, OP,
-                    FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, SUB)
-    else:
-        _column_blocks(a, b, out_t, scale_inv_t, tile_r, tile_c * B + (strip - strips) * SUB, rows, cols, a_cols,
-                       b_cols, out_cols, OP, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, SUB, PACK)
+    keep: tl.constexpr = KEEP and OP != IDENTITY
+    for strip in range(B // SUB):
+        _row_blocks(a, b, out, scale_inv, scratch, tile_r * B + strip * SUB + tl.arange(0, SUB), tile_c, rows, cols,
+                    a_cols, b_cols, out_cols, OP, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, keep)
+    if keep:
+        tl.debug_barrier()  # the kept values visible to every thread of the program
+    for strip in range(B // SUB):
+        _column_blocks(a, b, out_t, scale_inv_t, scratch, tile_r, tile_c * B + strip * SUB + tl.arange(0, SUB), rows,
+                       cols, a_cols, b_cols, out_cols, OP, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, keep)
 
 
-# The blockwise kernel's strip widths, warps and column-strip form (PACK: the transposed bytes packed in words),
-# autotuned per shape and op on GPUs: the fastest on the H200 that compile without spills for every op (for
-# swiglu_backward, 32 rows on 4 warps spilled, and packed 16 columns on 4 warps spilled 4 bytes under Triton 3.9).
-_1X128_TILES = [triton.Config({"SUB": sub, "PACK": pack}, num_warps=w)
-                for sub, w, pack in ((16, 4, 0), (32, 8, 0), (16, 8, 1), (32, 8, 1))]
-_INTERPRETED_1X128_TILE = {"SUB": 64, "PACK": 1}
+# The blockwise kernel's strip widths, warps and whether it keeps the op's values, autotuned per shape and op on
+# GPUs: the configurations that compile without spills for every op (sm_90a, Triton 3.9).
+_1X128_TILES = [triton.Config({"SUB": sub, "KEEP": keep}, num_warps=w)
+                for sub, w in ((16, 4), (32, 4), (32, 8), (16, 8)) for keep in (0, 1)]
+_INTERPRETED_1X128_TILE = {"SUB": 32, "KEEP": 1}
 _FP8_1X128_KERNEL = (_fp8_1x128_producer_kernel if INTERPRETED
                      else triton.autotune(_1X128_TILES, key=["rows", "cols", "OP"])(_fp8_1x128_producer_kernel))
 
@@ -472,9 +483,11 @@ def produce_fp8_1x128(op: str, a: torch.Tensor, b: Optional[torch.Tensor],
     data, data_t = (torch.empty(shape, dtype=dtype, device=a.device) for shape in ((rows, width), (width, rows)))
     scale_inv, scale_inv_t = (torch.empty_strided(shape, (1, shape[0]), dtype=torch.float32, device=a.device)
                               for shape in ((rows, width // BLOCK), (width, rows // BLOCK)))
-    grid = lambda meta: (rows // BLOCK * 2 * (BLOCK // meta["SUB"]), cols // BLOCK)  # noqa: E731
-    _FP8_1X128_KERNEL[grid](
-        a, b, _bytes(data), scale_inv, data_t.view(torch.int32), scale_inv_t, rows, cols, a.shape[1], b.shape[1],
+    # The op's values between the row and the column casts (identity's are its input); BF16 bits.
+    scratch = a if op == "identity" else torch.empty((rows, width), dtype=torch.int16, device=a.device)
+    _FP8_1X128_KERNEL[(rows // BLOCK, cols // BLOCK)](
+        a, b, _bytes(data), scale_inv, data_t.view(torch.int32), scale_inv_t, scratch, rows, cols, a.shape[1],
+        b.shape[1],
         OP=op_code, B=BLOCK, **_format_args(dtype), **(_INTERPRETED_1X128_TILE if INTERPRETED else {}),
     )
     return data, scale_inv, data_t, scale_inv_t
