@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import gc
 import json
 import statistics
 import sys
@@ -184,6 +185,11 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
     torch.manual_seed(args.seed)
     torch._dynamo.reset()
     counters.clear()
+    # The previous column's model and optimizer hold reference cycles: freed only by the collector, whose timing
+    # would otherwise put their memory into this column's peak.
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     trainee = variant.build(model_cfg, args, device)
     stack = trainee.model
     trainer = TrainerConfig(lr=1e-5, warmup_steps=0, max_steps=args.steps)
