@@ -1,4 +1,5 @@
-"""Exploration script as run on the H200 for issue 25 (not part of the product or the suites), from the repo root:
+"""Exploration script as run on the H200 for issue 25 (not part of the product or the suites), from the repo root of
+0365bc2 with whole_tile_kernel.patch applied (a form tried and dropped; the product has no PAIRED or SPLIT):
 `PYTHONPATH=$PWD python3 docs/results/h200_blockwise_tile_issue25/tile_configs.py`. Times produce_fp8_1x128's kernel
 at the five proxies' op shapes in every form the autotuner may choose (one 128 x 128 tile per program: warps,
 PAIRED, SPLIT), each form's bytes and scales checked against the unfused blockwise quantization, and the kernel it
