@@ -3,7 +3,7 @@
 `PYTHONPATH=$PWD python3 docs/results/h200_blockwise_tile_issue25/tile_configs.py`. Times produce_fp8_1x128's kernel
 at the five proxies' op shapes in every form the autotuner may choose (one 128 x 128 tile per program: warps,
 PAIRED, SPLIT), each form's bytes and scales checked against the unfused blockwise quantization, and the kernel it
-replaces (one strip of a tile per program, the last commit's recipes/fp8/fused_quantize.py, read with `git show`)
+replaces (one strip of a tile per program, 0365bc2's recipes/fp8/fused_quantize.py, read with `git show`; HEAD when it ran)
 in each of its forms."""
 import importlib.util
 import subprocess
@@ -36,7 +36,7 @@ OLD_FORMS = [(16, 4, 0), (32, 8, 0), (16, 8, 1), (32, 8, 1), (16, 4, 1)]  # (SUB
 
 def old_module():
     """The strip kernel as the last commit has it."""
-    source = subprocess.run(["git", "show", "HEAD:recipes/fp8/fused_quantize.py"], capture_output=True, text=True,
+    source = subprocess.run(["git", "show", "0365bc2:recipes/fp8/fused_quantize.py"], capture_output=True, text=True,
                             check=True).stdout
     path = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
     path.write(source)
