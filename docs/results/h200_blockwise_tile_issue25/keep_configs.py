@@ -2,8 +2,8 @@
 `PYTHONPATH=$PWD python3 docs/results/h200_blockwise_tile_issue25/keep_configs.py`. Times produce_fp8_1x128's kernel
 (one 128 x 128 tile per program, in strips: SUB, warps, KEEP) at the five proxies' op shapes in every form the
 autotuner may choose and a few more, each form's bytes and scales checked against the unfused blockwise
-quantization, and the kernel it replaces (one strip of a tile per program, the last commit's
-recipes/fp8/fused_quantize.py, read with `git show`) in each of its forms."""
+quantization, and the kernel it replaces (one strip of a tile per program: 0365bc2's recipes/fp8/fused_quantize.py,
+read with `git show`; HEAD when it ran) in each of its forms."""
 import importlib.util
 import subprocess
 import sys
