@@ -267,7 +267,8 @@ def test_blockwise_kernel_writes_the_reference_bytes_on_cuda(op, compiled):
     tensor: also an FP32-subnormal block amax), a small shape and a model-sized one, with every autotuned tile."""
     from recipes.fp8 import fused_quantize
 
-    tunings = [None] if compiled else [[tile] for tile in fused_quantize._1X128_TILES]  # eager: every tile
+    forms = fused_quantize._1x128_forms(fused_quantize._1X128_TILES, {}, OP=OPS.index(op))
+    tunings = [None] if compiled else [[tile] for tile in forms]  # eager: every tile the op is tuned over
     for tiles in tunings:
         with autotuned_over((fused_quantize._FP8_1X128_KERNEL,), tiles):
             cases = [op_inputs(op, rows, cols, "cuda", seed=rows, awkward=awkward)
