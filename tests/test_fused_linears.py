@@ -205,7 +205,7 @@ def test_blockwise_kernel_writes_the_reference_bytes(fused_quantize, monkeypatch
     cases = [op_inputs(op, rows=256, cols=384, device="cpu", seed=4, awkward=awkward) for awkward in (False, True)]
     if op == "identity":
         cases.append((awkward_input(256, 384, seed=1), None))
-    for key, value in form.items():  # the values kept (3 programs walk the 6 tiles), or computed again
+    for key, value in form.items():  # the values kept, or computed again by a program per tile or per strip
         monkeypatch.setitem(fused_quantize._INTERPRETED_1X128_TILE, key, value)
     for a, b in cases:
         for dtype in (E4M3, E5M2):

@@ -47,14 +47,13 @@ from memory. The blockwise kernel's transpose is cast by other scales than its r
 128 x 128 tile's rows in strips, then its columns in strips of 128 rows by a few columns, each column cast by its
 block's scale: the FP8 values bitcast to uint8 first (that wrote every byte right on the H200 for every op), packed
 four rows to an int32 word and transposed as words. The autotuner picks per shape and op among three forms
-(docs/results, issue 25): kept, a few programs per SM walk the tiles, each keeping the op's values in BF16 in its
-own scratch slot between its row and its column strips (the op computed once; the slots stay in L2); recomputed, a
-program per tile whose column strips compute the op again from its inputs; split, a program per strip.
+(docs/results, issue 25): kept, a program per tile keeps the op's values in a BF16 scratch between its row and
+its column strips (the op computed once; L2 holds them for the column strips); recomputed, a program per tile
+whose column strips compute the op again from its inputs; split, a program per strip.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -361,12 +360,12 @@ def produce_fp8_recording_amax_into(op: str, a: torch.Tensor, b: Optional[torch.
 
 
 @triton.jit
-def _row_blocks(a, b, out, scale_inv, slot, r, tile_c, rows, cols, a_cols, b_cols, out_cols, OP: tl.constexpr,
+def _row_blocks(a, b, out, scale_inv, scratch, r, tile_c, rows, cols, a_cols, b_cols, out_cols, OP: tl.constexpr,
                 FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
                 SOFTWARE: tl.constexpr, B: tl.constexpr, KEEP: tl.constexpr):
     """The op's rows r, in tile column tile_c, cast by their 1 x B blocks' scales into `out` (row-major), the
     scales' inverses into `scale_inv`; for swiglu_backward also its second output's tile. KEEP: the values also
-    into the program's scratch `slot` as BF16 bits (exact: the ops round to BF16), for the tile's column blocks."""
+    into `scratch` as BF16 bits (exact: the ops round to BF16), for the tile's column blocks."""
     c = tile_c * B + tl.arange(0, B)
     mask = tl.full((r.shape[0], B), 1, tl.int1)
     first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
@@ -378,20 +377,14 @@ def _row_blocks(a, b, out, scale_inv, slot, r, tile_c, rows, cols, a_cols, b_col
         tl.store(scale_inv + (half * (cols // B) + tile_c) * rows + r,
                  tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
         if KEEP:
-            tl.store(_slot_at(slot, r % B, half * B + tl.arange(0, B), OP, B),
+            tl.store(scratch + r[:, None] * out_cols + (half * cols + c)[None, :],
                      (values.to(tl.int32, bitcast=True) >> 16).to(tl.int16))
 
 
 @triton.jit
-def _slot_at(slot, r, c, OP: tl.constexpr, B: tl.constexpr):
-    """Pointers to rows r, columns c of a tile (of both its outputs for swiglu_backward) in a scratch slot."""
-    return slot + r[:, None] * ((2 if OP == SWIGLU_BACKWARD else 1) * B) + c[None, :]
-
-
-@triton.jit
-def _kept(slot, r, c, OP: tl.constexpr, B: tl.constexpr):
-    """The values _row_blocks kept at the tile's rows r, columns c."""
-    bits = tl.load(_slot_at(slot, r, c, OP, B)).to(tl.int32)
+def _kept(scratch, r, c, out_cols):
+    """The values _row_blocks kept at rows r, columns c."""
+    bits = tl.load(scratch + r[:, None] * out_cols + c[None, :]).to(tl.int32)
     return (bits << 16).to(tl.float32, bitcast=True)
 
 
@@ -423,12 +416,12 @@ def _transposed_blocks(v0, v1, v2, v3, out_t, scale_inv_t, tile_r, c, rows, out_
 
 
 @triton.jit
-def _column_blocks(a, b, out_t, scale_inv_t, slot, tile_r, c, rows, cols, a_cols, b_cols, out_cols,
+def _column_blocks(a, b, out_t, scale_inv_t, scratch, tile_r, c, rows, cols, a_cols, b_cols, out_cols,
                    OP: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
                    OUT: tl.constexpr, SOFTWARE: tl.constexpr, B: tl.constexpr, KEEP: tl.constexpr):
     """The op's columns c in tile row tile_r cast by their B x 1 blocks' scales and stored transposed; for
-    swiglu_backward also its second output's tile. KEEP: the values read from the scratch `slot`, else computed
-    again from the op's inputs (from L2: this program, or its tile's row strips, have just read them)."""
+    swiglu_backward also its second output's tile. KEEP: the values read from `scratch`, else computed again from
+    the op's inputs (from L2: this program, or the programs of its tile's row strips, have just read them)."""
     quarter = tile_r * B + 4 * tl.arange(0, B // 4)
     if not KEEP:
         mask = tl.full((B // 4, c.shape[0]), 1, tl.int1)
@@ -437,14 +430,14 @@ def _column_blocks(a, b, out_t, scale_inv_t, slot, tile_r, c, rows, cols, a_cols
         f2, s2 = _produced_tiles(a, b, quarter + 2, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
         f3, s3 = _produced_tiles(a, b, quarter + 3, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
     for half in tl.static_range(2 if OP == SWIGLU_BACKWARD else 1):
+        at = half * cols + c
         if KEEP:
-            local_r, local_c = quarter % B, half * B + c % B
-            v0, v1 = _kept(slot, local_r, local_c, OP, B), _kept(slot, local_r + 1, local_c, OP, B)
-            v2, v3 = _kept(slot, local_r + 2, local_c, OP, B), _kept(slot, local_r + 3, local_c, OP, B)
+            v0, v1 = _kept(scratch, quarter, at, out_cols), _kept(scratch, quarter + 1, at, out_cols)
+            v2, v3 = _kept(scratch, quarter + 2, at, out_cols), _kept(scratch, quarter + 3, at, out_cols)
         else:
             v0, v1, v2, v3 = (s0, s1, s2, s3) if half else (f0, f1, f2, f3)
-        _transposed_blocks(v0, v1, v2, v3, out_t, scale_inv_t, tile_r, half * cols + c, rows, out_cols, FP8_MAX,
-                           MANTISSA, BIAS, OUT, SOFTWARE, B)
+        _transposed_blocks(v0, v1, v2, v3, out_t, scale_inv_t, tile_r, at, rows, out_cols, FP8_MAX, MANTISSA, BIAS,
+                           OUT, SOFTWARE, B)
 
 
 @triton.jit
@@ -452,18 +445,19 @@ def _fp8_1x128_producer_kernel(a, b, out, scale_inv, out_t, scale_inv_t, scratch
                                OP: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
                                OUT: tl.constexpr, SOFTWARE: tl.constexpr, B: tl.constexpr, SUB: tl.constexpr,
                                KEEP: tl.constexpr, SPLIT: tl.constexpr):
-    """B x B tiles of the op's output (two tiles for swiglu_backward: columns c and cols + c), in strips of SUB:
-    their rows in 1 x B blocks into `out`, their columns in B x 1 blocks into `out_t` (transposed).
-    - KEEP (not identity, whose input is its output): a program per SM slot walks the tiles; it computes the op
-      once per tile and keeps the values in its own scratch slot between the row and the column strips, so that the
-      slot stays in L2, written over by each of its tiles, and is not written back to memory.
+    """A B x B tile of the op's output (two tiles for swiglu_backward: columns c and cols + c), in strips of SUB: its
+    rows in their 1 x B blocks into `out`, its columns in their B x 1 blocks into `out_t` (transposed). The tiles
+    are numbered down the tile columns.
+    - KEEP (not identity, whose input is its output): a program per tile computes the op once, keeping its values
+      in `scratch` (from L2: it reads them back at once) between its row and its column strips.
     - SPLIT: a program per strip, row or column, each computing the op from the inputs.
     - else a program per tile, its column strips computing the op again."""
     out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
     strips: tl.constexpr = B // SUB
+    keep: tl.constexpr = KEEP and OP != IDENTITY  # (the autotuner does not run identity's kept forms)
     if SPLIT:
         tile, strip = tl.program_id(0) // (2 * strips), tl.program_id(0) % (2 * strips)
-        tile_r, tile_c = tile // (cols // B), tile % (cols // B)
+        tile_r, tile_c = tile % (rows // B), tile // (rows // B)
         if strip < strips:
             _row_blocks(a, b, out, scale_inv, scratch, tile_r * B + strip * SUB + tl.arange(0, SUB), tile_c, rows,
                         cols, a_cols, b_cols, out_cols, OP, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, False)
@@ -471,38 +465,20 @@ def _fp8_1x128_producer_kernel(a, b, out, scale_inv, out_t, scale_inv_t, scratch
             _column_blocks(a, b, out_t, scale_inv_t, scratch, tile_r,
                            tile_c * B + (strip - strips) * SUB + tl.arange(0, SUB), rows, cols, a_cols, b_cols,
                            out_cols, OP, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, False)
-    elif KEEP:
-        slot = scratch + tl.program_id(0) * ((2 if OP == SWIGLU_BACKWARD else 1) * B * B)
-        for tile in range(tl.program_id(0), (rows // B) * (cols // B), tl.num_programs(0)):
-            _tile_blocks(a, b, out, scale_inv, out_t, scale_inv_t, slot, tile, rows, cols, a_cols, b_cols, out_cols,
-                         OP, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, SUB, True)
-            tl.debug_barrier()  # every thread done reading the slot before the next tile writes it
     else:
-        _tile_blocks(a, b, out, scale_inv, out_t, scale_inv_t, scratch, tl.program_id(0), rows, cols, a_cols, b_cols,
-                     out_cols, OP, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, SUB, False)
+        tile_r, tile_c = tl.program_id(0) % (rows // B), tl.program_id(0) // (rows // B)
+        for strip in range(strips):
+            _row_blocks(a, b, out, scale_inv, scratch, tile_r * B + strip * SUB + tl.arange(0, SUB), tile_c, rows,
+                        cols, a_cols, b_cols, out_cols, OP, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, keep)
+        if keep:
+            tl.debug_barrier()  # the kept values visible to every thread of the program
+        for strip in range(strips):
+            _column_blocks(a, b, out_t, scale_inv_t, scratch, tile_r, tile_c * B + strip * SUB + tl.arange(0, SUB),
+                           rows, cols, a_cols, b_cols, out_cols, OP, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, keep)
 
 
-@triton.jit
-def _tile_blocks(a, b, out, scale_inv, out_t, scale_inv_t, slot, tile, rows, cols, a_cols, b_cols, out_cols,
-                 OP: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
-                 OUT: tl.constexpr, SOFTWARE: tl.constexpr, B: tl.constexpr, SUB: tl.constexpr, KEEP: tl.constexpr):
-    """Tile number `tile`'s row strips, then its column strips."""
-    tile_r, tile_c = tile // (cols // B), tile % (cols // B)
-    for strip in range(B // SUB):
-        _row_blocks(a, b, out, scale_inv, slot, tile_r * B + strip * SUB + tl.arange(0, SUB), tile_c, rows, cols,
-                    a_cols, b_cols, out_cols, OP, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, KEEP)
-    if KEEP:
-        tl.debug_barrier()  # the kept values visible to every thread of the program
-    for strip in range(B // SUB):
-        _column_blocks(a, b, out_t, scale_inv_t, slot, tile_r, tile_c * B + strip * SUB + tl.arange(0, SUB), rows,
-                       cols, a_cols, b_cols, out_cols, OP, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE, B, KEEP)
-
-
-def _1x128_programs(meta: dict, rows: int, cols: int, slots: int) -> int:
-    tiles = (rows // BLOCK) * (cols // BLOCK)
-    if meta["SPLIT"]:
-        return tiles * 2 * (BLOCK // meta["SUB"])
-    return min(tiles, slots) if meta["KEEP"] else tiles
+def _1x128_programs(meta: dict, rows: int, cols: int) -> int:
+    return (rows // BLOCK) * (cols // BLOCK) * (2 * BLOCK // meta["SUB"] if meta["SPLIT"] else 1)
 
 
 def _1x128_forms(configs: list, named_args: dict, **kwargs) -> list:
@@ -511,26 +487,13 @@ def _1x128_forms(configs: list, named_args: dict, **kwargs) -> list:
 
 
 # The blockwise kernel's strip widths, warps and form (kept, split or recomputed: the kernel's doc), autotuned per
-# shape and op on GPUs: configurations that compile without spills for every op (sm_90a, Triton 3.9; the kept form
-# with 8 warps spills).
-_1X128_TILES = ([triton.Config({"SUB": sub, "KEEP": 1, "SPLIT": 0}, num_warps=4) for sub in (16, 32)]
-                + [triton.Config({"SUB": sub, "KEEP": 0, "SPLIT": split}, num_warps=w)
-                   for sub, w in ((16, 4), (32, 4), (32, 8), (16, 8)) for split in (0, 1)])
+# shape and op on GPUs: configurations that compile without spills for every op (sm_90a, Triton 3.9).
+_1X128_TILES = [triton.Config({"SUB": sub, "KEEP": keep, "SPLIT": split}, num_warps=w)
+                for sub, w in ((16, 4), (32, 4), (32, 8), (16, 8)) for keep, split in ((1, 0), (0, 0), (0, 1))]
 _INTERPRETED_1X128_TILE = {"SUB": 32, "KEEP": 1, "SPLIT": 0}
 _FP8_1X128_KERNEL = (_fp8_1x128_producer_kernel if INTERPRETED else
                      triton.autotune(_1X128_TILES, key=["rows", "cols", "OP"],
                                      prune_configs_by={"early_config_prune": _1x128_forms})(_fp8_1x128_producer_kernel))
-# Programs of the kept form, each with a scratch slot: a few per SM, so that the slots fit in L2 (under the
-# interpreter fewer than the tests' tiles, so that a program walks several).
-_KEPT_PROGRAMS_PER_SM = 4
-_INTERPRETED_KEPT_PROGRAMS = 3
-
-
-@functools.cache
-def _kept_programs(device: torch.device) -> int:
-    if INTERPRETED:
-        return _INTERPRETED_KEPT_PROGRAMS
-    return _KEPT_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @torch.library.custom_op("fp8_recipes::produce_fp8_1x128", mutates_args=())
@@ -546,10 +509,9 @@ def produce_fp8_1x128(op: str, a: torch.Tensor, b: Optional[torch.Tensor],
     data, data_t = (torch.empty(shape, dtype=dtype, device=a.device) for shape in ((rows, width), (width, rows)))
     scale_inv, scale_inv_t = (torch.empty_strided(shape, (1, shape[0]), dtype=torch.float32, device=a.device)
                               for shape in ((rows, width // BLOCK), (width, rows // BLOCK)))
-    # The kept form's scratch slots: a tile's values (both outputs' for swiglu_backward) in BF16 bits.
-    slots = _kept_programs(a.device)
-    scratch = torch.empty((slots, width // cols * BLOCK * BLOCK), dtype=torch.int16, device=a.device)
-    _FP8_1X128_KERNEL[lambda meta: (_1x128_programs(meta, rows, cols, slots),)](
+    # The op's values between the row and the column casts (identity's are its input); BF16 bits.
+    scratch = a if op == "identity" else torch.empty((rows, width), dtype=torch.int16, device=a.device)
+    _FP8_1X128_KERNEL[lambda meta: (_1x128_programs(meta, rows, cols),)](
         a, b, _bytes(data), scale_inv, data_t.view(torch.int32), scale_inv_t, scratch, rows, cols, a.shape[1],
         b.shape[1],
         OP=op_code, B=BLOCK, **_format_args(dtype), **(_INTERPRETED_1X128_TILE if INTERPRETED else {}),
