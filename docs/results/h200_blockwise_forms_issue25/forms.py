@@ -1,5 +1,6 @@
-"""Exploration script as run on the H200 for issue 25 (not part of the product or the suites), from the repo root:
-`PYTHONPATH=$PWD python3 docs/results/h200_blockwise_persistent_issue25/forms.py`. Times produce_fp8_1x128's kernel
+"""Exploration script as run on the H200 for issue 25 (not part of the product or the suites), on the tree of commit
+794e3e8, from the repo root: `PYTHONPATH=$PWD python3 docs/results/h200_blockwise_persistent_issue25/forms.py` (the
+folder was renamed after the run; 22725b2 dropped the walking kept form it times). Times produce_fp8_1x128's kernel
 at the five proxies' op shapes in every form the autotuner may choose (and the kept form with other numbers of
 programs per SM), each form's bytes and scales checked against the unfused blockwise quantization; the autotuned
 kernel as produce_fp8_1x128 launches it; the kernel of 8e84eba (one program per tile, a scratch the size of the
