@@ -478,6 +478,7 @@ def _fp8_1x128_producer_kernel(a, b, out, scale_inv, out_t, scale_inv_t, scratch
 
 
 def _1x128_programs(meta: dict, rows: int, cols: int) -> int:
+    """The kernel's grid: a program per tile, or per strip (SPLIT)."""
     return (rows // BLOCK) * (cols // BLOCK) * (2 * BLOCK // meta["SUB"] if meta["SPLIT"] else 1)
 
 
