@@ -14,11 +14,6 @@ C = D = main_grad, beta = 1).
 a (M, K) and b (N, K) are row-major FP8 ("TN": K-major both), out (M, N) row-major FP32. Row-major out =
 (b @ a^T) column-major, so cuBLAS computes it with A := b (transposed) and B := a.
 
-Each shape runs the fastest of the heuristic's algorithms, timed on its first call into a scratch buffer the size
-of the output (the real one untouched). Only algorithms that split K as the heuristic's first does are timed, so the
-choice leaves the numbers as they are: on an H200 they wrote the same bits, and for the 1x128 weight gradients
-of the five proxies the choice took up to 14% off a GEMM (docs/results, issue 25).
-
 Enum values are those of cublasLt.h / library_types.h (CUDA 12 and 13 agree on every one used here).
 """
 
@@ -39,9 +34,6 @@ DESC_TRANSA, DESC_TRANSB, DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER, DESC_FAST_
 DESC_A_SCALE_MODE, DESC_B_SCALE_MODE = 31, 32
 SCALE_SCALAR, SCALE_VEC128 = 0, 4  # cublasLtMatmulMatrixScale_t: per tensor; per 1x128 block (FP32)
 PREF_MAX_WORKSPACE_BYTES = 1
-ALGO_SPLITK_NUM, ALGO_REDUCTION_SCHEME = 2, 3  # cublasLtMatmulAlgoConfigAttributes_t
-CANDIDATES = 16  # algorithms asked of the heuristic (it offered 7 for each 1x128 weight gradient on an H200)
-TIMED_CALLS = 3
 WORKSPACE_BYTES = 32 * 2**20  # what cuBLAS recommends for Hopper
 _FP8_TYPES = {torch.float8_e4m3fn: CUDA_R_8F_E4M3, torch.float8_e5m2: CUDA_R_8F_E5M2}
 
@@ -88,7 +80,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [ptr, i32, ptr, size]
     lib.cublasLtMatmulPreferenceDestroy.argtypes = [ptr]
     lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [ptr] * 7 + [i32, ptr, ptr]
-    lib.cublasLtMatmulAlgoConfigGetAttribute.argtypes = [ptr, i32, ptr, size, ptr]
     lib.cublasLtMatmul.argtypes = [ptr] * 14 + [size, ptr]
 
 
@@ -118,7 +109,7 @@ def _workspace(device: int) -> torch.Tensor:
 
 
 class _Plan:
-    """The descriptors and algorithms of one GEMM shape and type combination, made once and reused."""
+    """The descriptors and algorithm of one GEMM shape and type combination, made once and reused."""
 
     def __init__(self, m: int, n: int, k: int, a_type: int, b_type: int, fast_accum: bool, scale_mode: int,
                  device: int, scale_pointers: tuple[int, int]):
@@ -142,19 +133,16 @@ class _Plan:
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "PreferenceCreate")
         _set(lib.cublasLtMatmulPreferenceSetAttribute, preference, PREF_MAX_WORKSPACE_BYTES,
              ctypes.c_uint64(WORKSPACE_BYTES))
-        results, found = (HeuristicResult * CANDIDATES)(), ctypes.c_int(0)
+        self.heuristic, found = HeuristicResult(), ctypes.c_int(0)
         a_desc, b_desc, c_desc, d_desc = self.layouts
         _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(device), self.desc, a_desc, b_desc, c_desc, d_desc, preference,
-                                                  CANDIDATES, results, ctypes.byref(found)),
+                                                  1, ctypes.byref(self.heuristic), ctypes.byref(found)),
                "AlgoGetHeuristic")
         lib.cublasLtMatmulPreferenceDestroy(preference)
-        offered = [results[i] for i in range(found.value) if results[i].state == 0]
-        if not offered:
+        if found.value == 0:
             raise CublasLtError(f"cuBLASLt has no FP8 algorithm for an ({n} x {k}) x ({k} x {m}) GEMM with FP32 output"
                                 f" and scale mode {scale_mode}")
-        self.candidates = [h for h in offered if _splits_k(h) == _splits_k(offered[0])]
-        self.chosen: Optional[HeuristicResult] = self.candidates[0] if len(self.candidates) == 1 else None
-        self.timed_ms: list[float] = []  # each candidate's, once timed
+
 
     def set_scales(self, a_scale: int, b_scale: int) -> None:
         """Device pointers of the FP32 scales of cuBLAS's A and B (our b and a)."""
@@ -190,50 +178,10 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
                                       scales)
     else:
         plan.set_scales(*scales)
-    if plan.chosen is None and not torch.cuda.is_current_stream_capturing():  # no timing inside a CUDA graph
-        plan.chosen = _fastest(plan, a, b, out)
-    _matmul(plan, plan.candidates[0] if plan.chosen is None else plan.chosen, a, b, out, out, accumulate)
-
-
-def _matmul(plan: _Plan, heuristic: HeuristicResult, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-            d: torch.Tensor, accumulate: bool) -> None:
-    """d = a @ b^T (+ c when accumulate), scaled, with one algorithm."""
-    device = d.device.index
     alpha, beta = ctypes.c_float(1.0), ctypes.c_float(1.0 if accumulate else 0.0)
     a_desc, b_desc, c_desc, d_desc = plan.layouts
     _check(library().cublasLtMatmul(
         _handle(device), plan.desc, ctypes.byref(alpha), b.data_ptr(), a_desc, a.data_ptr(), b_desc,
-        ctypes.byref(beta), c.data_ptr(), c_desc, d.data_ptr(), d_desc, ctypes.byref(heuristic.algo),
-        _workspace(device).data_ptr(), WORKSPACE_BYTES, torch.cuda.current_stream(d.device).cuda_stream,
+        ctypes.byref(beta), out.data_ptr(), c_desc, out.data_ptr(), d_desc, ctypes.byref(plan.heuristic.algo),
+        _workspace(device).data_ptr(), WORKSPACE_BYTES, torch.cuda.current_stream(out.device).cuda_stream,
     ), "cublasLtMatmul")
-
-
-def _fastest(plan: _Plan, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> HeuristicResult:
-    """The candidate with the lowest median of TIMED_CALLS calls after one warm-up. Each call adds `out` (beta = 1,
-    as every micro-batch after the first) and writes a scratch buffer, so `out` keeps its values."""
-    scratch = torch.empty_like(out)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    plan.timed_ms = []
-    for candidate in plan.candidates:
-        _matmul(plan, candidate, a, b, out, scratch, True)
-        samples = []
-        for _ in range(TIMED_CALLS):
-            start.record()
-            _matmul(plan, candidate, a, b, out, scratch, True)
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        plan.timed_ms.append(sorted(samples)[TIMED_CALLS // 2])
-    return plan.candidates[min(range(len(plan.candidates)), key=plan.timed_ms.__getitem__)]
-
-
-def _splits_k(heuristic: HeuristicResult) -> tuple[int, int]:
-    """The algorithm's split-K count and reduction scheme: what decides the order of its FP32 sums over K."""
-    config = []
-    for attribute in (ALGO_SPLITK_NUM, ALGO_REDUCTION_SCHEME):
-        value, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
-        _check(library().cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(heuristic.algo), attribute,
-                                                               ctypes.byref(value), ctypes.sizeof(value),
-                                                               ctypes.byref(written)), "AlgoConfigGetAttribute")
-        config.append(value.value)
-    return tuple(config)
