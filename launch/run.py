@@ -26,9 +26,9 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from recipes.config import CONF_DIR, REQUIRED_GROUPS, Config, ConfigError, save_config
+from recipes.config import CONF_DIR, REQUIRED_GROUPS, Config, ConfigError
 from recipes.hydra_schema import check_override_keys, register_schema, to_config
-from recipes.folders import check_writable
+from recipes.folders import check_writable, save_config, write_file
 from recipes.run_files import CONFIG, LOCK, OVERRIDES
 from recipes.trainer.run_lock import check_free, locked
 
@@ -69,6 +69,10 @@ def check_command_line(argv: list[str]) -> None:
                               "hydra.sweep.dir=DIR instead")
     if not args.multirun and "hydra.sweep.dir" in keys:
         raise ConfigError("hydra.sweep.dir is the folder of a -m sweep; one run goes to run.dir=DIR (or add -m)")
+    if "hydra.job.chdir" in keys:
+        raise ConfigError("hydra.job.chdir: the launch stays in the folder it is started from, which relative paths "
+                          "(run.root, data.path, executor.nemo_run_home) are taken from; inside the run directory "
+                          "they would name the run's own folder. Leave it unset (false)")
     if not (args.cfg or args.help or args.hydra_help or args.info):
         plan_every_point(args.overrides, args.multirun)
 
@@ -92,7 +96,7 @@ def save_overrides(hydra_cfg, path: Path) -> None:
     the whole command as a comment above: for a point of -m, the overrides are that point's."""
     command = shlex.join(["python", "launch/run.py", *sys.argv[1:]]).replace("\n", "\\n")
     overrides = OmegaConf.to_container(hydra_cfg.overrides.task)
-    path.write_text(f"# {command}\n" + yaml.safe_dump(overrides, default_flow_style=False))
+    write_file(path, f"# {command}\n" + yaml.safe_dump(overrides, default_flow_style=False))
 
 
 def experiment_name(cfg: Config) -> str:
@@ -108,11 +112,12 @@ def plan_point(dict_cfg: DictConfig, directory: Path):
     needs no lock, the run directory's own included (recipes.plan.run_dir). Raises ConfigError."""
     from recipes.plan import make_plan
     from recipes.plan.gpu import resolve
+    from recipes.plan.paths import absolute_paths
     from recipes.plan.run_dir import check_run_dir, check_run_dir_given
 
     check_run_dir_given(dict_cfg.run.dir)
     dict_cfg.run.dir = str(directory)
-    cfg: Config = resolve(to_config(dict_cfg))
+    cfg: Config = absolute_paths(resolve(to_config(dict_cfg)))
     plan = make_plan(cfg, directory / CONFIG)
     check_free(directory)  # a run in progress is said to be so, whatever its folder holds
     check_run_dir(cfg, directory, plan.resumes)
@@ -124,9 +129,12 @@ def plan_every_point(overrides: list[str], multirun: bool) -> None:
     checks included, so that a value Hydra or OmegaConf cannot compose or resolve is refused in one line, and a
     point that cannot run before any other trains. Each point's folder is the one Hydra will give it
     (hydra.run.dir; with -m hydra.sweep.dir/hydra.sweep.subdir; a ${now:...} in it may resolve a second apart).
-    Every point is composed before the first is planned: a refusal at composition needs no torch."""
+    Every point is composed before the first is planned: a refusal at composition needs no torch. A sweep that
+    Hydra's basic sweeper expands to no value (interval(), which only a search sweeper samples; glob() of a key
+    that is no config group; an empty range) is refused naming what does expand."""
     from hydra import compose, initialize_config_dir
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     def refused(number: int, point: list[str], error: Exception) -> ConfigError:
@@ -134,9 +142,25 @@ def plan_every_point(overrides: list[str], multirun: bool) -> None:
         what = "cannot resolve the config: " if isinstance(error, OmegaConfBaseException) else ""
         return ConfigError(where + what + one_line(error) + ("; no point was run" if multirun else ""))
 
-    (points,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)
+    def no_values(override) -> ConfigError:
+        key = override.get_key_element()
+        why = {
+            "INTERVAL_SWEEP": "interval() is a continuous range, which only a search sweeper (Optuna, Ax) samples",
+            "GLOB_CHOICE_SWEEP": f"glob() picks among a config group's options (model=glob(tiny_*)), and {key} is no "
+                                 "group or none of its options match",
+        }.get(override.value_type.name, "the range or list is empty")
+        return ConfigError(f"{override.input_line}: -m has no value of {key} to run: {why}; list the values: "
+                           f"-m {key}=a,b,c, {key}=range(start,stop,step) or {key}=choice(a,b,c)")
+
     composed = []
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        # Hydra's config loader lets glob() list a group's options (model=glob(tiny_*)), as in Hydra's own sweep.
+        parsed = OverridesParser.create(GlobalHydra.instance().config_loader()).parse_overrides(overrides)
+        for override in parsed:
+            if override.is_sweep_override() and not (override.is_discrete_sweep()
+                                                     and any(True for _ in override.sweep_string_iterator())):
+                raise no_values(override)
+        (points,) = BasicSweeper.split_arguments(parsed, None)
         for number, point in enumerate(points):
             try:
                 cfg = compose("config", overrides=[*point, f"hydra.job.num={number}"], return_hydra_config=True)
@@ -193,6 +217,7 @@ def launch_under_lock(plan, directory: Path) -> int:
     from recipes.launcher import launch
     from recipes.plan.describe import describe
     from recipes.plan.run_dir import check_run_dir, holds_run, set_aside
+    from recipes.trainer.checkpoints import checkpoint_dir
 
     cfg, config_path, lock_was_there = plan.cfg, directory / CONFIG, (directory / LOCK).exists()
     with locked(directory, launcher=True):
@@ -204,6 +229,10 @@ def launch_under_lock(plan, directory: Path) -> int:
             raise
         if cfg.run.overwrite and holds_run(directory):
             print(f"run.overwrite=true: the run that was in {directory} is now in {set_aside(directory)}")
+        checkpoints = checkpoint_dir(cfg, directory)
+        if cfg.run.overwrite and directory not in checkpoints.parents and holds_run(checkpoints):
+            # elsewhere (trainer.checkpoint.dir), the old run's checkpoints would be continued from
+            print(f"run.overwrite=true: its checkpoints in {checkpoints} are now in {set_aside(checkpoints)}")
         print(describe(plan), flush=True)
         save_config(dataclasses.replace(cfg, dryrun=False), config_path)  # the config as the engine will run it
         save_overrides(HydraConfig.get(), directory / OVERRIDES)
@@ -211,6 +240,40 @@ def launch_under_lock(plan, directory: Path) -> int:
 
 
 if __name__ == "__main__":
+
+    class ReaderGone(BaseException):
+        """stdout's reader has exited (`| head -3`). Not an Exception: Hydra reports any Exception of the job as a
+        failure, with its traceback; this one passes through Hydra to the quiet exit below."""
+
+    class Stdout:
+        """sys.stdout, a BrokenPipeError on it raised as ReaderGone once the stream points at /dev/null (Python's
+        recipe, "Note on SIGPIPE"), so that the flush at exit has nowhere to fail."""
+
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+        def write(self, text: str) -> int:
+            try:
+                return self.stream.write(text)
+            except BrokenPipeError:
+                self.gone()
+
+        def flush(self) -> None:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self.gone()
+
+        def gone(self):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+            raise ReaderGone from None
+
+    # Line-buffered: each line fails where it is printed, if its reader is gone, never in the flush at exit.
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stdout = Stdout(sys.stdout)
     register_schema()
     try:
         check_command_line(sys.argv[1:])
@@ -221,3 +284,5 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # Ctrl-C before the launch (after it, recipes.launcher forwards it to the job)
         print("interrupted: nothing was launched", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
+    except ReaderGone:  # 128 + SIGPIPE, as a shell reports a command that SIGPIPE ended; 1 would say the run failed
+        sys.exit(128 + signal.SIGPIPE)

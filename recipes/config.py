@@ -481,10 +481,6 @@ def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-def save_config(cfg: Config, path: Path) -> None:
-    path.write_text(dump_config(cfg))
-
-
 def load_config(path: Path | str) -> Config:
     """The resolved config a launch wrote; ConfigError, naming the file, for one missing, unreadable or not a
     config (the engines' entry reads it first: recipes.trainer.entry)."""

@@ -61,6 +61,7 @@ def check_override_keys(overrides: list[str]) -> None:
                           "key=\"it's\")") from None
     for override in parsed:
         key = override.key_or_group
+        check_not_a_name(key)
         if key.split(".")[0] == "hydra" or (CONF_DIR / key).is_dir():
             continue  # Hydra's own settings, or a group choice (layout=published: a group with no field of its own)
         node: type | None = Config
@@ -78,3 +79,18 @@ def check_override_keys(overrides: list[str]) -> None:
             node = _unwrap_dataclass(fields[part])
             if node is None:
                 break
+
+
+# Groups whose `name` is the option chosen (conf/GROUP/NAME.yaml): what the plan, summary.json and the report call
+# the run. executor.name is not a label but the executor itself, checked as an enum.
+NAMED_GROUPS = ("model", "precision", "gpu", "data")
+
+
+def check_not_a_name(key: str) -> None:
+    """A group's name is not set on its own: model.name=llama3_70b over model=tiny_llama would report a tiny model
+    as Llama 3 70B. The name follows the option; a variant of an option is a file of its own."""
+    group, _, field = key.lstrip("+~").partition(".")
+    if group in NAMED_GROUPS and field == "name":
+        raise ConfigError(f"{key.lstrip('+~')} is the name of the {group} option chosen, and what the plan, "
+                          f"summary.json and the report call the run: choose another option ({group}=...; --help "
+                          f"lists them), or add conf/{group}/NAME.yaml for a variant of your own")

@@ -22,10 +22,15 @@ Where every step goes (`MetricsWriter`, one place for both engines): `metrics.js
 (`trainer.tensorboard`, tags `train/<field>`) and W&B (`logger.wandb.project`). megatron-core (0.16) has no writer
 of its own: its `Timers.write` and MoE loss tracking take the caller's `torch.utils.tensorboard.SummaryWriter`,
 which Megatron-LM creates as this module does.
+
+The run's files are written as recipes.folders writes (never through a link planted under their names), and a
+write that fails for want of room (a full disk, a quota, `ulimit -f`) stops the run in one line naming the cause and
+the fix (WriteFailed), as does the run directory itself disappearing (RunDirGone).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import json
@@ -36,6 +41,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from recipes.config import Activation, Config, ConfigError, ModelConfig, Normalization, to_dict
+from recipes.folders import open_append, write_file
 from recipes.run_files import METRICS, SUMMARY, TENSORBOARD
 
 
@@ -112,6 +118,63 @@ def check_loggers(cfg: Config) -> None:
                           "pip install wandb, or leave logger.wandb.project unset")
 
 
+# ---- writes that fail ----
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+MEANINGS = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "file too large for the file-size limit (ulimit -f) or the filesystem",
+    errno.EROFS: "the filesystem is read-only",
+}
+
+
+class WriteFailed(ConfigError):
+    """A file of the run could not be written (a full disk, a quota, a file-size limit, a read-only filesystem):
+    not a bug to trace but a state of the machine, said in one line with its cause and what to do."""
+
+
+def write_failure(error: OSError) -> str:
+    """What an OSError of a write means, with its errno's name, e.g. "no space left on the device (ENOSPC)"."""
+    name = errno.errorcode.get(error.errno, str(error.errno))
+    return f"{MEANINGS.get(error.errno, error.strerror or str(error))} ({name})"
+
+
+def write_fix(error: OSError, elsewhere: str) -> str:
+    """What lets the write through: room where the disk or quota is full, a larger file-size limit, or a folder
+    that takes it; `elsewhere` names the setting that moves the file ("give this run another run.dir")."""
+    if error.errno in FULL:
+        return f"free space there, or {elsewhere} with room"
+    if error.errno == errno.EFBIG:
+        return f"raise the file-size limit (ulimit -f), or {elsewhere} on a filesystem that takes larger files"
+    return f"{elsewhere} that can be written"
+
+
+class RunDirGone(ConfigError):
+    """The run directory was removed, moved or replaced while the run trained.
+
+    The run stops rather than make the folder again. The run directory is the run's record: config.yaml, the lock,
+    metrics.jsonl, its checkpoints. Made anew, it would hold the steps from here on without the config or the steps
+    before them, which a report would read as a whole run; and where the folder was moved, the run would go on in
+    two places. Stopping leaves one record, which a moved run continues from its newest checkpoint (run.dir set to
+    its new place)."""
+
+    def __init__(self, run_dir: Path, how: str = "removed or moved"):
+        super().__init__(f"run dir {run_dir} disappeared during the run ({how}): its record (config.yaml, "
+                         f"{METRICS}, checkpoints) is not there any more, so the run stops rather than start a "
+                         "half run dir in its place; if it was moved, the same command with run.dir set to its new "
+                         "place resumes from its newest checkpoint")
+
+
+def _folder_identity(path: Path) -> Optional[tuple[int, int]]:
+    """(device, inode) of a folder, None when it is gone: the same folder still, not just one of the same name."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return found.st_dev, found.st_ino
+
+
 class MetricsWriter:
     """Every step's metrics, written by the logging process: a JSON line in `<run dir>/metrics.jsonl` and
     TensorBoard scalars in `<run dir>/tensorboard/` (both flushed, so a crash loses nothing written), and a W&B
@@ -119,13 +182,17 @@ class MetricsWriter:
     from that step on, as metrics.jsonl drops it; `history` is what metrics.jsonl holds of the steps before.
 
     metrics.jsonl is the run's record: the writer keeps every line it holds, and a file removed, replaced or cut
-    short while the run trains is noticed at the next step and written again whole, with one line saying so."""
+    short while the run trains is noticed at the next step and written again whole, with one line saying so. The
+    run directory removed, moved or replaced is noticed too, and stops the run (RunDirGone); a write that fails
+    (a full disk) stops it with WriteFailed."""
 
     def __init__(self, run_dir: Path, cfg: Config, first_step: int = 1, history: Sequence[StepMetrics] = ()):
         check_loggers(cfg)
-        self.path = run_dir / METRICS
+        self.run_dir, self.path = run_dir, run_dir / METRICS
+        self._run_dir_identity = _folder_identity(run_dir)
         self._lines = [json.dumps(asdict(m)) + "\n" for m in history]
-        self._file = self.path.open("a")
+        self._failed = False
+        self._file = open_append(self.path)
         self._bytes = self._file.tell()
         self._tensorboard = None
         if cfg.trainer.tensorboard:
@@ -136,9 +203,34 @@ class MetricsWriter:
         self._wandb = _start_wandb(cfg, run_dir) if cfg.logger.wandb.project else None
 
     def write(self, metrics: StepMetrics) -> None:
+        self._check_run_dir()
         record = asdict(metrics)
         line = json.dumps(record) + "\n"
         self._lines.append(line)
+        scalars = {f"train/{key}": value for key, value in record.items() if key != "step" and value is not None}
+        try:
+            self._append(line)
+            if self._tensorboard is not None:
+                for tag, value in scalars.items():
+                    self._tensorboard.add_scalar(tag, value, metrics.step)
+                self._tensorboard.flush()  # on disk every step, as metrics.jsonl: a killed run keeps what it logged
+        except OSError as error:
+            self._failed = True
+            raise WriteFailed(
+                f"cannot write the metrics of step {metrics.step} into {self.run_dir}: {write_failure(error)}; the "
+                f"steps before it are recorded. To go on, {write_fix(error, 'move the run directory to a folder')}; "
+                "the same command resumes from the newest checkpoint") from None
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=metrics.step)
+
+    def _check_run_dir(self) -> None:
+        """RunDirGone unless the run directory is still the folder the run started in."""
+        found = _folder_identity(self.run_dir)
+        if found != self._run_dir_identity:
+            raise RunDirGone(self.run_dir, "removed or moved" if found is None else "replaced by another folder")
+
+    def _append(self, line: str) -> None:
+        """`line` onto metrics.jsonl, or the whole file written again where it was lost since the last step."""
         lost = self._lost()
         if lost:
             self._rewrite(lost)
@@ -146,13 +238,6 @@ class MetricsWriter:
             self._file.write(line)
             self._file.flush()
             self._bytes += len(line.encode())
-        scalars = {f"train/{key}": value for key, value in record.items() if key != "step" and value is not None}
-        if self._tensorboard is not None:
-            for tag, value in scalars.items():
-                self._tensorboard.add_scalar(tag, value, metrics.step)
-            self._tensorboard.flush()  # on disk every step, as metrics.jsonl: a killed run keeps what it logged
-        if self._wandb is not None:
-            self._wandb.log(scalars, step=metrics.step)
 
     def _lost(self) -> str:
         """What happened to metrics.jsonl since the last write ("": nothing)."""
@@ -168,25 +253,33 @@ class MetricsWriter:
     def _rewrite(self, lost: str) -> None:
         """metrics.jsonl written again from every line the run has logged, replacing whatever is there at once."""
         self._file.close()
-        temporary = self.path.with_name(self.path.name + ".tmp")
-        temporary.write_text("".join(self._lines))
-        os.replace(temporary, self.path)
-        self._file = self.path.open("a")
+        write_file(self.path, "".join(self._lines))
+        self._file = open_append(self.path)
         self._bytes = self._file.tell()
         print(f"warning: {self.path} was {lost} during the run; written again from the run's own record "
               f"({len(self._lines)} steps)", flush=True)
 
     def keep_copy(self, folder: Path) -> None:
         """metrics.jsonl as it is now, into a checkpoint folder: what a resume restores should the run directory's
-        be lost (recipes.trainer.checkpoints.resume_metrics). Written whole or not at all."""
-        temporary = folder / f"{METRICS}.tmp"
-        temporary.write_text("".join(self._lines))
-        os.replace(temporary, folder / METRICS)
+        be lost (recipes.trainer.checkpoints.resume_metrics). Written whole or not at all. Called right after each
+        save, it also notices a run directory gone meanwhile (a save would have made its checkpoint folder again)."""
+        self._check_run_dir()
+        try:
+            write_file(folder / METRICS, "".join(self._lines))
+        except OSError as error:
+            raise WriteFailed(
+                f"cannot copy {METRICS} into the checkpoint {folder}: {write_failure(error)}; the checkpoint itself "
+                f"is complete. To go on, {write_fix(error, 'set trainer.checkpoint.dir to a folder')}; the same "
+                "command resumes from the newest checkpoint") from None
 
     def close(self) -> None:
-        self._file.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        try:
+            self._file.close()
+            if self._tensorboard is not None:
+                self._tensorboard.close()
+        except OSError:
+            if not self._failed:  # after a failed write, what it could not write fails again: said already
+                raise
         if self._wandb is not None:
             self._wandb.finish()
 
@@ -236,4 +329,10 @@ def summarize(cfg: Config, history: list[StepMetrics], world_size: int, extra: d
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
-    (run_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+    if not run_dir.is_dir():
+        raise RunDirGone(run_dir)
+    try:
+        write_file(run_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
+    except OSError as error:
+        raise WriteFailed(f"cannot write {run_dir / SUMMARY}: {write_failure(error)}; every step is in {METRICS}. "
+                          f"To write it, {write_fix(error, 'move the run directory to a folder')}") from None

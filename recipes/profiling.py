@@ -21,6 +21,8 @@ from typing import Callable, Iterator
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from recipes.folders import check_regular_or_absent, write_file
+from recipes.metrics import RunDirGone
 from recipes.run_files import PROFILE
 
 # Name patterns, in this order: collectives (NCCL kernels, Gloo/c10d ops); attention (cuDNN's fused attention
@@ -232,9 +234,14 @@ def profile_step_if_due(step: int, profile_step: int | None, run_dir: Path, rank
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     folder = run_dir / PROFILE
-    folder.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(folder / f"trace_rank{rank}.json"))
+    try:
+        folder.mkdir(exist_ok=True)  # not its parents: a run directory gone meanwhile is not made again
+    except FileNotFoundError:
+        raise RunDirGone(run_dir) from None
+    trace = folder / f"trace_rank{rank}.json"
+    check_regular_or_absent(trace)  # the profiler opens the name it is given: never a link planted there
+    prof.export_chrome_trace(str(trace))
     split = {"step": step, "rank": rank, **time_split(prof, device.type)}
-    (folder / f"time_rank{rank}.json").write_text(json.dumps(split, indent=2) + "\n")
+    write_file(folder / f"time_rank{rank}.json", json.dumps(split, indent=2) + "\n")
     if rank == 0:
         print(f"profile of step {step} (rank 0): {describe_time_split(split)}; trace in {folder}", flush=True)

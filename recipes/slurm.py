@@ -1,9 +1,10 @@
 """Slurm through nemo-run's SlurmExecutor: render or submit a planned run's sbatch job, and read jobs back.
 
-nemo-run writes the task command into the sbatch script joined with plain spaces, and `env_vars` values as
-`export KEY=VALUE`, both unquoted: every value that comes from the user is shell-quoted here. The task's only
-argument is the resolved config file; every other setting travels inside that file. Paths that nemo-run itself
-writes unquoted (the job folder of the srun log files) are checked to hold no shell characters instead.
+nemo-run writes the task command into the sbatch script joined with plain spaces, `env_vars` values as
+`export KEY=VALUE`, and every srun argument, all unquoted: every value that comes from the user is shell-quoted
+here. The task's only argument is the resolved config file; every other setting travels inside that file. Paths
+that nemo-run itself writes unquoted (the job folder of the srun log files) are checked to hold no shell
+characters instead, and the values of #SBATCH lines to be in Slurm's grammar (recipes.plan.cluster).
 
 Secrets (`secret_env`) travel by name only: sbatch hands the submitting environment to the job (`--export=ALL`),
 pyxis is told to pass them into the container (`--container-env`), and the script checks with `printenv NAME`
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from recipes.config import Config, SshTunnelConfig, dump_config
+from recipes.folders import write_file
 from recipes.run_files import CONFIG, JOB_RECORD, METRICS, SBATCH_SCRIPT, SLURM_LOG, SUMMARY, TRAIN_LOG, slurm_log_name
 
 
@@ -59,7 +61,7 @@ class JobRecord:
 
     def save(self, *folders: Path) -> None:
         for folder in folders:
-            (Path(folder) / JOB_RECORD).write_text(json.dumps(asdict(self), indent=1) + "\n")
+            write_file(Path(folder) / JOB_RECORD, json.dumps(asdict(self), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: Path) -> "JobRecord":
@@ -102,6 +104,10 @@ def make_executor(plan: Plan, site: Site, job_name_prefix: str, after: Optional[
            **slurm.gpu_env.get(cfg.gpu.name, {}), **slurm.env_vars}
     sbatch_args = {**({"export": "ALL"} if slurm.secret_env else {}), **slurm.sbatch_args}
     cpu_bind = [f"--cpu-bind={slurm.cpu_bind}"] if slurm.cpu_bind else []
+    # nemo-run 0.11.1 means to shell-quote each srun argument but leaves every one as it is (its `noquote` marker is
+    # `str` itself), so each is quoted here: the image, each mount on its own (nemo-run joins them with "," into one
+    # shell word) and each srun argument. A nemo-run that quotes them would quote twice (tests/test_shell_values.py).
+    srun_args = [f"--mpi={slurm.mpi}", *cpu_bind, *slurm.srun_args]
     return run.SlurmExecutor(
         account=slurm.account,
         partition=slurm.partition,
@@ -112,16 +118,16 @@ def make_executor(plan: Plan, site: Site, job_name_prefix: str, after: Optional[
         gpus_per_node=cfg.executor.gpus if cfg.gpu.arch != "cpu" else None,
         mem=slurm.mem,
         exclusive=slurm.exclusive or None,
-        container_image=slurm.container_image,
-        container_mounts=mounts,
+        container_image=shlex.quote(slurm.container_image) if slurm.container_image else None,
+        container_mounts=[shlex.quote(mount) for mount in mounts],
         env_vars={key: shlex.quote(str(value)) for key, value in env.items()},
         container_env=list(slurm.secret_env) or None,
         setup_lines=_setup_lines(site, slurm.secret_env),
-        srun_args=[f"--mpi={slurm.mpi}", *cpu_bind, *slurm.srun_args],
-        additional_parameters=sbatch_args or None,
+        srun_args=[shlex.quote(arg) for arg in srun_args],
+        additional_parameters={key: _sbatch_value(value) for key, value in sbatch_args.items()} or None,
         dependencies=[after] if after else [],
         dependency_type=slurm.dependency or "afterok",
-        launcher="torchrun" if plan.processes > 1 else None,
+        launcher="torchrun" if _under_torchrun(plan) else None,
         tunnel=tunnel,
         packager=run.Packager(),  # no copy: the nodes import this repo where it is (shared storage)
         poll_estimated_start_time=False,
@@ -129,8 +135,19 @@ def make_executor(plan: Plan, site: Site, job_name_prefix: str, after: Optional[
     )
 
 
+def _sbatch_value(value: str) -> str:
+    """An sbatch option's value as nemo-run should hand it to its #SBATCH line (which it shell-quotes): sbatch
+    reads a backslash there as an escape, inside quotes too, so each is doubled to arrive as itself."""
+    return str(value).replace("\\", "\\\\")
+
+
 def _inside(path: str, folder: str) -> bool:
     return posixpath.commonpath([path, folder]) == folder
+
+
+def _under_torchrun(plan: Plan) -> bool:
+    """Several processes start under nemo-run's torchrun launcher; one runs the engine's command itself."""
+    return plan.processes > 1
 
 
 def _task(plan: Plan, site: Site):
@@ -139,7 +156,10 @@ def _task(plan: Plan, site: Site):
     from recipes.plan import engine_command
 
     python, _, module, config = engine_command(plan.cfg, site)
-    return run.Script(path=module, m=True, entrypoint=shlex.quote(python), args=[shlex.quote(config)])
+    # nemo-run's torchrun component shell-quotes each of its arguments itself (and starts torchrun, not `python`);
+    # without a launcher nemo-run joins the entry point and the arguments with plain spaces.
+    argument = config if _under_torchrun(plan) else shlex.quote(config)
+    return run.Script(path=module, m=True, entrypoint=shlex.quote(python), args=[argument])
 
 
 def _prepare_login_node(cfg: Config, site: Site) -> None:
@@ -177,8 +197,7 @@ def submit(plan: Plan, config_path: Path, experiment: str, dryrun: bool) -> int:
         exp.add(_task(plan, site), name=TASK)
         if dryrun:
             exp.dryrun(log=False, delete_exp_dir=False)
-            script = Path(exp._exp_dir, f"{TASK}_sbatch.sh")
-            shutil.copy(script, run_dir / SBATCH_SCRIPT)
+            write_file(run_dir / SBATCH_SCRIPT, Path(exp._exp_dir, f"{TASK}_sbatch.sh").read_bytes())
             shutil.rmtree(exp._exp_dir)
             if not any(Path(exp._exp_dir).parent.iterdir()):
                 Path(exp._exp_dir).parent.rmdir()
@@ -192,7 +211,7 @@ def submit(plan: Plan, config_path: Path, experiment: str, dryrun: bool) -> int:
         log_dir = posixpath.join(job.executor.tunnel.job_dir, Path(job.executor.job_dir).name)
         record = JobRecord(slug(experiment), exp._id, job_id, f"{slug(cfg.run.name)}.{TASK}", log_dir, str(run_dir),
                            asdict(ssh) if ssh else None, site.run_dir if ssh else None)
-        shutil.copy(Path(exp._exp_dir, f"{TASK}_sbatch.sh"), run_dir / SBATCH_SCRIPT)
+        write_file(run_dir / SBATCH_SCRIPT, Path(exp._exp_dir, f"{TASK}_sbatch.sh").read_bytes())
         record.save(run_dir, Path(exp._exp_dir))
     print(f"submitted   Slurm job {job_id}, experiment {record.experiment_id}\n"
           + (f"after       job {_job_id(after)} ({cfg.executor.slurm.dependency})\n" if after else "")
@@ -222,7 +241,7 @@ class LocalCluster:
         return os.listdir(folder) if os.path.isdir(folder) else []
 
     def fetch(self, path: str, local: Path) -> None:
-        shutil.copy(path, local)
+        write_file(local, Path(path).read_bytes())
 
 
 LOCAL = LocalCluster()

@@ -26,6 +26,7 @@ from fabric import Connection
 from nemo_run.core.tunnel.client import SSHTunnel
 
 from recipes.config import ConfigError, SshTunnelConfig
+from recipes.folders import write_file
 
 CONNECT_TIMEOUT_S = 15
 # nemo-run's console logging would show paramiko's per-connection chatter ("Connected", "Opened sftp
@@ -41,9 +42,9 @@ class BatchSSHTunnel(SSHTunnel):
         where = f"{self.user}@{self.host}:{self.port}"
         key = str(Path(self.identity).expanduser()) if self.identity else None
         identity = ["-i", key] if key else []
-        try:
+        try:  # "--": a destination that starts with "-" is not read as an option (recipes.plan.cluster refuses one)
             probe = subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}",
-                                    "-p", str(self.port), *identity, f"{self.user}@{self.host}", "true"],
+                                    "-p", str(self.port), *identity, "--", f"{self.user}@{self.host}", "true"],
                                    capture_output=True, text=True, timeout=2 * CONNECT_TIMEOUT_S, stdin=subprocess.DEVNULL)
         except FileNotFoundError:
             raise ConfigError("executor.slurm.tunnel=ssh needs the `ssh` command (and rsync) here: install "
@@ -106,4 +107,6 @@ class SshCluster:
         return self.run("ls", "-1A", "--", folder).splitlines()
 
     def fetch(self, path: str, local: Path) -> None:
-        self.session.get(path, str(local))
+        copy = io.BytesIO()
+        self.session.get(path, copy)
+        write_file(local, copy.getvalue())

@@ -18,7 +18,8 @@ relative to the manifest's folder, and the report goes there unless it says `--o
 
 Exit status: 0 report written, nothing flagged; 1 report written, a run diverged from BF16 beyond the loss
 tolerance or logged a NaN/inf loss or gradient norm; 2 nothing written: a usage error (bad argument, missing input,
-an --out that is a file or cannot be written) or no usable run in the inputs.
+an input that is no regular file or folder or is larger than 2 GiB, an --out that is a file or cannot be written, a
+write that failed: the previous report stays as it was) or no usable run in the inputs.
 """
 
 from __future__ import annotations

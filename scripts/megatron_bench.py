@@ -180,7 +180,8 @@ def prepare(study: str, runs: list[Run], directory: Path) -> None:
     DIR/study.json listing the runs in order."""
     from hydra import compose, initialize_config_dir
 
-    from recipes.config import CONF_DIR, save_config
+    from recipes.config import CONF_DIR
+    from recipes.folders import save_config
     from recipes.hydra_schema import check_override_keys, register_schema, to_config
     from recipes.plan import make_plan
     from recipes.plan.describe import describe

@@ -40,7 +40,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from recipes.config import Config, GradReduce, TrainerConfig, load_config, load_option, save_config
+from recipes.config import Config, GradReduce, TrainerConfig, load_config, load_option
+from recipes.folders import save_config
 from recipes.plan import launch_command
 from recipes.plan.checks import validate
 from recipes.provenance import provenance

@@ -22,7 +22,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from recipes.config import CheckpointConfig, Config, TrainerConfig, load_option, save_config
+from recipes.config import CheckpointConfig, Config, TrainerConfig, load_option
+from recipes.folders import save_config
 from recipes.engine import checkpoint, torch_engine
 from recipes.trainer import loop
 from recipes.trainer.checkpoints import complete_checkpoints
@@ -223,10 +224,10 @@ def test_delayed_scaling_resumes_exactly_with_its_amax_histories(tmp_path, capsy
 def test_only_the_last_checkpoints_are_kept(tmp_path):
     run(make_config(tmp_path / "two", max_steps=5, interval=1, keep_last=2))
     names = sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir())
-    assert names == ["step_00000004", "step_00000005"]
+    assert names == ["owner.json", "step_00000004", "step_00000005"]  # owner.json: whose they are
     run(make_config(tmp_path / "all", max_steps=5, interval=2, keep_last=0))
     names = sorted(p.name for p in (tmp_path / "all" / "checkpoints").iterdir())
-    assert names == ["step_00000002", "step_00000004", "step_00000005"]  # and always the last step
+    assert names == ["owner.json", "step_00000002", "step_00000004", "step_00000005"]  # and always the last step
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_to_resume_from(tmp_path, monkeypatch, capsys, reference):
@@ -253,7 +254,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_to_resume_from(tmp_
     run(config_path)
     assert "resuming from step 2 of" in capsys.readouterr().out
     assert losses(run_dir) == reference
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000004", "step_00000006"]  # leftover removed
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["owner.json", "step_00000004", "step_00000006"]
 
 
 def test_a_checkpoint_of_another_model_is_refused_with_a_clear_message(tmp_path, capsys):
@@ -331,7 +332,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
     assert "resuming from step 2 of" in out and "Traceback" not in out + err
     assert losses(run_dir) == reference  # steps 3 and 4 trained again, exactly
     # The damaged one is kept aside, never read or pruned; keep_last counts intact ones only.
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000004.damaged", "step_00000006"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["owner.json", "step_00000004.damaged", "step_00000006"]
 
 
 def test_when_no_checkpoint_is_intact_the_run_is_refused_in_one_line(tmp_path, capsys):

@@ -94,7 +94,7 @@ def test_plan_says_which_dtype_computes_and_refuses_fp32_on_a_gpu(hydra_compose,
 def test_either_path_trains_on_any_cpu_and_summary_says_which_ran(hydra_compose, tmp_path, forced):
     """Two tiny FP8 steps in each path (the BF16 one is slow on a CPU without native BF16: kept small), the
     residual stream in the forced dtype, a first loss of ln(vocabulary) as an untrained model has."""
-    from recipes.config import save_config
+    from recipes.folders import save_config
     from recipes.engine import torch_engine
 
     seen = []

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from recipes.config import CheckpointConfig, Config, ConfigError, GradReduce, TrainerConfig, load_config, load_option, save_config
+from recipes.config import CheckpointConfig, Config, ConfigError, GradReduce, TrainerConfig, load_config, load_option
+from recipes.folders import save_config
 from recipes.engine import torch_engine
 from recipes.plan import make_plan
 from recipes.plan.describe import describe

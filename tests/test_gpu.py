@@ -92,7 +92,8 @@ def test_every_recipe_gemms_on_cuda_against_float64(precision, compiled):
 
 
 def test_engine_trains_on_gpu(tmp_path):
-    from recipes.config import Config, DataConfig, ExecutorConfig, RunConfig, TrainerConfig, load_option, save_config
+    from recipes.config import Config, DataConfig, ExecutorConfig, RunConfig, TrainerConfig, load_option
+    from recipes.folders import save_config
     from recipes.engine.torch_engine import main
 
     cfg = Config(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -582,12 +583,16 @@ def test_run_overwrite_moves_the_old_run_aside_and_the_plan_quotes_its_command(t
     run_dir = tmp_path / "old run"  # a space: the printed command must be quoted for a shell
     shutil.copytree(prepared[0] / "ran", run_dir)
     before = folder_state(run_dir)
-    result = launch(tmp_path / "launch", f"run.dir={run_dir}", "run.overwrite=true", "dryrun=true")
+    dry = launch(tmp_path / "dry", f"run.dir={run_dir}", "run.overwrite=true", "dryrun=true")
+    assert dry.returncode == 1 and "dryrun=true: run.dir=" in dry.stderr and "holds a run" in dry.stderr, str(dry)
+    assert folder_state(run_dir) == before  # a dry run moves nothing aside
+    result = launch(tmp_path / "launch", f"run.dir={run_dir}", "run.overwrite=true", "model=tiny_llama",
+                    "precision=bf16", "data=mock", "model.seq_length=32", "trainer.max_steps=1")
     assert result.returncode == 0, str(result)
     [aside] = tmp_path.glob("old run.replaced-*")
     assert f"run.overwrite=true: the run that was in {run_dir} is now in {aside}" in result.stdout
     assert folder_state(aside) == {path.replace(str(run_dir), str(aside)): data for path, data in before.items()}
-    assert sorted(p.name for p in run_dir.iterdir()) == ["config.yaml", "overrides.yaml", "trainer.lock"]
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
     (command,) = result.lines("command")
     assert shlex.split(command.split(None, 1)[1]) == [sys.executable, "-m", "recipes.engine.torch_engine",
                                                       str(run_dir / "config.yaml")]

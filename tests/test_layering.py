@@ -26,7 +26,7 @@ LAYERS = {
     "launch and report": ("recipes.launcher", "recipes.slurm", "recipes.ssh", "recipes.nemo_run_home",
                           "recipes.hydra_schema", "recipes.report"),
 }
-REPORT_MAY_IMPORT = ("recipes.config", "recipes.run_files", "recipes.metrics", "recipes.report")
+REPORT_MAY_IMPORT = ("recipes.config", "recipes.run_files", "recipes.folders", "recipes.metrics", "recipes.report")
 ENGINES = ("recipes.engine", "recipes.megatron", "recipes.nemo")
 
 

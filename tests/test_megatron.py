@@ -345,7 +345,7 @@ def test_iteration_line_is_megatrons_and_the_report_reads_it(tmp_path):
 
 
 def test_engine_and_plan_refuse_a_cpu_with_the_fix(hydra_compose, tmp_path):
-    from recipes.config import save_config
+    from recipes.folders import save_config
     from recipes.megatron.engine import main
 
     cfg = hydra_compose("engine=megatron", "precision=bf16", "gpu=cpu")
@@ -375,7 +375,7 @@ def run_engine_on_cpu(config_path, processes: int) -> subprocess.CompletedProces
 def train_tiny_llama_on_two_cpus(hydra_compose, tmp_path, *overrides: str):
     """engine=megatron in BF16, 4 steps of 2 x 2 samples on two processes, into tmp_path/run: (cfg, run dir, the
     finished torchrun)."""
-    from recipes.config import save_config
+    from recipes.folders import save_config
 
     cfg = hydra_compose("engine=megatron", "precision=bf16", "gpu=h200", "executor.gpus=2", "trainer.max_steps=4",
                         "trainer.micro_batch_size=2", "trainer.global_batch_size=4",

@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from recipes.config import REPO_ROOT, load_config, save_config
+from recipes.config import REPO_ROOT, load_config
+from recipes.folders import save_config
 from recipes.hydra_schema import check_override_keys, register_schema
 
 spec = importlib.util.spec_from_file_location("megatron_bench", REPO_ROOT / "scripts" / "megatron_bench.py")

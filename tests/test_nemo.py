@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.config import ConfigError, Engine, save_config
+from recipes.config import ConfigError, Engine
+from recipes.folders import save_config
 from recipes.metrics import count_parameters
 from recipes.nemo.mapping import data_module, recipe_fields, tokenizer_vocab_size
 from recipes.nemo.preflight import check_versions, source_version

@@ -40,7 +40,8 @@ from nemo.collections import llm  # noqa: E402
 from nemo.lightning.pytorch.callbacks.progress_printer import ProgressPrinter  # noqa: E402
 from nemo.lightning.pytorch.plugins.mixed_precision import update_config_with_dtype_overrides  # noqa: E402
 
-from recipes.config import ConfigError, dump_config, save_config  # noqa: E402
+from recipes.config import ConfigError, dump_config  # noqa: E402
+from recipes.folders import save_config  # noqa: E402
 from recipes.nemo import build  # noqa: E402
 from recipes.nemo.callback import RunMetrics  # noqa: E402
 from recipes.nemo.mapping import precision_fields  # noqa: E402

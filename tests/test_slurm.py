@@ -179,15 +179,37 @@ def test_two_process_job_trains_and_reports_back(cluster, tmp_path):
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["world_size"] == 2
 
 
+def step_names(job_id: str, timeout_s: float = 60) -> list[str]:
+    """The names of the job's srun steps, from accounting (which records a step asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        shown = subprocess.run(["sacct", "-n", "-P", "-j", job_id, "-o", "JobID,JobName"], capture_output=True,
+                               text=True).stdout.splitlines()
+        names = [line.split("|", 1)[1] for line in shown if re.match(rf"{job_id}\.[0-9]+\|", line)]
+        if len(names) >= 2 or time.monotonic() > deadline:  # the head node's `hostname` and the training step
+            return names
+        time.sleep(0.5)
+
+
 def test_injection_in_a_value_reaches_the_job_intact_and_never_runs(cluster, tmp_path):
     probe = tmp_path / f"pwned-{uuid.uuid4().hex}"
-    evil_dir = tmp_path / f"a b $(touch {probe}) `touch {probe}`; touch {probe} \"dq\" 's' \\ \nline2 $HOME"
-    record = submit(tmp_path, "trainer.max_steps=2", run_dir=evil_dir)
+    evil = f"a b $(touch {probe}) `touch {probe}`; touch {probe} \"dq\" 's' \\ é # c"
+    evil_dir = tmp_path / f"{evil} \nline2 $HOME"
+    # Two processes: the config path reaches the job through nemo-run's torchrun launcher, which quotes it itself;
+    # the step's name through srun's own argument; the comment through an #SBATCH line, as sbatch reads it.
+    record = submit(tmp_path, "executor.gpus=2", "precision.fp8_param_gather=false", "trainer.max_steps=2",
+                    f"executor.slurm.srun_args=[{hydra_quoted(f'--job-name={evil}')}]",
+                    f"+executor.slurm.sbatch_args.comment={hydra_quoted(evil)}", run_dir=evil_dir)
+    comment = subprocess.run(["squeue", "-h", "-t", "all", "-j", record.job_id, "-o", "%k"], capture_output=True,
+                             text=True, check=True).stdout
+    assert comment == f"{evil}\n"
     assert wait_for(record.job_id, FINISHED) == "COMPLETED"
+    assert evil in step_names(record.job_id)
     assert not probe.exists()
     ran = yaml.safe_load((evil_dir / "config.yaml").read_text())
     assert ran["run"]["dir"] == str(evil_dir)  # the job read the config at exactly this path
     assert steps(evil_dir) == [1, 2]  # and wrote its metrics there
+    assert json.loads((evil_dir / "summary.json").read_text())["world_size"] == 2
     [(job, state, *_)] = status(evil_dir, tmp_path)
     assert (job, state) == (record.job_id, "COMPLETED")
 
@@ -361,7 +383,8 @@ def test_nemo_job_reaches_the_queue_with_a_stand_in_entry_point(cluster, hydra_c
     """engine=nemo's submission on the real test Slurm. The nodes here run neither NeMo nor GPUs, so the plan is
     made for an H100 and submitted as a CPU job (no --gpus-per-node), and tests/workers/nemo_stand_in.py takes the
     entry point's place: it reads the config the job was given and prints NeMo's iteration lines."""
-    from recipes.config import Engine, load_option, save_config
+    from recipes.config import Engine, load_option
+    from recipes.folders import save_config
     from recipes.plan import ENGINE_MODULE, make_plan
     from recipes.report.parse import read_log
     from recipes.slurm import submit as submit_plan

@@ -156,6 +156,15 @@ def test_a_bad_host_key_checkout_or_python_is_a_clear_error(sshd, tmp_path):
     assert "(publickey)" in result.stderr and not (tmp_path / "cluster").exists()
 
 
+def test_a_user_name_like_an_option_is_only_a_user_name_to_ssh(sshd, tmp_path):
+    """The launch refuses it (tests/test_shell_values.py); the tunnel's own `ssh` ends its options before user@host
+    all the same, so the real ssh takes it for a user that cannot log in and runs no ProxyCommand."""
+    probe = tmp_path / "pwned"
+    with pytest.raises(ConfigError, match=re.escape("ssh -oProxyCommand=")):
+        tunnel(settings(sshd, tmp_path, user=f"-oProxyCommand=touch {probe}"), job_dir=str(tmp_path)).connect()
+    assert not list(tmp_path.glob("pwned*"))
+
+
 def test_job_submitted_over_ssh_trains_and_its_metrics_come_back(cluster, sshd, tmp_path):
     run_dir, remote_run_dir = tmp_path / "run", tmp_path / "cluster" / "runs" / "run"
     result = run_py(tmp_path, *TINY_CPU, *over_ssh(tmp_path, sshd.port, sshd.key), "executor.gpus=2",

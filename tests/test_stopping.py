@@ -19,11 +19,13 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from recipes.config import load_config
 from recipes.engine import torch_engine
 from recipes.run_files import LOCK
 from recipes.trainer import loop
+from recipes.trainer.checkpoints import read_manifest, verify_files
 from recipes.trainer.run_lock import LAUNCHER, RunDirBusy, check_free
 from recipes.trainer.stopping import Stopped, stop_signals
 
@@ -206,6 +208,35 @@ def test_sigterm_to_the_engine_checkpoints_the_step_and_a_second_ctrl_c_abandons
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3, 4]  # step 5 left no trace
     assert not (run_dir / "checkpoints" / "step_00000004").exists()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the engine's handlers are gone
+
+
+def test_a_second_ctrl_c_during_a_save_lets_the_checkpoint_finish_and_the_run_stops_after_its_step(
+        tmp_path, monkeypatch, capfd):
+    """The first Ctrl-C in step 3 asks for its checkpoint on the way out; the second lands while that checkpoint's
+    shards are written (DCP writes them with torch.save): the checkpoint is finished and published, no temporary
+    folder is left, and the run ends with the line of a graceful stop."""
+    config = make_config(tmp_path / "run", max_steps=10, interval=1000, precision="bf16")
+    run_dir = config.parent
+    signals_at(monkeypatch, 3, signal.SIGINT)
+    save, sent = torch.save, []
+
+    def interrupted(*args, **kwargs):  # only a checkpoint calls torch.save: step 3's, on the way out
+        if not sent:
+            sent.append(os.kill(os.getpid(), signal.SIGINT))
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    assert torch_engine.main([str(config)]) == 130
+    out, err = capfd.readouterr()
+    assert sent and "Traceback" not in out + err
+    assert "SIGINT again: the checkpoint being written is finished first, then the run stops" in err
+    checkpoint = run_dir / "checkpoints" / "step_00000003"
+    assert stopped_lines(out) == [
+        f"stopped by SIGINT after step 3/10; its checkpoint is {checkpoint}; the same command (run.dir={run_dir}) "
+        "resumes from it"]
+    assert verify_files(checkpoint, read_manifest(checkpoint)) == []
+    assert sorted(p.name for p in checkpoint.parent.iterdir() if p.name.startswith("step_")) == ["step_00000003"]
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
 
 
 def test_a_signal_before_the_first_step_stops_at_once():

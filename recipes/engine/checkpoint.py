@@ -30,7 +30,9 @@ whatever wraps it (FSDP, activation checkpointing, compile). Rank 0 alone writes
 state is gathered to it) once every rank's shards are on disk; every rank reads it.
 
 A save writes into the temporary folder (DCP fsyncs its files; checkpoint.pt is fsynced), and renames it to
-`step_<N>` (a rename is atomic), so a folder named `step_<N>` is always complete.
+`step_<N>` (a rename is atomic), so a folder named `step_<N>` is always complete. One the machine refuses (a full
+disk, `ulimit -f`) removes the temporary folder and stops the run in one line (recipes.trainer.checkpoints.settle);
+a stop signal that comes meanwhile, a second Ctrl-C included, waits for the save (recipes.trainer.stopping).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from recipes.config import Config, to_dict
 from recipes.trainer import checkpoints
 from recipes.trainer.checkpoints import CheckpointError
+from recipes.trainer.stopping import stop_signals
 
 FILE = "checkpoint.pt"
 
@@ -107,32 +110,30 @@ def save(
     world_size: int, device: torch.device,
 ) -> Optional[Path]:
     """Write step `step`'s checkpoint (every rank calls this and writes its shards) and prune old ones. Returns
-    the folder on rank 0."""
+    the folder on rank 0. SaveFailed on every rank where the machine refuses it (recipes.trainer.checkpoints)."""
     rng = [rng_state(device)]
     if world_size > 1:
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, rng[0])
         rng = gathered
-    temporary = _temporary_dir(directory, step, rank, world_size)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary, no_dist=world_size == 1)
-    # dcp.save returns once every rank's shards and the metadata are written
-    checkpoints.seal(temporary, FILE, {"step": step, "rng": rng, "config": to_dict(cfg)}, rank, world_size)
-    final = None
+    with stop_signals.saving():
+        # made by rank 0 and named with its process id, the same on every rank
+        temporary = checkpoints.start_everywhere(directory, step, str(os.getpid()), FILE, rank, world_size)
+        final, failure = None, None
+        try:
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary,
+                     no_dist=world_size == 1)
+            # dcp.save returns once every rank's shards and the metadata are written
+            checkpoints.seal(temporary, FILE, {"step": step, "rng": rng, "config": to_dict(cfg)}, rank, world_size)
+            if rank == 0:
+                final = checkpoints.finish_save(directory, step, temporary)
+        except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+            failure = error
+        checkpoints.settle(failure, directory, step, temporary, FILE, rank, world_size)
     if rank == 0:
-        final = checkpoints.finish_save(directory, step, temporary)
         checkpoints.prune(directory, cfg.trainer.checkpoint.keep_last, FILE)
-    if world_size > 1:
-        dist.barrier()  # nobody runs ahead (and possibly fails) before the checkpoint is on disk
     return final
-
-
-def _temporary_dir(directory: Path, step: int, rank: int, world_size: int) -> Path:
-    """The folder this save writes into, made by rank 0 and named with its process id, the same on every rank."""
-    temporary = [checkpoints.start_save(directory, step, tag=str(os.getpid())) if rank == 0 else None]
-    if world_size > 1:
-        dist.broadcast_object_list(temporary, src=0)
-    return temporary[0]
 
 
 # ---- resuming ----

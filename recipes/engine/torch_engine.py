@@ -36,7 +36,7 @@ from recipes.fp8 import Fp8Training
 from recipes.metrics import StepMetrics
 from recipes.models.attention import attention_kernel
 from recipes.models.transformer import Transformer
-from recipes.trainer.checkpoints import changed_settings, checkpoint_dir
+from recipes.trainer.checkpoints import changed_settings, own_checkpoint_dir
 from recipes.trainer.console import print_step
 from recipes.trainer.entry import engine_main
 from recipes.trainer.loop import EngineSteps, train_loop
@@ -100,7 +100,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
     fp8 = Fp8Training.for_run(cfg, world_size, device)
     model = build_model(cfg, device, fp8, mesh)
     optimizer = build_optimizer(model, cfg.trainer, device)
-    checkpoints = checkpoint_dir(cfg, run_dir)
+    checkpoints = own_checkpoint_dir(cfg, run_dir, rank, world_size)
     resumed = checkpoint.load_latest(checkpoints, cfg)
     first_step = 1
     if resumed:

@@ -27,10 +27,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from recipes.config import Config, to_dict
 from recipes.trainer import checkpoints
+from recipes.trainer.stopping import stop_signals
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
 from megatron.core.fp8_utils import is_float8tensor, post_all_gather_processing
@@ -135,11 +137,20 @@ def _empty_like(param: DTensor, dtype: torch.dtype) -> DTensor:
 
 
 def save(directory: Path, step: int, model: list, optimizer, cfg: Config) -> Optional[Path]:
-    """Write step `step`'s checkpoint (a collective: every rank calls it); the published folder on rank 0."""
-    rank = dist.get_rank()
-    temporary = directory / f"step_{step:08d}.tmp-megatron"  # one name on every rank
-    if rank == 0:
-        checkpoints.start_save(directory, step, tag="megatron")
+    """Write step `step`'s checkpoint (a collective: every rank calls it); the published folder on rank 0. As the
+    torch engine's save: SaveFailed on every rank where the machine refuses it (its temporary folder removed), and a
+    stop signal meanwhile waits for it (recipes.trainer.checkpoints.settle, recipes.trainer.stopping)."""
+    with stop_signals.saving():
+        final = _save(directory, step, model, optimizer, cfg, dist.get_rank(), dist.get_world_size())
+    if final:
+        checkpoints.prune(directory, cfg.trainer.checkpoint.keep_last, MARKER)
+    return final
+
+
+def _save(directory: Path, step: int, model: list, optimizer, cfg: Config, rank: int,
+          world_size: int) -> Optional[Path]:
+    """save's writing, from its temporary folder to the published one; the same outcome on every rank."""
+    temporary = checkpoints.start_everywhere(directory, step, "megatron", MARKER, rank, world_size)
     # With overlapped parameter all-gathers the model's BF16 weights lag the optimizer step until the next
     # forward; gather them now, as Megatron-LM does before saving (Megatron-FSDP saves its main weights' shards).
     fsdp = is_fsdp(model)
@@ -151,19 +162,21 @@ def save(directory: Path, step: int, model: list, optimizer, cfg: Config) -> Opt
         # after every checkpoint would train on them (found comparing resumed runs: docs/results).
         post_all_gather_processing([param for param in chunk.parameters() if is_float8tensor(param)])
     dist.barrier()
-    if fsdp:
-        dcp.save(fsdp_state_dict(model, optimizer), checkpoint_id=str(temporary))
-    else:
-        dist_checkpointing.save(sharded_state_dict(model, optimizer), str(temporary))
-    for chunk in overlapped:
-        chunk.enable_forward_pre_hook()
-    dist.barrier()
-    checkpoints.seal(temporary, MARKER, {"step": step, "config": to_dict(cfg)}, rank, dist.get_world_size())
-    final = None
-    if rank == 0:
-        final = checkpoints.finish_save(directory, step, temporary)
-        checkpoints.prune(directory, cfg.trainer.checkpoint.keep_last, MARKER)
-    dist.barrier()
+    final, failure = None, None
+    try:  # a failure of the writers is raised on every rank (DCP's and megatron-core's CheckpointException)
+        if fsdp:
+            dcp.save(fsdp_state_dict(model, optimizer), checkpoint_id=str(temporary))
+        else:
+            dist_checkpointing.save(sharded_state_dict(model, optimizer), str(temporary))
+        for chunk in overlapped:
+            chunk.enable_forward_pre_hook()
+        dist.barrier()
+        checkpoints.seal(temporary, MARKER, {"step": step, "config": to_dict(cfg)}, rank, world_size)
+        if rank == 0:
+            final = checkpoints.finish_save(directory, step, temporary)
+    except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+        failure = error
+    checkpoints.settle(failure, directory, step, temporary, MARKER, rank, world_size)
     return final
 
 

@@ -39,7 +39,7 @@ from recipes.megatron.data import MicroBatches, build_train_dataset
 from recipes.megatron.translate import ddp_config, optimizer_config
 from recipes.metrics import StepMetrics
 from recipes.profiling import OPTIMIZER
-from recipes.trainer.checkpoints import checkpoint_dir
+from recipes.trainer.checkpoints import own_checkpoint_dir
 from recipes.trainer.console import megatron_iteration_line
 from recipes.trainer.entry import engine_main
 from recipes.trainer.loop import EngineSteps, train_loop
@@ -139,7 +139,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
     config, chunks = build(cfg, device, compute)
     model = wrap(cfg, config, chunks)
     optimizer = get_megatron_optimizer(optimizer_config(cfg, compute), model)
-    checkpoints = checkpoint_dir(cfg, run_dir)
+    checkpoints = own_checkpoint_dir(cfg, run_dir, rank, dist.get_world_size())
     first_step = megatron_checkpoint.load_latest(checkpoints, cfg, model, optimizer) + 1
     if rank == 0 and first_step > 1:
         print(f"resuming from step {first_step - 1} of {checkpoints}", flush=True)

@@ -25,6 +25,7 @@ import torch
 from recipes.config import Config, ConfigError, DataKind
 from recipes.nemo.preflight import check_versions
 from recipes.run_files import NEMO_RECIPE
+from recipes.trainer.checkpoints import own_checkpoint_dir
 from recipes.trainer.entry import engine_main
 
 
@@ -39,6 +40,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
     check_versions(cfg, *build.versions())
     if not torch.cuda.is_available():
         raise ConfigError("engine=nemo needs CUDA GPUs: NeMo's recipes train with Transformer Engine on GPUs")
+    own_checkpoint_dir(cfg, run_dir)  # every rank, before NeMo's process group: each checks, one claims
     recipe = build.build_recipe(cfg, run_dir, data_prefix(cfg))
     if int(os.environ.get("RANK", 0)) == 0:
         (run_dir / NEMO_RECIPE).write_text(build.to_yaml(recipe))

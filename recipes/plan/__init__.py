@@ -21,7 +21,7 @@ from recipes.plan.cluster import Site, check_cluster
 from recipes.plan.memory import MemoryEstimate, estimate_memory
 from recipes.plan.parallel import world_size
 from recipes.run_files import CONFIG
-from recipes.trainer.checkpoints import check_before_launch, checkpoint_dir
+from recipes.trainer.checkpoints import check_before_launch, check_owner, checkpoint_dir
 
 ENGINE_MODULE = {Engine.torch: "recipes.engine.torch_engine", Engine.megatron: "recipes.megatron.engine",
                  Engine.nemo: "recipes.nemo.engine"}
@@ -75,6 +75,7 @@ def _checkpoint_marker(engine: Engine) -> Optional[str]:
 def make_plan(cfg: Config, config_path: Path) -> Plan:
     """Every check, Slurm's and SSH's included, then what will run: raises ConfigError before anything launches."""
     validate(cfg)
+    check_owner(checkpoint_dir(cfg, config_path.parent), config_path.parent)  # another run's: refused, overwrite or not
     resumes = not cfg.run.overwrite and _resumes(cfg, config_path.parent)
     site = check_cluster(cfg, config_path.parent) if cfg.executor.name == ExecutorName.slurm else None
     parameters = count_parameters(cfg.model)

@@ -13,8 +13,8 @@ import torch
 
 from recipes.compute import check_compute_dtype
 from recipes.config import (
-    Config, ConfigError, DataKind, Engine, ExecutorName, Fp8Format, GradReduce, MegatronConfig, ModelConfig, Recipe,
-    Tunnel, check_values,
+    CONF_DIR, Config, ConfigError, DataKind, Engine, ExecutorName, Fp8Format, GradReduce, MegatronConfig, ModelConfig,
+    PrecisionConfig, Recipe, Tunnel, check_values, load_option,
 )
 from recipes.folders import check_writable
 from recipes.data.index_check import check_one_sample, existing_prefix, token_count
@@ -22,6 +22,7 @@ from recipes.fp8 import Fp8Training
 from recipes.metrics import check_loggers
 from recipes.nemo import preflight as nemo_preflight
 from recipes.plan.parallel import data_parallel_size, model_parallel_size, world_size
+from recipes.plan.run_dir import check_outside_source
 from recipes.trainer.checkpoints import checkpoint_dir
 
 # Engines that train megatron-core models with Transformer Engine: megatron-core's layout and FP8 rules apply.
@@ -52,15 +53,35 @@ def _validate_data(cfg: Config) -> None:
         check_one_sample(token_count(prefix), cfg.model.seq_length, prefix)
 
 
+def _check_recipe_is_named(precision: PrecisionConfig) -> None:
+    """The recipe is the one its name says (conf/precision/NAME.yaml's): reports and pairings go by the name, so
+    precision.recipe=bf16 under precision=fp8_current would train BF16 reported as FP8."""
+    try:
+        option = load_option("precision", precision.name)
+    except ConfigError:
+        return  # a name of no option: a config.yaml written by hand, read by the engine (Hydra knows only options)
+    if option.recipe != precision.recipe:
+        named = [path.stem for path in sorted((CONF_DIR / "precision").glob("*.yaml"))
+                 if load_option("precision", path.stem).recipe == precision.recipe]
+        raise ConfigError(f"precision.recipe={precision.recipe.value} under precision={precision.name}, whose recipe "
+                          f"is {option.recipe.value}: the run would be reported as {precision.name}; choose the "
+                          f"option of that recipe (precision={' or '.join(named) or '...'}) instead")
+
+
 def _validate_folders(cfg: Config) -> None:
     """The folders this machine writes besides the run directory (launch/run.py checks that one): nemo-run's
-    records, and for a run here the corpus cache and the checkpoints."""
+    records, and for a run here the corpus cache and the checkpoints. Each can be written, and is outside this
+    checkout's sources (and the first two outside the run directory: recipes.plan.run_dir)."""
     slurm = cfg.executor.slurm
+    check_outside_source(Path(cfg.executor.nemo_run_home), "executor.nemo_run_home")
     if cfg.executor.name == ExecutorName.local or (slurm is not None and slurm.tunnel == Tunnel.local):
         check_writable("executor.nemo_run_home", cfg.executor.nemo_run_home)
+        if cfg.trainer.checkpoint.dir:  # the default is the run directory's, checked with it
+            check_outside_source(checkpoint_dir(cfg, Path(cfg.run.dir)), "trainer.checkpoint.dir")
     if cfg.executor.name != ExecutorName.local:
         return
     if cfg.data.kind == DataKind.indexed and cfg.data.path is None:
+        check_outside_source(Path(cfg.data.cache_dir), "data.cache_dir")
         check_writable("data.cache_dir (FP8_RECIPES_CACHE)", cfg.data.cache_dir)
     if cfg.trainer.checkpoint.dir is not None and not cfg.trainer.checkpoint.dir.strip():
         raise ConfigError("trainer.checkpoint.dir is empty: it would be the run directory itself; leave it unset "
@@ -150,6 +171,7 @@ def _native_fp8_options(arch: str, megatron: bool) -> list[str]:
 
 def _validate_precision(cfg: Config) -> None:
     precision, gpu, megatron = cfg.precision, cfg.gpu, cfg.engine in MEGATRON_CORE_ENGINES
+    _check_recipe_is_named(precision)
     Fp8Training.check(cfg)  # what no recipe computes (a margin outside delayed scaling), an FP8 all-gather it cannot
     if megatron and precision.emulate:
         raise ConfigError(f"precision.emulate=true is the torch engine's (engine=torch): engine={cfg.engine.value} "

@@ -18,10 +18,36 @@ from typing import Optional
 
 from recipes.config import REPO_ROOT, Config, ConfigError, SlurmConfig, SshTunnelConfig, Tunnel
 
-SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+-]+$")
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-SBATCH_OPTION = re.compile(r"^[a-z][a-z0-9_-]*$")
+# Every pattern is used with fullmatch: `$` would also match before a final newline.
+SAFE_PATH = re.compile(r"[A-Za-z0-9_./+-]+")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+SBATCH_OPTION = re.compile(r"[a-z][a-z0-9_-]*")
 DEPENDENCY_TYPES = ("after", "afterany", "afterok", "afternotok")
+
+# What Slurm accepts for the #SBATCH values it names, ASCII only: sbatch reads a directive up to the end of its
+# line, so a value outside these grammars is refused rather than quoted (a quoted newline still ends the line, and
+# the script's shell then runs the rest). A name never starts with "-".
+NAME = r"[A-Za-z0-9_][A-Za-z0-9_.-]*"
+SBATCH_GRAMMAR = {
+    "account": (re.compile(NAME), "an account name of letters, digits and _ . - (e.g. my_acct-01)"),
+    "partition": (re.compile(rf"{NAME}(,{NAME})*"),
+                  "partition names of letters, digits and _ . -, comma-separated (e.g. gpu,gpu-long)"),
+    "qos": (re.compile(NAME), "a QOS name of letters, digits and _ . - (e.g. high)"),
+    "time": (re.compile(r"[0-9]+(:[0-9]+){0,2}|[0-9]+-[0-9]+(:[0-9]+){0,2}|(?i:unlimited|infinite)"),
+             "a time limit as MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED (e.g. 04:00:00)"),
+    "mem": (re.compile(r"[0-9]+[KMGTkmgt]?"), "megabytes, or a size with a K, M, G or T suffix (e.g. 200G; 0: all)"),
+}
+# Any other sbatch option's value is free-form: nemo-run shell-quotes it and sbatch reads those quotes back (its
+# backslashes are doubled by recipes.slurm), but no quoting keeps a line break or another control character inside
+# one #SBATCH line.
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# What ssh and rsync take before the host and as the host: nemo-run's rsync builds one shell string of user@host,
+# and ssh reads a destination that starts with "-" as an option (-oProxyCommand=... runs a command here).
+SSH_GRAMMAR = {
+    "user": (re.compile(NAME), "a user name of letters, digits and _ . -"),
+    "host": (re.compile(rf"{NAME}|[0-9A-Fa-f]*:[0-9A-Fa-f.:]*:[0-9A-Fa-f.:]*"),
+             "a host name or address of letters, digits and _ . -, or an IPv6 address"),
+}
 
 
 def check_cluster(cfg: Config, run_dir: Path) -> Site:
@@ -30,6 +56,8 @@ def check_cluster(cfg: Config, run_dir: Path) -> Site:
     nemo_run_home = Path(cfg.executor.nemo_run_home).expanduser().resolve()
     site = job_site(cfg, run_dir, nemo_run_home)
     check_slurm_settings(cfg.executor.slurm, site.job_root, site.run_dir)
+    if cfg.executor.slurm.container_image:
+        check_mounted_folders(site)
     if not cfg.dryrun and site.ssh is None:  # over SSH, sbatch and the secrets are the login node's
         require_sbatch()
         require_secrets(cfg.executor.slurm.secret_env)
@@ -54,7 +82,7 @@ def job_site(cfg: Config, run_dir: Path, nemo_run_home: Path) -> Site:
     if ssh is None:
         return Site(str(REPO_ROOT), str(Path(cfg.run.root).resolve()), str(nemo_run_home / "experiments"),
                     str(run_dir), "python" if slurm.container_image else sys.executable)
-    check_ssh_settings(ssh)
+    check_ssh_settings(ssh, nemo_run_home)
     return Site(ssh.repo, ssh.job_dir, posixpath.join(ssh.job_dir, "experiments"),
                 remote_run_dir(ssh, run_dir, Path(cfg.run.root).resolve()), ssh.python or "python", ssh)
 
@@ -73,37 +101,79 @@ def ssh_settings(slurm: SlurmConfig) -> Optional[SshTunnelConfig]:
 def check_slurm_settings(slurm: SlurmConfig, job_root: Path | str, run_dir: str) -> None:
     """`job_root` and `run_dir` as the sbatch script names them: on the login node when the tunnel is ssh."""
     root_setting = "executor.slurm.ssh.job_dir" if ssh_settings(slurm) else "executor.nemo_run_home"
-    bad = [key for key in slurm.env_vars if not ENV_NAME.match(key)]
+    bad = [key for key in slurm.env_vars if not ENV_NAME.fullmatch(key)]
     if bad:
         raise ConfigError(f"executor.slurm.env_vars: {bad} are not environment variable names ([A-Za-z_][A-Za-z0-9_]*)")
-    bad = [name for name in slurm.secret_env if not ENV_NAME.match(name) or name in slurm.env_vars]
+    bad = [name for name in slurm.secret_env if not ENV_NAME.fullmatch(name) or name in slurm.env_vars]
     if bad:
         raise ConfigError(f"executor.slurm.secret_env: {bad} must be environment variable names that are not also in "
                           "executor.slurm.env_vars (a secret passes by name; its value stays in your environment)")
     if slurm.dependency is not None and slurm.dependency not in DEPENDENCY_TYPES:
         raise ConfigError(f"executor.slurm.dependency={slurm.dependency!r}; valid values: null, "
                           f"{', '.join(DEPENDENCY_TYPES)}")
-    bad = [key for key in slurm.sbatch_args if not SBATCH_OPTION.match(key)]
+    bad = [key for key in slurm.sbatch_args if not SBATCH_OPTION.fullmatch(key)]
     if bad:
         raise ConfigError(f"executor.slurm.sbatch_args: {bad} are not sbatch option names (e.g. qos, mail-type)")
+    check_sbatch_values(slurm)
     if slurm.container_image is None:  # nemo-run then rewrites every "/nemo_run" in the script to the job folder
         clash = [path for path in (str(job_root), run_dir) if "/nemo_run" in path]
         if clash:
             raise ConfigError(f"{clash[0]!r} contains '/nemo_run', which nemo-run rewrites in the sbatch script of "
                               f"a job without a container; rename that folder ({root_setting}, run.root or run.dir)")
-    if not SAFE_PATH.match(str(job_root)):
+    if not SAFE_PATH.fullmatch(str(job_root)):
         raise ConfigError(
             f"{root_setting}: {str(job_root)!r}: nemo-run writes the job folder unquoted into the sbatch script, so "
             f"it may hold only letters, digits and _ . / + -; choose another {root_setting}"
         )
 
 
-def check_ssh_settings(ssh: SshTunnelConfig) -> None:
-    """Before connecting: the remote paths must be absolute (sbatch and sftp do not expand ~ or a relative path)."""
+def check_sbatch_values(slurm: SlurmConfig) -> None:
+    """Each value that becomes an #SBATCH line: in Slurm's grammar for its option, or free of control characters."""
+    named = {"account": slurm.account, "partition": slurm.partition, "time": slurm.time, "mem": slurm.mem}
+    values = [(f"executor.slurm.{option}", option, value) for option, value in named.items() if value is not None]
+    values += [(f"executor.slurm.sbatch_args.{key}", key.replace("_", "-"), value)
+               for key, value in slurm.sbatch_args.items()]
+    for setting, option, value in values:
+        value = str(value)
+        if option in SBATCH_GRAMMAR:
+            grammar, what = SBATCH_GRAMMAR[option]
+            if not grammar.fullmatch(value):
+                raise ConfigError(f"{setting}={value!r}: Slurm takes {what}")
+        elif CONTROL.search(value):
+            raise ConfigError(f"{setting}={value!r} holds a line break or another control character: sbatch would "
+                              "end its #SBATCH line there and the job's shell would run the rest; remove it")
+
+
+def check_mounted_folders(site: Site) -> None:
+    """The folders the project mounts into the job's container as SRC:DST (recipes.slurm.make_executor): pyxis splits
+    --container-mounts at "," and ":", so a folder holding either would be mounted as other folders."""
+    for setting, folder in (("the checkout (executor.slurm.ssh.repo)", site.repo), ("run.root", site.storage),
+                            ("run.dir", site.run_dir)):
+        if "," in folder or ":" in folder:
+            raise ConfigError(f"{setting}: {folder!r} holds ',' or ':', at which pyxis splits --container-mounts; "
+                              "move it to a folder without them, or run without a container "
+                              "(executor.slurm.container_image=null)")
+
+
+def check_ssh_settings(ssh: SshTunnelConfig, nemo_run_home: Path) -> None:
+    """Before connecting: the remote paths must be absolute (sbatch and sftp do not expand ~ or a relative path),
+    and what nemo-run's upload writes unquoted into its rsync and mkdir commands (user, host, key file, this
+    machine's experiment folder; the job folder is checked with the sbatch script's paths) are single words."""
     for name in ("job_dir", "repo"):
         value = getattr(ssh, name)
         if not value.startswith("/"):
             raise ConfigError(f"executor.slurm.ssh.{name}={value!r} must be an absolute path on the cluster")
+    for name, (grammar, what) in SSH_GRAMMAR.items():
+        value = getattr(ssh, name)
+        if not grammar.fullmatch(value):
+            raise ConfigError(f"executor.slurm.ssh.{name}={value!r}: ssh and rsync take {what}, not starting with -")
+    paths = {"executor.nemo_run_home": str(nemo_run_home)}
+    if ssh.identity:
+        paths["executor.slurm.ssh.identity"] = str(Path(ssh.identity).expanduser())
+    for setting, path in paths.items():
+        if not SAFE_PATH.fullmatch(path):
+            raise ConfigError(f"{setting}: {path!r}: over SSH nemo-run's upload writes it unquoted into an rsync "
+                              f"command, so it may hold only letters, digits and _ . / + -; choose another {setting}")
 
 
 def remote_run_dir(ssh: SshTunnelConfig, run_dir: Path, run_root: Path) -> str:

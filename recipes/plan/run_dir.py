@@ -4,9 +4,9 @@
     a folder holding a run (recipes.run_files.RAN)                            continued from its checkpoint; without
                                                                               one refused, or with run.overwrite=true
                                                                               moved aside first (set_aside), never
-                                                                              deleted
-    a folder holding anything else, the checkout or a folder of its source,   refused
-    an empty run.dir
+                                                                              deleted; a dry run there is refused
+    a folder holding anything else or a link, the checkout or a folder of     refused
+    its source, an empty run.dir
 
 The plan checks it (check_run_dir); the launcher checks again once it holds the run directory's lock, when no other
 launch can change the folder, and only then sets an old run aside and writes its own files.
@@ -19,7 +19,7 @@ import re
 import time
 from pathlib import Path
 
-from recipes.config import REPO_ROOT, Config, ConfigError
+from recipes.config import REPO_ROOT, Config, ConfigError, DataKind, ExecutorName
 from recipes.run_files import LOCK, PLANNED, RAN
 
 # The checkout's folders that hold the project itself: a run's files there would become part of it (a config.yaml
@@ -38,15 +38,35 @@ def check_run_dir(cfg: Config, run_dir: Path, resumable: bool) -> None:
                           "Slurm job, and may hold only ASCII letters, digits, '.', '_' and '-' (a letter or digit "
                           f"first); e.g. run.name={RUN_NAME_EXAMPLE.sub('_', cfg.run.name).strip('._-') or 'my_run'}")
     check_outside_source(run_dir, "run.dir")
-    if not run_dir.is_dir():
-        return
+    if run_dir.is_dir():
+        _check_entries(cfg, run_dir, resumable)
+    shared = [("executor.nemo_run_home", cfg.executor.nemo_run_home)]
+    if cfg.executor.name == ExecutorName.local and cfg.data.kind == DataKind.indexed and cfg.data.path is None:
+        shared.append(("data.cache_dir", cfg.data.cache_dir))
+    for key, folder in shared:  # shared by every run: in a run directory they would be entries no run writes
+        path = Path(folder).expanduser().absolute()
+        if path == run_dir.absolute() or run_dir.absolute() in path.parents:
+            raise ConfigError(f"{key}={folder} is inside the run directory {run_dir}, which holds only the run's own "
+                              f"files; give {key} a folder outside it (it is shared by every run)")
+
+
+def _check_entries(cfg: Config, run_dir: Path, resumable: bool) -> None:
     entries = sorted(entry.name for entry in run_dir.iterdir())
     foreign = [name for name in entries if not _is_run_file(name, cfg)]
     if foreign:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
         raise ConfigError(f"run.dir={run_dir} holds files that are not a run's ({shown}): a launch writes only into a "
                           f"folder of its own; {NEW_FOLDER}")
+    links = [name for name in entries if (run_dir / name).is_symlink()]
+    if links:
+        raise ConfigError(f"run.dir={run_dir} holds symbolic links ({', '.join(links)}): a run writes only its own "
+                          "regular files, never through a link (a folder elsewhere is trainer.checkpoint.dir's); "
+                          f"remove them, or {NEW_FOLDER}")
     ran = [name for name in entries if name not in PLANNED]
+    if ran and cfg.dryrun:
+        raise ConfigError(f"dryrun=true: run.dir={run_dir} holds a run ({', '.join(ran)}), whose config.yaml and "
+                          "overrides.yaml record how it was made and would be replaced; give the dry run a new folder "
+                          "(run.dir=runs/NAME) to see the plan")
     if ran and not resumable and not cfg.run.overwrite:
         raise ConfigError(f"run.dir={run_dir} holds a run ({', '.join(ran)}) with no checkpoint this run can "
                           f"continue from; {NEW_FOLDER}, or set run.overwrite=true to move that run aside (into "
@@ -60,13 +80,16 @@ def check_run_dir_given(value: str) -> None:
 
 
 def check_outside_source(folder: Path, key: str) -> None:
-    """Not the checkout itself or a folder above it, and nothing inside its source folders: for the run directory
-    and for a -m sweep's folder (`key`), where Hydra writes its multirun.yaml."""
+    """Not the checkout itself or a folder above it, and nothing inside its source folders: for every folder a run
+    writes (`key` names its setting): the run directory, a -m sweep's folder (Hydra's multirun.yaml), checkpoints,
+    nemo-run's home, the corpus cache."""
+    folder = Path(folder).expanduser().absolute()
+    fix = NEW_FOLDER if key == "run.dir" else f"give {key} a folder outside it"
     if folder == REPO_ROOT or folder in REPO_ROOT.parents:
-        raise ConfigError(f"{key}={folder} holds this checkout ({REPO_ROOT}): {NEW_FOLDER}")
+        raise ConfigError(f"{key}={folder} holds this checkout ({REPO_ROOT}): {fix}")
     if REPO_ROOT in folder.parents and folder.relative_to(REPO_ROOT).parts[0] in SOURCE_FOLDERS:
         raise ConfigError(f"{key}={folder} is inside this checkout's source folder "
-                          f"{folder.relative_to(REPO_ROOT).parts[0]}/: {NEW_FOLDER}")
+                          f"{folder.relative_to(REPO_ROOT).parts[0]}/: {fix}")
 
 
 def _is_run_file(name: str, cfg: Config) -> bool:

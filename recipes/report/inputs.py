@@ -24,6 +24,7 @@ import fnmatch
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -31,6 +32,7 @@ from typing import Any, Optional
 import yaml
 
 from recipes.report import metadata
+from recipes.report.formats.base import UnusableFile, file_problem, read_input, system_reason
 from recipes.report.parse import FileRead, read_log, read_metrics_jsonl
 from recipes.report.records import Run, merge_steps
 from recipes.run_files import CONFIG, METRICS, SLURM_LOG, SUMMARY, TRAIN_LOG, slurm_log_stem
@@ -64,9 +66,7 @@ def find_sources(inputs: list[str], base: Path) -> tuple[list[Source], list[str]
     tasks_with_run_dirs: set[Path] = set()
     notes: list[str] = []
     for given in inputs:
-        path = (base / given).resolve() if not os.path.isabs(given) else Path(given).resolve()
-        if not path.exists():
-            raise InputError(f"{given}: no such file or directory")
+        path = _given_path(given, base)
         if path.is_dir() and (path / METRICS).is_file():
             run_dirs.append((path, path))
         elif path.is_dir():
@@ -112,6 +112,22 @@ def find_sources(inputs: list[str], base: Path) -> tuple[list[Source], list[str]
     return sources + _group_logs(unique_logs), notes
 
 
+def _given_path(given: str, base: Path) -> Path:
+    """An input's absolute path, its links followed; InputError unless it names a folder or a file read_input
+    takes (a FIFO, a device, a link loop or a file past the size bound is refused here, before any is read)."""
+    try:
+        path = (base / given).resolve()
+        info = path.stat()
+    except RuntimeError:  # what Python before 3.13 raises on a symbolic link loop (3.13: ELOOP from stat)
+        raise InputError(f"{given}: a symbolic link loop") from None
+    except OSError as error:
+        raise InputError(f"{given}: {system_reason(error)}") from None
+    problem = None if stat.S_ISDIR(info.st_mode) else file_problem(info)
+    if problem:
+        raise InputError(f"{given}: {problem}; give a run directory, a folder to search or a log file")
+    return path
+
+
 def _inside_nemo_run_home(given: Path, configs: Path) -> bool:
     """The folder given is nemo-run's own (its home, experiments/, an experiment or a task of this record): its
     records are what was asked for, wherever their run directories are."""
@@ -123,8 +139,8 @@ def _nemo_run_run_dirs(configs: Path, files: list[str]) -> list[Path]:
     found = []
     for name in sorted(f for f in files if f.endswith("_config.yaml")):
         try:
-            task = yaml.safe_load((configs / name).read_text(errors="replace"))
-        except (OSError, yaml.YAMLError):
+            task = yaml.safe_load(read_input(configs / name).decode(errors="replace"))
+        except (UnusableFile, yaml.YAMLError):
             continue
         args = task.get("args") if isinstance(task, dict) else None
         for arg in args if isinstance(args, list) else []:
@@ -174,11 +190,11 @@ def read_source(
     """A Run with merged metadata, or None (with notes saying why) when the source holds no usable record."""
     config, summary = {}, {}
     if source.kind == "logs":
-        reads = [read_log(path, display_path(path, base)) for path in source.paths]
+        reads = [_read(read_log, path, base) for path in source.paths]
         config_dir = _config_dir(source.paths[0].parent, source.root)
     else:
         metrics = source.paths[0] / METRICS if source.kind == "run_dir" else source.paths[0]
-        reads = [read_metrics_jsonl(metrics, display_path(metrics, base))]
+        reads = [_read(read_metrics_jsonl, metrics, base)]
         config_dir = metrics.parent
     notes = [note for read in reads for note in read.notes]
     if config_dir is not None:
@@ -224,6 +240,15 @@ def read_source(
     return run, []
 
 
+def _read(reader, path: Path, base: Path) -> FileRead:
+    """One file's records; a file that cannot be read (formats.base.read_input) is skipped with a note saying why."""
+    where = display_path(path, base)
+    try:
+        return reader(path, where)
+    except UnusableFile as error:
+        return FileRead(None, [], notes=[f"{where}: not read: {error}"])
+
+
 def _planned(reads: list[FileRead]) -> Optional[int]:
     planned = [read.planned_steps for read in reads if read.planned_steps]
     return planned[-1] if planned else None
@@ -237,7 +262,11 @@ def _resumed_at(steps: list, reads: list[FileRead], source: Source) -> list[int]
     started = [read.start_step for read in reads if read.start_step and read.start_step > 1]
     log = source.paths[0] / TRAIN_LOG if source.kind == "run_dir" else None
     if log is not None and log.is_file():
-        started += [int(m["step"]) + 1 for m in RESUMING.finditer(log.read_text(errors="replace"))]
+        try:
+            text = read_input(log).decode(errors="replace")
+        except UnusableFile:  # its resumes go unmarked; the records' own restarts above still show
+            text = ""
+        started += [int(m["step"]) + 1 for m in RESUMING.finditer(text)]
     return sorted(set(restarts + started))
 
 
@@ -279,7 +308,9 @@ def _load(path: Path, base: Path, loader) -> tuple[dict, list[str]]:
     if not path.is_file():
         return {}, []
     try:
-        data = loader(path.read_text(errors="replace"))
+        data = loader(read_input(path).decode(errors="replace"))
+    except UnusableFile as error:
+        return {}, [f"{display_path(path, base)}: not read ({error}); its metadata is unknown"]
     except (ValueError, yaml.YAMLError) as error:
         return {}, [f"{display_path(path, base)}: not read ({type(error).__name__}); its metadata is unknown"]
     if not isinstance(data, dict):
@@ -299,7 +330,8 @@ def _label_values(source: Source, labels: list[tuple[str, dict[str, Any]]], base
 def label_matches(pattern: str, source: Source, base: Path) -> bool:
     """FILE names a source's file or folder, or a folder above it: by path (relative to base or absolute), by
     name, or as a glob pattern over either."""
-    target = (base / pattern).resolve() if not os.path.isabs(pattern) else Path(pattern).resolve()
+    # os.path.realpath, not Path.resolve: a link loop stays a path that matches nothing, not a RuntimeError
+    target = Path(os.path.realpath(base / pattern))
     names = [source.name]
     for path in source.paths:
         if path == target or target in path.parents:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 import re
 from collections import Counter
@@ -21,6 +22,7 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from recipes.folders import write_file  # noqa: E402
 from recipes.report.gemm import group_name  # noqa: E402
 from recipes.report.metadata import PRECISION_ORDER, describe_layout  # noqa: E402
 from recipes.report.table import Result, precision_label, run_state  # noqa: E402
@@ -45,8 +47,10 @@ def _color(name: str, seen: dict[str, str]) -> str:
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=DPI)
     plt.close(fig)
+    write_file(path, png.getvalue())
     return path
 
 
@@ -171,13 +175,14 @@ def _legend_labels(results: list[Result]) -> dict[int, str]:
 
 def write_curve_csv(curves: list[Curve], path: Path) -> Path:
     """The numbers behind a figure's lines, one row per point: run, precision, its run state, panel, step, value."""
-    with path.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["run", "precision", "run_state", "panel", "step", "value"])
-        for curve in curves:
-            label, state = precision_label(curve.run.meta), run_state(curve.run)
-            writer.writerows([curve.run.run.name, label, state, curve.panel, step, format(value, ".10g")]
-                             for step, value in zip(curve.steps, curve.values))
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    writer.writerow(["run", "precision", "run_state", "panel", "step", "value"])
+    for curve in curves:
+        label, state = precision_label(curve.run.meta), run_state(curve.run)
+        writer.writerows([curve.run.run.name, label, state, curve.panel, step, format(value, ".10g")]
+                         for step, value in zip(curve.steps, curve.values))
+    write_file(path, text.getvalue())
     return path
 
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 import base64
 import csv
 import html
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from recipes.folders import write_file
 
 Table = tuple[list[str], list[list[str]]]
 
@@ -140,7 +143,8 @@ def html_page(report: Report) -> str:
 
 
 def write_csv(path: Path, headers: list[str], rows: list[list[str]]) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(headers)
-        writer.writerows(rows)
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    writer.writerow(headers)
+    writer.writerows(rows)
+    write_file(path, text.getvalue())

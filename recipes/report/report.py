@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
+from recipes.folders import UnsafeFile, check_regular_or_absent, write_file
+from recipes.metrics import write_failure, write_fix
 from recipes.report import gemm, plots, render, table
 from recipes.report.inputs import InputError, Source, display_path, find_sources, label_matches, read_source
 from recipes.report.metadata import LabelError, parse_label
 from recipes.report.records import Run
 
 # 0: report written, nothing flagged. 1: report written, a run diverged from BF16 or went NaN/inf (its loss or
-# gradient norm). 2: bad arguments, an --out that cannot be written, or no usable run (no report written).
+# gradient norm). 2: bad arguments, an --out that cannot be written (before or while writing), or no usable run (no
+# report written).
 EXIT_OK, EXIT_FLAGGED, EXIT_USAGE = 0, 1, 2
-# Figures this tool writes; removed from the output folder first so a regenerated folder holds no stale plot.
+# Figures this tool writes; an earlier report's are removed as the new one moves in, so that none is left stale.
 FIGURE_PATTERNS = ["speedup_vs_model_size.png", "loss_curves_*.png", "loss_curves_*.csv", "gemm_speedup_vs_k.png"]
 
 
@@ -62,16 +68,62 @@ def build_report(
         log(f"no usable run in the inputs ({len(sources)} file(s) or folder(s) found): no report written")
         return EXIT_USAGE, []
     results = table.compare(runs, loss_tolerance)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with _staged(out) as folder:
+            figures, flags = _write_report(results, folder, notes, gemm_path, loss_tolerance, base, command)
+    except OSError as error:  # ENOSPC, EFBIG, EROFS, EACCES: the previous report, if any, is left as it was
+        raise UsageError(f"--out {out}: the report could not be written, {write_failure(error)}, and nothing there "
+                         f"was changed; {write_fix(error, 'give an --out')}") from None
+    except UnsafeFile as error:
+        raise UsageError(f"--out {out}: {error}") from None
+    log(f"wrote {out}/: report.md, report.html, results.csv and {len(figures)} figure(s) (with their data as CSV)")
+    for flag in flags:
+        log(f"FLAGGED {flag}")
+    return (EXIT_FLAGGED if flags else EXIT_OK), results
+
+
+@contextmanager
+def _staged(out: Path) -> Iterator[Path]:
+    """A new folder inside `out` to write the report into; once every file is written they are renamed into `out`
+    (_move_in). A write that fails (a full disk, a file-size limit, a read-only filesystem) leaves no part of the
+    new report and the previous one as it was; an `out` made here is removed again."""
+    made = [folder for folder in (out, *out.parents) if not folder.exists()]  # innermost first
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".compare-", dir=out))  # same filesystem: a rename moves it in
+        try:
+            yield staging
+            _move_in(staging, out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        for folder in made:
+            with suppress(OSError):  # not empty: something else wrote there meanwhile, and it stays
+                folder.rmdir()
+        raise
+
+
+def _move_in(staging: Path, out: Path) -> None:
+    """The staged files renamed into `out` (a rename needs no space), an earlier report's figures removed first.
+    UnsafeFile, before anything is moved, where a report file's name in `out` is a link, a FIFO or a folder."""
+    names = sorted(path.name for path in staging.iterdir())
+    for name in names:
+        check_regular_or_absent(out / name)
     for pattern in FIGURE_PATTERNS:
         for stale in out.glob(pattern):
             stale.unlink()
+    for name in names:
+        os.replace(staging / name, out / name)
 
+
+def _write_report(results: list[table.Result], out: Path, notes: list[str], gemm_path: Optional[Path],
+                  loss_tolerance: float, base: Path, command: str) -> tuple[list[render.Figure], list[str]]:
+    """report.md, report.html, results.csv and the figures, written into `out`; returns the figures and the flags."""
     figures = _figures(results, out, loss_tolerance)
     gemm_table = None
     if gemm_path is not None:
         rows, gemm_notes = gemm.read_gemm_csv(gemm_path, display_path(gemm_path, base))
-        notes += gemm_notes
+        notes = notes + gemm_notes
         figure = plots.gemm_speedup_vs_k(rows, out / "gemm_speedup_vs_k.png")
         if figure:
             figures.append(render.Figure("GEMM speedup vs K", figure, f"From {display_path(gemm_path, base)}."))
@@ -93,13 +145,10 @@ def build_report(
         notes=notes + seed_notes + [note for r in results for note in r.run.notes]
         + [f"{r.run.name}: {r.note}" for r in results if r.note],
     )
-    (out / "report.md").write_text(render.markdown(report))
-    (out / "report.html").write_text(render.html_page(report))
+    write_file(out / "report.md", render.markdown(report))
+    write_file(out / "report.html", render.html_page(report))
     render.write_csv(out / "results.csv", table.CSV_HEADERS, table.csv_rows(results, lambda p: display_path(p, base)))
-    log(f"wrote {out}/: report.md, report.html, results.csv and {len(figures)} figure(s) (with their data as CSV)")
-    for flag in flags:
-        log(f"FLAGGED {flag}")
-    return (EXIT_FLAGGED if flags else EXIT_OK), results
+    return figures, flags
 
 
 def _check_out(out: Path) -> None:

@@ -10,26 +10,32 @@ rename (finish_save), so a folder named `step_<N>` is always complete; `prune` k
 reads them (verify_files) and fall back to an older checkpoint when one was damaged since. A run started again in
 the same run directory continues from the newest intact one, if its config allows (check_resumable; the launcher
 checks it before it writes anything: check_before_launch), and cuts its metrics back to that step
-(resume_metrics). What a checkpoint holds is each engine's: recipes.engine.checkpoint,
-recipes.megatron.checkpoint.
+(resume_metrics). A save the machine refuses (a full disk, a quota, `ulimit -f`) removes its temporary folder and
+stops the run in one line on every rank (settle: SaveFailed); the checkpoints before it stay. What a checkpoint
+holds is each engine's: recipes.engine.checkpoint, recipes.megatron.checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import pickle
 import re
+import resource
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
 from recipes.config import Config, ConfigError, to_dict
-from recipes.metrics import StepMetrics
+from recipes.folders import check_regular_or_absent, write_file
+from recipes.metrics import FULL, StepMetrics, WriteFailed, write_failure, write_fix
 from recipes.run_files import CHECKPOINTS, METRICS
 
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -37,7 +43,10 @@ MANIFEST = "manifest.json"
 
 # Settings a resumed run must share with the run that wrote the checkpoint: the model's shape and maths, the
 # precision recipe, which samples each step reads. Anything else (max_steps, intervals, compile, ...) may change.
-MUST_MATCH = ("model", "precision", "data.kind", "data.path", "trainer.seed", "trainer.global_batch_size")
+# The dataset itself is compared by identity, not by path (recipes.data.identity; own_checkpoint_dir).
+MUST_MATCH = ("model", "precision", "data.kind", "trainer.seed", "trainer.global_batch_size")
+# A checkpoint folder's owner: the run directory whose run saves there, and the dataset that run trains on.
+OWNER = "owner.json"
 
 
 class CheckpointError(ConfigError):
@@ -47,6 +56,97 @@ class CheckpointError(ConfigError):
 def checkpoint_dir(cfg: Config, run_dir: Path) -> Path:
     configured = cfg.trainer.checkpoint.dir
     return run_dir / CHECKPOINTS if configured is None else run_dir / Path(configured).expanduser()
+
+
+# ---- whose checkpoints ----
+
+
+def own_checkpoint_dir(cfg: Config, run_dir: Path, rank: int = 0, world_size: int = 1) -> Path:
+    """The run's checkpoint folder, checked to be its own: a folder shared by two runs would have one continue the
+    other's checkpoints and prune its saves. The first run that saves there claims it (OWNER, created in one step:
+    of two runs started together one claims, the other is refused); a run continues only from a folder its own run
+    directory claimed, and only on the dataset it trained on. CheckpointError on every rank otherwise (a collective
+    when world_size > 1)."""
+    directory = checkpoint_dir(cfg, run_dir)
+    problem = None
+    if rank == 0:
+        try:
+            _claim(directory, run_dir, cfg)
+        except CheckpointError as error:
+            problem = str(error)
+    if world_size > 1:
+        shared = [problem]
+        dist.broadcast_object_list(shared, src=0)
+        problem = shared[0]
+    if problem:
+        raise CheckpointError(problem)
+    return directory
+
+
+def _claim(directory: Path, run_dir: Path, cfg: Config) -> None:
+    from recipes.data.identity import dataset_identity  # reads the index, and may build the bundled corpus
+
+    if not directory.is_dir() and cfg.trainer.checkpoint.interval == 0:
+        return  # no checkpoint to continue from, none to be saved
+    record = {"run_dir": str(run_dir.resolve()), "dataset": dataset_identity(cfg.data)}
+    directory.mkdir(parents=True, exist_ok=True)
+    if _create_new(directory / OWNER, record):
+        return
+    owner = check_owner(directory, run_dir)
+    if owner.get("dataset") != record["dataset"] and _holds_saves(directory):
+        raise CheckpointError(
+            f"cannot resume from {directory}: its run trained on the dataset {_describe(owner.get('dataset'))}, and "
+            f"data (data.path={cfg.data.path}) is now {_describe(record['dataset'])}; give data.path that dataset, "
+            f"or use a new run.dir for a run on this one")
+    if owner != record:  # the run directory moved with its checkpoints, or no save yet of the earlier dataset
+        write_file(directory / OWNER, json.dumps(record, indent=1) + "\n")
+
+
+def check_owner(directory: Path, run_dir: Path) -> dict:
+    """The owner record of `directory` ({} when unclaimed); CheckpointError when another run directory claimed it.
+    A folder inside the run directory is that run's, whoever claimed it (the run directory was moved)."""
+    path = directory / OWNER
+    if not path.exists() and not path.is_symlink():
+        return {}
+    try:
+        check_regular_or_absent(path)
+        owner = json.loads(path.read_text())
+        claimed = Path(owner["run_dir"])
+    except (OSError, ValueError, KeyError, TypeError, ConfigError) as error:
+        raise CheckpointError(f"{path} cannot be read ({str(error) or type(error).__name__}): this folder's owner is "
+                              "unknown; give this run its own trainer.checkpoint.dir") from None
+    ours = run_dir.resolve()
+    if claimed != ours and ours not in directory.resolve().parents:
+        raise CheckpointError(
+            f"trainer.checkpoint.dir {directory} holds the checkpoints of the run in {claimed} ({path}); a run "
+            f"continues and prunes only its own: give this run another trainer.checkpoint.dir (if {claimed} was "
+            f"moved to {ours}, delete {path})")
+    return owner
+
+
+def _create_new(path: Path, record: dict) -> bool:
+    """`path` created holding `record`, unless it exists (False): written aside, then linked into place, which
+    fails where the name is taken, so a reader never sees it half written and two writers never both succeed."""
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    write_file(temporary, json.dumps(record, indent=1) + "\n")
+    try:
+        os.link(temporary, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        temporary.unlink()
+
+
+def _holds_saves(directory: Path) -> bool:
+    return any(_STEP_DIR.fullmatch(entry.name) for entry in directory.iterdir())
+
+
+def _describe(dataset: Optional[dict]) -> str:
+    if not dataset:
+        return "mock (random tokens)"
+    return (f"of {dataset['bin_bytes']:,} token bytes (index sha256 {dataset['idx_sha256'][:12]}, tokens "
+            f"{dataset['bin_pieces_sha256'][:12]})")
 
 
 def step_folder(directory: Path, step: int) -> Path:
@@ -92,7 +192,12 @@ def finish_save(directory: Path, step: int, temporary: Path) -> Path:
     if final.exists():  # the same step saved again: moved aside (a name that is never read), then replaced
         replaced = directory / f"{final.name}.tmp-replaced-{os.getpid()}"
         os.rename(final, replaced)
-    os.rename(temporary, final)
+    try:
+        os.rename(temporary, final)
+    except OSError:
+        if replaced:  # the step's earlier checkpoint back in its place: a failed save leaves what was there
+            os.rename(replaced, final)
+        raise
     _fsync_dir(directory)
     if replaced:
         shutil.rmtree(replaced)
@@ -102,13 +207,20 @@ def finish_save(directory: Path, step: int, temporary: Path) -> Path:
 def seal(temporary: Path, marker: str, state: dict, rank: int, world_size: int) -> None:
     """Close a save once every rank's files are in `temporary`: each rank digests its share of them, then rank 0
     writes the engine's `marker` file (`state`: step, config, ...) and the manifest of every file, fsynced. A
-    collective when world_size > 1; finish_save publishes the folder after it."""
+    collective when world_size > 1 (a rank that cannot read its share sends its OSError, raised on every rank);
+    finish_save publishes the folder after it."""
     names = sorted(name for name in os.listdir(temporary) if (temporary / name).is_file())
-    digests = [file_digests(temporary, names[rank::world_size])]
+    try:
+        digests: list[Any] = [file_digests(temporary, names[rank::world_size])]
+    except OSError as error:
+        digests = [error]
     if world_size > 1:
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, digests[0])
         digests = gathered
+    for share in digests:
+        if isinstance(share, OSError):
+            raise share
     if rank == 0:
         with open(temporary / marker, "wb") as file:
             torch.save(state, file)
@@ -137,6 +249,108 @@ def write_manifest(folder: Path, digests: dict[str, dict]) -> None:
         json.dump({"files": dict(sorted(digests.items()))}, file, indent=1)
         file.flush()
         os.fsync(file.fileno())
+
+
+class SaveFailed(CheckpointError):
+    """A checkpoint the machine would not take (a full disk, a quota, a file-size limit, its folder gone): its
+    temporary folder is removed, the checkpoints before it stay, and the run stops in one line on every rank."""
+
+
+def start_everywhere(directory: Path, step: int, tag: str, marker: str, rank: int, world_size: int) -> Path:
+    """start_save on rank 0, its folder shared with every rank; SaveFailed on every rank where rank 0 cannot make
+    it. A collective when world_size > 1."""
+    started: list[Any] = [None]  # the folder, or why it could not be made
+    if rank == 0:
+        try:
+            started[0] = start_save(directory, step, tag)
+        except OSError as error:
+            started[0] = _failure_line(error, directory, step, marker)
+    if world_size > 1:
+        dist.broadcast_object_list(started, src=0)
+    if isinstance(started[0], str):
+        raise SaveFailed(started[0])
+    return started[0]
+
+
+def settle(error: Optional[BaseException], directory: Path, step: int, temporary: Path, marker: str, rank: int,
+           world_size: int) -> None:
+    """End a save alike on every rank; `error` is what failed this rank's part of it (None: nothing). A failure
+    of the machine on any rank (an OSError, wherever the writers wrapped it) removes the temporary folder and raises
+    the same SaveFailed everywhere; any other failure is raised again where it happened (a bug: its traceback), and
+    as a CheckpointError on the other ranks. A collective when world_size > 1, which also keeps every rank from
+    running ahead of the published checkpoint."""
+    outcome = None if error is None else _failure_line(error, directory, step, marker, temporary) or ""
+    outcomes = [outcome]
+    if world_size > 1:
+        outcomes = [None] * world_size
+        dist.all_gather_object(outcomes, outcome)
+    line = next((found for found in outcomes if found), None)
+    if line:
+        if rank == 0:
+            shutil.rmtree(temporary, ignore_errors=True)
+        raise SaveFailed(line)
+    if error is not None:
+        raise error
+    if "" in outcomes:
+        raise CheckpointError(f"the checkpoint of step {step} failed on rank {outcomes.index('')} (its error above)")
+
+
+def _failure_line(error: BaseException, directory: Path, step: int, marker: str,
+                  temporary: Optional[Path] = None) -> Optional[str]:
+    """The one line of a save that failed for a reason of the machine, what to do included; None for any other
+    failure. Worked out before the temporary folder is removed (_probed_cause looks into it)."""
+    cause = _os_error(error)
+    if cause is None and temporary is not None and isinstance(error, CheckpointException):
+        cause = _probed_cause(temporary)
+    if cause is None:
+        return None
+    if cause.errno == errno.ENOENT and not directory.is_dir():
+        return (f"the checkpoint folder {directory} disappeared while the checkpoint of step {step} was written "
+                "(removed or moved, perhaps with its run directory): the run stops")
+    previous = complete_checkpoints(directory, marker)
+    resume = (f"the newest complete checkpoint, {previous[-1][1]}, is intact and the same command resumes from it"
+              if previous else "there is no earlier checkpoint: the same command starts the run over")
+    fewer = " or keep fewer checkpoints (trainer.checkpoint.keep_last)" if cause.errno in FULL else ""
+    return (f"cannot save the checkpoint of step {step} in {directory}: {write_failure(cause)}; what was written of "
+            f"it is removed and the run stops; {resume}. To save there, "
+            f"{write_fix(cause, 'set trainer.checkpoint.dir to a folder')}{fewer}")
+
+
+def _os_error(error: BaseException) -> Optional[OSError]:
+    """The OSError behind `error`: itself, or one it was raised over (torch.save's zip writer raises a RuntimeError
+    over a failed write), or in a CheckpointException's failures (rank: exception, or (exception, traceback))."""
+    pending, seen = [error], set()
+    while pending:
+        found = pending.pop(0)
+        if found is None or id(found) in seen:
+            continue
+        seen.add(id(found))
+        if isinstance(found, OSError) and found.errno is not None:
+            return found
+        pending += [found.__cause__, found.__context__]
+        for failure in getattr(found, "failures", {}).values():
+            pending.append(failure[0] if isinstance(failure, tuple) else failure)
+    return None
+
+
+LOW_SPACE = 64 << 20  # bytes: a filesystem with less left after a failed write was filled by it
+
+
+def _probed_cause(temporary: Path) -> Optional[OSError]:
+    """Why a save's writers failed, from what its folder shows, where their own errors did not come back: an error
+    sent from another process loses the OSError it was raised over (megatron-core writes in forked processes; DCP
+    gathers every rank's). A file at this process's file-size limit: EFBIG; a filesystem about full: ENOSPC."""
+    if not temporary.is_dir():
+        return None
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    sizes = [entry.stat().st_size for entry in temporary.iterdir() if entry.is_file()]
+    if limit != resource.RLIM_INFINITY and any(size >= limit for size in sizes):
+        return OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+    space = os.statvfs(temporary)
+    free = (space.f_bfree if os.geteuid() == 0 else space.f_bavail) * space.f_frsize  # root may use the reserve
+    if free < LOW_SPACE:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return None
 
 
 def read_manifest(folder: Path) -> Optional[dict[str, dict]]:
@@ -332,24 +546,32 @@ def resume_metrics(run_dir: Path, step: int, checkpoint: Optional[Path] = None) 
     file lacks some of those steps (removed, cut short) and `checkpoint`, the folder of the checkpoint resumed from,
     holds its copy of them all (recipes.trainer.loop.save), the copy is restored, saying so."""
     path = run_dir / METRICS
+    check_regular_or_absent(path)  # a link is neither read nor written through, a FIFO never waited on
     lines = path.read_text().splitlines() if path.exists() else []
     kept = _steps_up_to(lines, step)
     copy = checkpoint / METRICS if checkpoint is not None else None
     if [record["step"] for _, record in kept] != list(range(1, step + 1)) and copy is not None and copy.is_file():
+        check_regular_or_absent(copy)
         restored = _steps_up_to(copy.read_text().splitlines(), step)
         if [record["step"] for _, record in restored] == list(range(1, step + 1)):
             print(f"{METRICS}: held {len(kept)} of steps 1..{step}; restored them from {copy}", flush=True)
             kept, lines = restored, []
     if len(kept) != len(lines):
-        temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text("".join(line + "\n" for line, _ in kept))
-        os.replace(temporary, path)
+        _write_metrics(path, "".join(line + "\n" for line, _ in kept))
         if lines:
             print(f"{METRICS}: dropped {len(lines) - len(kept)} line(s) after step {step}", flush=True)
     history = [StepMetrics(**record) for _, record in kept]
     if [m.step for m in history] != list(range(1, step + 1)):
         print(f"warning: {path} does not hold exactly steps 1..{step}; summary.json covers those it holds", flush=True)
     return history
+
+
+def _write_metrics(path: Path, text: str) -> None:
+    try:
+        write_file(path, text)
+    except OSError as error:
+        raise WriteFailed(f"cannot write {path} to resume the run: {write_failure(error)}; no step was run. To "
+                          f"go on, {write_fix(error, 'move the run directory to a folder')}") from None
 
 
 def _steps_up_to(lines: list[str], step: int) -> list[tuple[str, dict]]:

@@ -7,6 +7,8 @@
                        metrics.jsonl, TensorBoard scalars, W&B (MetricsWriter)
     non-finite check   a NaN or inf loss, gradient norm or delayed-scaling amax is written down, and training stops
                        (NonFiniteError)
+    dead check         a gradient norm of exactly 0 for DEAD_STEPS steps running: the network can no longer learn,
+                       and training stops the same way (DeadNetworkError)
     log                the engine's progress line every trainer.log_interval steps and at the last one
     checkpoint         the engine's, every trainer.checkpoint.interval steps and at the last one
     stop               on a signal, after the step: its checkpoint, and out (recipes.trainer.stopping)
@@ -47,6 +49,27 @@ class NonFiniteError(RuntimeError):
             problems.append(f"the amax of {amaxes} is inf or NaN (delayed scaling)")
         super().__init__(("" if step is None else f"step {step}: ") + "; ".join(problems))
         self.loss, self.grad_norm, self.amaxes = loss, grad_norm, amaxes
+
+
+# Every gradient exactly 0, in FP32, over millions of weights, is no healthy step: the activations are saturated or
+# zero, as after a weight decay, init_std or learning rate far too large; Adam's momentum then carries the weights on
+# along old gradients (often into inf), and the gradient stays 0. Three steps running rather than one, so that a
+# single step an engine skipped and reported as 0 stops nothing.
+DEAD_STEPS = 3
+
+
+class DeadNetworkError(NonFiniteError):
+    """The gradient norm has been exactly 0 for DEAD_STEPS steps running. A NonFiniteError, so that the engines stop on
+    it as they do on NaN/inf (exit status 1, one line): a run that can never learn again is better stopped than
+    left to fill its steps (and its GPUs' hours) with a flat loss."""
+
+    def __init__(self, step: int, loss: float, vocab_size: int):
+        uniform = ", ln(model.vocab_size): a uniform guess" if abs(loss - math.log(vocab_size)) < 1e-3 else ""
+        RuntimeError.__init__(
+            self, f"step {step}: the gradient norm has been exactly 0 for {DEAD_STEPS} steps running (loss "
+            f"{loss:.4f}{uniform}): the network is dead and will not learn again; look for a trainer.weight_decay, "
+            "model.init_std or trainer.lr far too large")
+        self.loss, self.grad_norm, self.amaxes = loss, 0.0, ""
 
 
 def learning_rate(step: int, trainer: TrainerConfig) -> float:
@@ -96,6 +119,7 @@ def train_loop(cfg: Config, run_dir: Path, engine: EngineSteps, first_step: int,
         checkpoint_dir(cfg, run_dir), first_step - 1)) if is_logger else []
     writer = MetricsWriter(run_dir, cfg, first_step, history) if is_logger else None
     last_logged = first_step - 1
+    zero_gradient_steps = 0
     stop_signals.graceful = True  # from here a signal stops the run after the step in progress
     try:
         for step in range(first_step, cfg.trainer.max_steps + 1):
@@ -117,6 +141,11 @@ def train_loop(cfg: Config, run_dir: Path, engine: EngineSteps, first_step: int,
                 if writer:
                     writer.write(metrics)
                 raise NonFiniteError(loss, grad_norm, step=step)
+            zero_gradient_steps = zero_gradient_steps + 1 if grad_norm == 0.0 else 0
+            if zero_gradient_steps == DEAD_STEPS:  # recorded, and stopped before any checkpoint of it
+                if writer:
+                    writer.write(metrics)
+                raise DeadNetworkError(step, loss, cfg.model.vocab_size)
             history.append(metrics)
             if writer:
                 writer.write(metrics)

@@ -11,7 +11,8 @@ starts after its launcher has ended: the job takes the lock itself, waiting a li
 still writing the job's record. In a run of several processes only the logging rank (global rank 0) holds it: it
 alone writes metrics.jsonl, summary.json and the file that completes each checkpoint, and the other ranks of a
 second run can do nothing without theirs (every step and every save is collective), so a second run stops at its
-rank 0.
+rank 0. A lock file that cannot name its holder (a full disk) stops the launch or trainer in one line, and is
+removed where this one created it: a launch refused on a full disk leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from recipes.config import ConfigError
+from recipes.metrics import WriteFailed, write_failure, write_fix
 from recipes.run_files import LOCK
 
 
@@ -91,13 +93,38 @@ class Lock:
     def take_over(self) -> None:
         """The handing launcher has ended, and with it its lock: hold it from here to the trainer's end."""
         if self.handed and _try_lock(self.fd):
-            _write_holder(self.fd, "")
             self.handed = False
+            try:
+                _write_holder(self.fd, "")
+            except OSError as error:  # held all the same; only the name a refusal shows is missing
+                print(f"warning: {LOCK} cannot name this trainer as its holder ({write_failure(error)})",
+                      file=sys.stderr, flush=True)
 
 
 def _write_holder(fd: int, role: str) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()} {socket.gethostname()} {role}".strip().encode() + b"\n", 0)
+
+
+def _name_holder(fd: int, path: Path, created: bool, role: str) -> None:
+    """The lock file names this process; WriteFailed where it cannot (a full disk: opening it needed no room,
+    writing does), the file removed where this process created it."""
+    try:
+        _write_holder(fd, role)
+    except OSError as error:
+        if created:
+            path.unlink(missing_ok=True)
+        raise WriteFailed(f"cannot write {path}: {write_failure(error)}; nothing was started. To run there, "
+                          f"{write_fix(error, 'give this run another run.dir')}") from None
+
+
+def _open_lock(path: Path) -> tuple[int, bool]:
+    """The lock file opened, created where absent, and whether this call created it (only then is it this
+    process's to remove)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+    except FileExistsError:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644), False
 
 
 @contextmanager
@@ -106,7 +133,7 @@ def locked(run_dir: Path, launcher: bool = False, handed_by: Optional[str] = Non
     taken by launch/run.py (the file says so). `handed_by`: the PID of the launcher that started this trainer,
     whose lock it trains under."""
     path = run_dir / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd, created = _open_lock(path)
     try:
         handed = False
         if not _try_lock(fd):
@@ -117,7 +144,7 @@ def locked(run_dir: Path, launcher: bool = False, handed_by: Optional[str] = Non
             previous = _holder(path)
             if previous:
                 print(f"{LOCK}: taking over the lock of {previous}, which ended without releasing it", flush=True)
-            _write_holder(fd, LAUNCHER if launcher else "")
+            _name_holder(fd, path, created, LAUNCHER if launcher else "")
         lock = Lock(fd, handed)
         try:
             yield lock

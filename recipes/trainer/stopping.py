@@ -8,6 +8,10 @@
                        with one line saying where the run resumes
     a second Ctrl-C    abandons the step in progress at once. A repeated SIGTERM does not: Slurm sends one to the
                        task and one through srun, and sends SIGKILL when it stops waiting
+    during a save      a signal is only noted, a second Ctrl-C included (a line says so): the checkpoint being
+                       written is finished and published (a save that fails removes its temporary folder), then
+                       the run stops as in the loop. Abandoned midway, the save would leave a half-written folder,
+                       and the run would resume from an older step than the one it stopped after
 
 The launcher on this machine (recipes.launcher.run_local) forwards its signals to the engine, which nemo-run starts
 in a session of its own (the terminal's Ctrl-C does not reach it). Should the launcher die without forwarding
@@ -53,6 +57,7 @@ class StopSignals:
         self.received: Optional[int] = None
         self.graceful = False
         self.step_in_progress: Optional[int] = None
+        self.in_save = False
 
     @contextmanager
     def installed(self) -> Iterator[None]:
@@ -68,8 +73,23 @@ class StopSignals:
     def _handle(self, signum: int, frame) -> None:
         first = self.received is None
         self.received = self.received or signum
+        if self.in_save:
+            if not first and signum == signal.SIGINT:
+                # os.write to stderr's descriptor, not print: the handler may run in the middle of a print
+                os.write(2, b"SIGINT again: the checkpoint being written is finished first, then the run stops\n")
+            return
         if not self.graceful or (not first and signum == signal.SIGINT):
             raise Stopped(self.received, abandoned=self.step_in_progress if self.graceful else None)
+
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """A checkpoint is being written in the block: a signal is noted, never raised in the middle of it (the
+        loop stops after the save: agreed)."""
+        self.in_save = True
+        try:
+            yield
+        finally:
+            self.in_save = False
 
     def agreed(self, device: torch.device) -> Optional[int]:
         """The signal that stops the run after this step on every rank (the largest number any rank holds), or

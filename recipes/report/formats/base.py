@@ -9,8 +9,11 @@ last look at what was read (`finish`: Megatron-DeepSpeed's TFLOPs, kept only whe
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
@@ -52,10 +55,52 @@ def mark_restarts(steps: list[Step]) -> None:
 ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # torchtitan colours its step line; a log file keeps the codes
 
 
+# A log of a million steps at a few hundred bytes a line is well under 1 GiB; a file past 2 GiB is no training log
+# (a core dump, a disk image, a runaway process's output), and read_lines would hold several times its size in memory.
+MAX_INPUT_BYTES = 2 * 2**30
+
+
+class UnusableFile(ValueError):
+    """An input file that is not read: not a regular file, larger than MAX_INPUT_BYTES, or refused by the system (a
+    symbolic link loop, no permission). The message says which."""
+
+
+def file_problem(info: os.stat_result) -> Optional[str]:
+    """Why a file of this status is not read as an input, or None: a FIFO would block the read until a writer came,
+    a device (/dev/zero) would never end, and a file past MAX_INPUT_BYTES would fill the memory."""
+    mode = info.st_mode
+    if not stat.S_ISREG(mode):
+        kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "a device file")
+        return f"{kind}, not a regular file"
+    if info.st_size > MAX_INPUT_BYTES:
+        return f"{info.st_size:,} bytes, more than the {MAX_INPUT_BYTES // 2**30} GiB an input file may be"
+    return None
+
+
+def system_reason(error: OSError) -> str:
+    """An OSError's reason in a note's words; ELOOP named for what it is."""
+    return "a symbolic link loop" if error.errno == errno.ELOOP else error.strerror.lower()
+
+
+def read_input(path: Path) -> bytes:
+    """The bytes of the input file `path`; UnusableFile where file_problem or the system refuses it. Opened without
+    blocking (a FIFO would wait for a writer) and checked on the open file, so that what is read is what was checked;
+    read up to the bound, should the file grow meanwhile."""
+    try:
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
+            problem = file_problem(os.fstat(file.fileno()))
+            if problem:
+                raise UnusableFile(problem)
+            return file.read(MAX_INPUT_BYTES)
+    except OSError as error:
+        raise UnusableFile(system_reason(error)) from None
+
+
 def read_lines(path: Path) -> tuple[list[str], bool]:
     """The file's lines (undecodable bytes replaced, terminal colour codes removed) and whether its last line was
-    cut off (no final newline)."""
-    text = path.read_bytes().decode("utf-8", errors="replace")
+    cut off (no final newline). UnusableFile where it cannot be read (read_input)."""
+    text = read_input(path).decode("utf-8", errors="replace")
     cut = bool(text) and not text.endswith("\n")
     return ANSI_COLOUR.sub("", text).splitlines(), cut
 
