@@ -7,11 +7,13 @@
 
 An INPUT is a run directory (metrics.jsonl, config.yaml, summary.json), a folder to search (a nemo-run
 experiment, a folder of Slurm logs), a metrics.jsonl, or a raw Megatron-LM / Megatron-Bridge / AMD Primus /
-Megatron-DeepSpeed / NeMo 2 / NeMo 1 (Lightning progress bar) / torchtitan log. Each run is marked with its state
-(stopped on NaN/inf, incomplete, resumed), a figure from too few records is left blank, and NVIDIA's published
-tokens/s/GPU for the same model, GPU, GPU count and precision stands beside it. DIR receives report.md, report.html
-(self-contained), results.csv
-(empty cells: unknown) and the PNG figures, each loss-curve figure with a CSV of its points.
+Megatron-DeepSpeed / NeMo 2 / NeMo 1 (Lightning progress bar) / torchtitan log, its lines also behind pdsh's,
+srun --label's or torchrun's prefixes (another tool's lines of Megatron's shape are read as an assumed format, for
+what they state unambiguously, and said so). Each run is marked with its state (stopped on NaN/inf, incomplete,
+resumed), a figure from too few records is left blank, and NVIDIA's published tokens/s/GPU for the same model, GPU,
+GPU count and precision stands beside it. DIR receives report.md, report.html (self-contained), results.csv (empty
+cells: unknown; beside each value a <column>_source column: the line and key, config key or derivation it came
+from) and the PNG figures, each loss-curve figure with a CSV of its points.
 
 A manifest holds the arguments of one report, one or more per line, `#` comments allowed; paths in it are
 relative to the manifest's folder, and the report goes there unless it says `--out`.

@@ -656,3 +656,41 @@ def test_a_seed_run_twice_is_not_summarised(tmp_path):
     text = (tmp_path / "out" / "report.md").read_text()
     assert "## Across seeds" not in text
     assert "across seeds: fp8_current not summarised: seed 2 has several runs" in text
+
+
+# ---- where each value came from ----
+
+
+def test_every_value_of_a_row_says_where_it_was_read(golden):
+    """results.csv: beside each value, a `<column>_source` naming the line and the key it was read from, the config
+    key, the --label, the file name, or how it was derived; the markdown table stays as it was."""
+    _, out, rows = golden
+    bf16 = rows["log-nemotron4_15b_h100_8nodes_bf16_2001"]
+    log = "tests/fixtures/logs/megatron/log-nemotron4_15b_h100_8nodes_bf16_2001_0.out"
+    assert bf16["tp_source"] == f"{log} line 13 (tensor_model_parallel_size)"
+    assert bf16["precision_source"] == f"{log} line 6 (fp8); {log} line 3 (bf16)"  # `fp8 None` and `bf16 True`
+    assert bf16["gpu_source"] == "file name log-nemotron4_15b_h100_8nodes_bf16_2001"
+    assert bf16["params_source"] == "derived from conf/model/nemotron4_15b.yaml (the model's dimensions)"
+    assert bf16["median_step_time_s_source"] == f"{log} lines 20-28 (elapsed time per iteration (ms))"
+    assert bf16["tokens_per_s_per_gpu_source"].startswith("derived from global batch x seq / world size / step time")
+    assert bf16["final_loss_source"] == f"{log} line 28 (lm loss)"
+    assert bf16["run_state_source"] == f"last record: {log} line 28; planned steps: {log} line 28 (record 100/100)"
+    mx = rows["llama3_8b_fp8mx"]
+    assert mx["gpu_source"] == f"--label {FIXTURES / 'nemo'}:gpu=b200"
+    assert mx["tflops_per_gpu"] == mx["tflops_per_gpu_source"] == ""  # no figure, no source
+    fp8 = rows["llama3_8b-fp8_current"]
+    assert fp8["seq_source"] == "tests/fixtures/logs/rundirs/llama3_8b-fp8_current/config.yaml (model.seq_length)"
+    assert fp8["median_step_time_s_source"] == (
+        "tests/fixtures/logs/rundirs/llama3_8b-fp8_current/metrics.jsonl lines 3-22 (step_time_s)")
+    assert "_source" not in (out / "report.md").read_text()
+
+
+def test_a_configuration_key_is_no_launcher_prefix():
+    from recipes.report.formats.prefixes import strip_launcher_prefixes
+
+    config = ["fp8: hybrid", "bf16: true", " iteration 10/ 100 | lm loss: 2.0 |"] * 3
+    assert strip_launcher_prefixes(config) == (config, [""] * 9)
+    labelled = [f"node{n % 2 + 1:02d}: line {n}" for n in range(12)] + ["fp8: hybrid"]
+    lines, origins = strip_launcher_prefixes(labelled)
+    assert lines == [f"line {n}" for n in range(12)] + ["fp8: hybrid"]
+    assert origins == [f"node{n % 2 + 1:02d}" for n in range(12)] + [""]

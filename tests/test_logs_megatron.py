@@ -1,5 +1,6 @@
-"""Megatron-LM, Megatron-Bridge and AMD's Primus logs (recipes/report/formats/megatron.py), fixtures in
-tests/fixtures/logs/{megatron,bridge,primus}/."""
+"""Megatron-LM, Megatron-Bridge and AMD's Primus logs (recipes/report/formats/megatron.py), and a format of the same
+shape this reader does not claim (GPT-NeoX), fixtures in tests/fixtures/logs/{megatron,bridge,primus,primus_v26,
+gpt_neox}/."""
 
 from __future__ import annotations
 
@@ -210,3 +211,98 @@ def test_a_nan_iteration_megatron_skipped_is_flagged_but_not_a_stop(tmp_path):
     log.write_text("".join(log.read_text().splitlines(keepends=True)[:20]))
     _, results = build_report([str(log)], tmp_path / "out", base=tmp_path, log=quiet)
     assert results[0].state == ["stopped: non-finite loss at step 20", "incomplete: 20 of 30 steps"]
+
+
+PRIMUS_V26 = FIXTURES / "primus_v26"
+
+
+def test_primus_prints_each_iteration_twice_and_it_is_one_record(tmp_path):
+    """Primus 2026 forwards the last rank's line to rank 0 and the last rank prints its own: every iteration twice,
+    the same values. One record each: no restart, figures from every iteration, and a run killed after iteration 19
+    of 20 is incomplete, not resumed."""
+    read = read_log(PRIMUS_V26 / "primus_llama3_8b_fp8.log", "fp8.log")
+    assert [s.step for s in read.steps] == list(range(1, 20))
+    assert [s.fresh for s in read.steps] == [True] + [False] * 18
+    assert "fp8.log: 19 record(s) printed again with the same step and values (two loggers): read once" in read.notes
+    status, results = report(["primus_v26"], tmp_path, labels=[f"{PRIMUS_V26}:gpu=mi300x"])
+    rows = csv_by_run(tmp_path)
+    bf16, fp8 = rows["primus_llama3_8b_bf16"], rows["primus_llama3_8b_fp8"]
+    assert (bf16["run_state"], fp8["run_state"]) == ("complete", "incomplete: 19 of 20 steps")
+    # BF16: 20 steps, warm-up 2: steps 3..20, nine at 2000 ms (even), nine at 2010 ms; FP8: 19 steps, warm-up 1:
+    # steps 2..19, nine at 1500 ms, nine at 1510 ms
+    assert (bf16["steps_measured"], fp8["steps_measured"]) == ("18", "18")
+    approx(bf16["median_step_time_s"], 2.005)
+    approx(fp8["median_step_time_s"], 1.505)
+    approx(bf16["tflops_per_gpu"], (200.0 + 199.0) / 2)  # 400000 / ms, as printed with one decimal
+    approx(fp8["tflops_per_gpu"], (266.7 + 264.9) / 2)
+    assert fp8["baseline"] == "primus_llama3_8b_bf16"
+    approx(fp8["speedup"], 2.005 / 1.505)
+    approx(fp8["loss_gap_vs_bf16"], 0.02 / 8.2)  # step 19: 8.22 against 8.2
+    assert status == 0
+
+
+@pytest.mark.parametrize("prefix, shape", [
+    ("[20260601 10:00:00][rank-0/8][INFO]     [-----------module_utils.py:227] : ", "{key} : {value} ({kind})"),
+    # December 2025: the module location without its trailing space, no type after the value
+    ("[20251202 10:00:00][rank-0/8][INFO]     [-----module_utils.py:197]: ", "{key} : {value}"),
+    ("[20251202 10:00:00][rank-0/8][INFO]     [-----module_utils.py:197] : ", "{key} : {value}"),
+])
+@pytest.mark.parametrize("fp8, recipe, precision", [
+    ("e4m3", "delayed", "fp8_delayed"), ("hybrid", "tensorwise", "fp8_current"), ("None", "delayed", "bf16"),
+])
+def test_primus_argument_dumps_behind_its_module_prefix(tmp_path, prefix, shape, fp8, recipe, precision):
+    """log_dict_aligned's lines (primus/core/utils/module_utils.py) behind the logger's location of the line, with a
+    space before its colon since 2026: BF16 and each FP8 recipe read, not `unknown`."""
+    values = [("bf16", "True", "bool"), ("fp8", fp8, "NoneType" if fp8 == "None" else "str"),
+              ("fp8_recipe", recipe, "str"), ("world_size", "8", "int")]
+    lines = [prefix + "Final backend args (after patches): (4 parameters)"]
+    lines += [prefix + "  " + shape.format(key=f"{key:<10}", value=value, kind=kind) for key, value, kind in values]
+    lines += [prefix + "-" * 80, " iteration       10/     100 | elapsed time per iteration (ms): 510.0 | lm loss: 2 |"]
+    log = tmp_path / "primus_llama3_8b.log"
+    log.write_text("\n".join(lines) + "\n")
+    run, _ = read_one(log)
+    assert (run.meta["precision"], run.meta["world_size"]) == (precision, 8)
+    assert "primus_llama3_8b.log line 3 (fp8)" in run.meta_source["precision"]  # where the CSV says it was read
+
+
+def test_a_record_repeated_exactly_is_one_record_and_with_other_values_a_restart(tmp_path):
+    def line(it, ms, loss):
+        return f" iteration {it:8d}/{30:8d} | elapsed time per iteration (ms): {ms:.1f} | lm loss: {loss:.6E} |\n"
+
+    log = tmp_path / "twice.log"
+    # step 10 printed twice alike, and again alike after step 20: one record, no restart
+    log.write_text(line(10, 1000.0, 2.0) + line(10, 1000.0, 2.0) + line(20, 1000.0, 1.9) + line(10, 1000.0, 2.0)
+                   + line(30, 1000.0, 1.8))
+    read = read_log(log, "twice.log")
+    assert [(s.step, s.fresh) for s in read.steps] == [(10, True), (20, False), (30, False)]
+    run, _ = read_one(log)
+    assert run.resumed_at == []
+    # after step 30, step 20 again with another time: the process restarted there (from its checkpoint at step 10),
+    # and its step 30, alike the first process's, is its own record
+    log.write_text(line(10, 1000.0, 2.0) + line(20, 1000.0, 1.9) + line(30, 1000.0, 1.8) + line(20, 1200.0, 1.9)
+                   + line(30, 1000.0, 1.8) + line(40, 1000.0, 1.7))
+    read = read_log(log, "twice.log")
+    assert [(s.step, s.fresh) for s in read.steps] == [(10, True), (20, False), (30, False), (20, True), (30, False),
+                                                       (40, False)]
+    run, _ = read_one(log)
+    assert run.resumed_at == [20] and run.steps[1].time_s == 1.2  # the restart's record of step 20 kept
+
+
+def test_gpt_neox_is_a_format_not_claimed_and_gives_only_what_it_states(tmp_path):
+    """GPT-NeoX prints Megatron's iteration shape (megatron/logging.py) with its loss named lm_loss, and DeepSpeed's
+    engine configuration says world_size 4 (its data-parallel size) for 8 GPUs. Read as Megatron's lines, said so:
+    steps and step times, no world size, engine, precision or TFLOP/s the log does not state for them."""
+    read = read_log(FIXTURES / "gpt_neox/neox_llama3_8b.log", "neox.log")
+    assert (read.format, read.claimed, read.header) == ("megatron", False, {})
+    assert [s.step for s in read.steps] == list(range(10, 101, 10))
+    assert read.steps[1].time_s == 1.0 and all(s.tflops_per_gpu is None and s.loss is None for s in read.steps)
+    assert any(note.startswith("neox.log: a format this reader does not claim") and "lm_loss" in note
+               for note in read.notes)
+    report(["gpt_neox"], tmp_path)
+    row = csv_by_run(tmp_path)["neox_llama3_8b"]
+    assert row["format"] == "megatron (assumed)"
+    assert (row["world_size"], row["engine"], row["precision"], row["tflops_per_gpu"]) == ("", "", "", "")
+    approx(row["median_step_time_s"], 1.0)  # 20..100: five at 1000 ms, four at 1010 ms
+    assert row["median_step_time_s_source"] == ("tests/fixtures/logs/gpt_neox/neox_llama3_8b.log lines 16-24 "
+                                                "(elapsed time per iteration (ms))")
+    assert (row["steps_measured"], row["run_state"]) == ("90", "complete")  # its `iteration 100/ 100`

@@ -1,5 +1,5 @@
 """NeMo 2 lines and NeMo 1 (Lightning) progress bars (recipes/report/formats/nemo.py), fixtures in
-tests/fixtures/logs/{nemo,nemo1,nemo1_cut}/."""
+tests/fixtures/logs/{nemo,nemo1,nemo1_cut,nemo1_cut_loss}/."""
 
 from __future__ import annotations
 
@@ -58,3 +58,22 @@ def test_a_cut_bar_drops_its_last_field(tmp_path):
     log.write_text("Epoch 0: :  10%|█  | 2/20 [01:00<02:00, reduced_train_loss=10.90, train_step_timing in s=3.1\n")
     read = read_log(log, "cut.out")
     assert [(s.step, s.loss, s.time_s) for s in read.steps] == [(2, 10.9, None)]
+
+
+def test_a_bar_cut_inside_the_loss_keeps_its_step(tmp_path):
+    """Cut inside its last field, the loss, a bar keeps its step (its count) and drops the field: a run whose bars
+    reach step 120 of 200 is incomplete at 120, not at the last bar whose loss survived (9)."""
+    read = read_log(FIXTURES / "nemo1_cut_loss/log-nemo-megatron-llama3_8b_bf16_8101.out", "cut.out")
+    assert read.format == "nemo1" and read.notes == [] and read.planned_steps == 20 * 10
+    assert [s.step for s in read.steps] == list(range(1, 121))
+    # one-digit counts are cut after the loss's comma, `10/200` and on inside `reduced_train_loss=11.00`
+    assert [s.loss for s in read.steps[:10]] == [11.0] * 9 + [None]
+    assert all(s.loss is None and s.time_s is None for s in read.steps[9:])
+    run, _ = read_one(FIXTURES / "nemo1_cut_loss")
+    assert "log-nemo-megatron-llama3_8b_bf16_8101: no loss read from 111 of the 120 record(s)" in run.notes
+    report(["nemo1_cut_loss"], tmp_path)
+    row = csv_by_run(tmp_path)["log-nemo-megatron-llama3_8b_bf16_8101"]
+    assert row["run_state"] == "incomplete: 120 of 200 steps"
+    assert row["run_state_source"] == (
+        "last record: tests/fixtures/logs/nemo1_cut_loss/log-nemo-megatron-llama3_8b_bf16_8101.out line 241; planned "
+        "steps: tests/fixtures/logs/nemo1_cut_loss/log-nemo-megatron-llama3_8b_bf16_8101.out line 241 (record 120/200)")

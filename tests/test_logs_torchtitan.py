@@ -1,4 +1,5 @@
-"""torchtitan logs (recipes/report/formats/torchtitan.py), fixtures in tests/fixtures/logs/torchtitan/."""
+"""torchtitan logs (recipes/report/formats/torchtitan.py), fixtures in
+tests/fixtures/logs/{torchtitan,torchtitan_b200}/."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def test_the_precision_comes_from_the_log_not_a_file_name_that_says_otherwise(tm
     ("Float8 training active with recipe mxfp8_cublas", "mxfp8"),  # the MX converter's line at 07c00d9
     ("Converted Linear layers to MXFP8Linear", "mxfp8"),
     ("Float8 training active", "fp8"),  # 2024: dynamic or delayed scaling, not said
+    ("MX training active with recipe mxfp8_cublas", "mxfp8"),  # late 2025's mx converter
+    ("Converted modules to use dynamic mxfp8_rceil quantization for grouped_mm and linear ops", "mxfp8"),  # 2026
 ])
 def test_the_converters_own_line_names_the_precision(tmp_path, line, precision):
     log = tmp_path / "llama3_8b.log"
@@ -91,3 +94,62 @@ def test_the_2024_job_config_names_delayed_scaling(tmp_path):
                    "[titan] 2024-09-01 12:00:00,000 - root - INFO - Float8 training active\n"
                    "[titan] 2024-09-01 12:00:00,000 - root - INFO - step: 10  loss:  7.8653  wps: 6,862\n")
     assert read_one(log)[0].meta["precision"] == "fp8_delayed"  # the config, before the bare converter line
+
+
+B200 = FIXTURES / "torchtitan_b200"
+
+
+def test_b200_runs_named_by_launch_line_converter_lines_and_device_line(tmp_path):
+    """One job script on 8 B200s, `--training.dtype=bfloat16` on every launch line, no printed job config: the BF16
+    run is BF16 from its launch line, the others what their converter's line says (over the launch line's dtype); the
+    GPU from `CUDA capacity: NVIDIA B200 ...`; every line behind torchrun's `[rank0]:`. So the FP8 runs have their
+    BF16 baseline, speedup and loss gap."""
+    runs = {name: read_one(B200 / f"torchtitan_llama3_8b_b200_{name}.log")[0] for name in ("bf16", "rowwise", "mxfp8")}
+    assert {name: run.meta["precision"] for name, run in runs.items()} == {
+        "bf16": "bf16", "rowwise": "fp8_rowwise", "mxfp8": "mxfp8"}
+    assert runs["bf16"].meta_source["precision"] == (
+        "tests/fixtures/logs/torchtitan_b200/torchtitan_llama3_8b_b200_bf16.log line 4 (--training.dtype)")
+    assert runs["mxfp8"].meta_source["precision"] == (
+        "tests/fixtures/logs/torchtitan_b200/torchtitan_llama3_8b_b200_mxfp8.log line 9 [rank0] (mx converter)")
+    for run in runs.values():
+        assert (run.meta["gpu"], run.meta["world_size"], run.meta["model"]) == ("b200", 8, "llama3_8b")
+        assert run.meta_source["gpu"].endswith("line 7 [rank0] (CUDA capacity)")
+    status, results = report(["torchtitan_b200"], tmp_path)
+    rows = csv_by_run(tmp_path)
+    bf16, rowwise, mxfp8 = (rows[f"torchtitan_llama3_8b_b200_{name}"] for name in ("bf16", "rowwise", "mxfp8"))
+    # 100 steps, warm-up 10: records 20..100, five at 1.02 s, four at 1.0 s (0.82 / 0.8, 0.72 / 0.7): tps 8192 / time
+    approx(bf16["tokens_per_s_per_gpu"], 8031)
+    approx(rowwise["tokens_per_s_per_gpu"], 9990)
+    approx(mxfp8["tokens_per_s_per_gpu"], 11378)
+    assert rowwise["baseline"] == mxfp8["baseline"] == "torchtitan_llama3_8b_b200_bf16"
+    approx(rowwise["speedup"], 9990 / 8031)
+    approx(mxfp8["speedup"], 11378 / 8031)
+    approx(rowwise["loss_gap_vs_bf16"], 0.01 / 7.0)  # step 100: 7.01000 against 7.00000
+    approx(mxfp8["loss_gap_vs_bf16"], 0.02 / 7.0)
+    assert status == 0
+
+
+@pytest.mark.parametrize("lines, precision", [
+    # the TOML file echoed before the launch (2025's configs)
+    (["[model]", 'name = "llama3"', 'flavor = "8B"', "", "[training]", "local_batch_size = 1",
+      'dtype = "bfloat16"  # full bf16'], "bf16"),
+    (["[model]", 'converters = ["float8"]', "[float8]", 'recipe_name = "rowwise"', "[training]", 'dtype = "bfloat16"'],
+     "fp8_rowwise"),
+    # the launch line over the TOML file it names
+    (["[float8]", 'recipe_name = "tensorwise"', "+ torchrun -m torchtitan.train --model.converters=float8 "
+      "--float8.recipe_name rowwise"], "fp8_rowwise"),
+    # late 2025's quantize converters, on the launch line
+    (['+ torchrun -m torchtitan.train --model.converters="quantize.linear.float8" '
+      "--quantize.linear.float8.recipe_name rowwise --training.dtype=bfloat16"], "fp8_rowwise"),
+    (['+ torchrun -m torchtitan.train --model.converters="quantize.linear.mx" --training.compile'], "mxfp8"),
+    # a converter without its recipe (in a TOML file the log does not show): FP8, the recipe unknown
+    (["+ torchrun -m torchtitan.train --model.converters float8 --training.dtype bfloat16"], "fp8"),
+    # a TOML key outside torchtitan's sections, or after the echo ended, is not read
+    (["[other]", 'dtype = "bfloat16"'], None),
+    (["[training]", "seq_len = 8192", "not toml", 'dtype = "bfloat16"'], None),
+])
+def test_precision_from_an_echoed_toml_file_and_the_launch_line(tmp_path, lines, precision):
+    log = tmp_path / "llama3_8b.log"
+    log.write_text("\n".join(lines) + "\n[titan] 2025-08-01 12:00:00,000 - root - INFO - step: 10  loss:  7.8653  "
+                   "grad_norm:  1.2345  memory: 37.57GiB(39.55%)  tps: 6,862  tflops: 397.31  mfu: 40.17%\n")
+    assert read_one(log)[0].meta.get("precision") == precision

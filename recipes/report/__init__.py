@@ -2,7 +2,8 @@
 
 inputs.py    find runs in the inputs (run directories, nemo-run experiments, Slurm logs with requeues)
 parse.py     the one interface to the readers of formats/, one module per format family (Megatron-LM/Bridge/Primus,
-             Megatron-DeepSpeed, NeMo 2/1, torchtitan, run directories): files -> per-step records
+             Megatron-DeepSpeed, NeMo 2/1, torchtitan, run directories): files -> per-step records, each value with
+             the line or key it was read from (launchers' line prefixes stripped first: formats/prefixes.py)
 metadata.py  what each run was (model, precision, GPU, layout, batch), source by source
 table.py     warm-up, steady-state medians (never from a handful), run states, BF16 baselines, speedups, loss gaps,
              the divergence alarm, seeds

@@ -34,7 +34,7 @@ import yaml
 from recipes.report import metadata
 from recipes.report.formats.base import UnusableFile, file_problem, read_input, system_reason
 from recipes.report.parse import FileRead, read_log, read_metrics_jsonl
-from recipes.report.records import Run, merge_steps
+from recipes.report.records import Run, lines_of, merge_steps
 from recipes.run_files import CONFIG, METRICS, SLURM_LOG, SUMMARY, TRAIN_LOG, slurm_log_stem
 
 LOG_SUFFIXES = {".out", ".err", ".log", ".txt"}
@@ -207,30 +207,50 @@ def read_source(
         return None, notes
     formats = [read.format for read in reads if read.format]
     fmt = max(set(formats), key=formats.count)
+    claimed = all(read.claimed for read in reads if read.format == fmt)
     if repeats:
         notes.append(f"{source.name}: {repeats} step record(s) logged again after a restart: the last one kept")
 
-    header = _first_header(reads)
+    header, header_sources = _first_header(reads)
+    field_keys = {attribute: key for read in reads for attribute, key in read.field_keys.items()}
+    batched = [s for s in steps if s.global_batch_size]
     file_meta, file_notes = metadata.from_file_name(source.name)
-    header_meta, header_notes = metadata.from_header(header, [s.global_batch_size for s in steps if s.global_batch_size])
+    header_meta, header_meta_sources, header_notes = metadata.from_header(
+        header, header_sources, [s.global_batch_size for s in batched],
+        lines_of(batched, field_keys.get("global_batch_size", "")))
+    config_names = tuple(display_path(config_dir / name, base) if config_dir else name for name in (CONFIG, SUMMARY))
+    config_meta, config_sources = metadata.from_config(config, summary, config_names)
+    label_meta, label_sources = _label_values(source, labels, base)
+    planned, planned_source = _planned(reads)
+    # the length its records print (`iteration 10/ 100`): the planned steps, where nothing above says; the engine, of
+    # a format this reader claims
+    format_meta = {"engine": ENGINE_OF_FORMAT.get(fmt) if claimed else None, "steps": planned}
     layers = [
-        ("label", _label_values(source, labels, base)),
-        ("config", metadata.from_config(config, summary)),
+        ("label", label_meta),
+        ("config", config_meta),
         ("header", header_meta),
         ("file name", file_meta),
-        # the length its records print (`iteration 10/ 100`): the planned steps, where nothing above says
-        ("log format", {"engine": ENGINE_OF_FORMAT.get(fmt), "steps": _planned(reads)}),
+        ("log format", format_meta),
     ]
     meta, origin = metadata.merge(layers)
+    details = {
+        "label": label_sources,
+        "config": config_sources,
+        "header": header_meta_sources,
+        "file name": {key: f"file name {source.name}" for key in file_meta},
+        "log format": {"engine": f"its {fmt} records ({lines_of(steps[:1])})", "steps": planned_source},
+    }
     provenance = {key: summary[key] for key in ("commit", "versions", "device") if key in summary}
     unread = _unread_columns(source.name, steps, {key for read in reads for key in read.other_losses})
     run = Run(
         name=meta.get("name") or source.name,
-        format=fmt,
+        format=fmt if claimed else f"{fmt} (assumed)",
         paths=source.paths,
         steps=steps,
         meta=meta,
         meta_origin=origin,
+        meta_source=metadata.sources(meta, origin, details),
+        field_keys=field_keys,
         provenance=provenance,
         notes=notes + file_notes + [f"{source.name}: {note}" for note in header_notes] + unread,
         label_target=display_path(source.paths[0], base),
@@ -249,9 +269,10 @@ def _read(reader, path: Path, base: Path) -> FileRead:
         return FileRead(None, [], notes=[f"{where}: not read: {error}"])
 
 
-def _planned(reads: list[FileRead]) -> Optional[int]:
-    planned = [read.planned_steps for read in reads if read.planned_steps]
-    return planned[-1] if planned else None
+def _planned(reads: list[FileRead]) -> tuple[Optional[int], str]:
+    """The planned steps the last file's records print, and the line that prints them."""
+    planned = [(read.planned_steps, read.planned_source) for read in reads if read.planned_steps]
+    return planned[-1] if planned else (None, "")
 
 
 def _resumed_at(steps: list, reads: list[FileRead], source: Source) -> list[int]:
@@ -286,12 +307,15 @@ def _unread_columns(name: str, steps: list, other_losses: set[str]) -> list[str]
     return notes
 
 
-def _first_header(reads: list[FileRead]) -> dict[str, Any]:
+def _first_header(reads: list[FileRead]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each configuration key as the first file that prints it says, and its source."""
     header: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     for read in reads:
         for key, value in read.header.items():
-            header.setdefault(key, value)
-    return header
+            if key not in header:
+                header[key], sources[key] = value, read.header_sources.get(key, "")
+    return header, sources
 
 
 def _config_dir(folder: Path, root: Path) -> Optional[Path]:
@@ -318,13 +342,17 @@ def _load(path: Path, base: Path, loader) -> tuple[dict, list[str]]:
     return data, []
 
 
-def _label_values(source: Source, labels: list[tuple[str, dict[str, Any]]], base: Path) -> dict[str, Any]:
-    """Values of every --label whose FILE matches this source; a later --label overrides an earlier one."""
+def _label_values(source: Source, labels: list[tuple[str, dict[str, Any]]], base: Path
+                  ) -> tuple[dict[str, Any], dict[str, str]]:
+    """Values of every --label whose FILE matches this source (a later --label overrides an earlier one), and the
+    --label each came from."""
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     for pattern, label in labels:
         if label_matches(pattern, source, base):
             values.update(label)
-    return values
+            sources.update({key: f"--label {pattern}:{key}={value}" for key, value in label.items()})
+    return values, sources
 
 
 def label_matches(pattern: str, source: Source, base: Path) -> bool:

@@ -11,7 +11,9 @@ keys in `KEYS`; they are merged in this order, the first source that knows a key
 
 then values that follow from others are derived (world size = nodes x GPUs per node, DP = world / (TP PP CP),
 parameter count from the model's dimensions (recipes.metrics) where summary.json has none, the GPU's BF16 peak from
-conf/gpu). Nothing else is guessed: a key no source knows stays unknown.
+conf/gpu). Nothing else is guessed: a key no source knows stays unknown. Each value keeps its source in words a
+user can check (`sources`): the --label, the config key, the log's line and printed key, the file name, the
+derivation.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import yaml
 
 from recipes.config import CONF_DIR, ConfigError, ModelConfig, from_dict
 from recipes.metrics import count_parameters as model_parameters
+from recipes.run_files import CONFIG, SUMMARY
 
 # conf/ is the one place that names the models, GPUs and precisions; a file that cannot be read reads as empty.
 @functools.lru_cache(maxsize=None)
@@ -114,40 +117,56 @@ def _label_value(key: str, value: str, text: str) -> Any:
 
 # ---- 2. resolved config and summary ----
 
+# Where a run directory (or the config.yaml above a log) states each key: the first of these places that is set.
+CONFIG_KEYS: dict[str, list[tuple[str, str]]] = {
+    "model": [("config", "model.name"), ("summary", "model")],
+    "params": [("summary", "parameters")],  # else counted from the config's model (from_config)
+    "precision": [("config", "precision.name"), ("summary", "precision")],
+    "recipe": [("config", "precision.recipe"), ("summary", "recipe")],
+    "emulated": [("summary", "emulated"), ("config", "precision.emulate")],
+    "gpu": [("config", "gpu.name"), ("summary", "gpu")],
+    "peak_tflops_bf16": [("config", "gpu.peak_tflops_bf16")],
+    "engine": [("config", "engine"), ("summary", "engine")],
+    "nodes": [("config", "executor.nodes"), ("summary", "nodes")],
+    "gpus_per_node": [("config", "executor.gpus")],
+    "world_size": [("summary", "world_size")],
+    "mbs": [("config", "trainer.micro_batch_size"), ("summary", "micro_batch_size")],
+    "gbs": [("config", "trainer.global_batch_size"), ("summary", "global_batch_size")],
+    "seq": [("config", "model.seq_length"), ("summary", "seq_length")],
+    "seed": [("config", "trainer.seed")],
+    "steps": [("config", "trainer.max_steps")],  # the planned length, which the learning-rate schedule depends on
+    **{key: [("config", f"parallel.{key}")] for key in ("tp", "pp", "cp", "vp", "dp")},
+}
 
-def from_config(config: dict, summary: dict) -> dict[str, Any]:
-    """The project's config.yaml (resolved) and summary.json; either may be empty."""
-    model = _section(config, "model")
-    precision = _section(config, "precision")
-    gpu = _section(config, "gpu")
-    executor = _section(config, "executor")
-    trainer = _section(config, "trainer")
-    parallel = _section(config, "parallel")
-    meta: dict[str, Any] = {
-        "model": model.get("name") or summary.get("model"),
-        "params": summary.get("parameters") or count_parameters(model),
-        "precision": precision.get("name") or summary.get("precision"),
-        "recipe": precision.get("recipe") or summary.get("recipe"),
-        "emulated": summary.get("emulated", precision.get("emulate")),
-        "gpu": gpu.get("name") or summary.get("gpu"),
-        "peak_tflops_bf16": gpu.get("peak_tflops_bf16"),
-        "engine": config.get("engine") or summary.get("engine"),
-        "nodes": executor.get("nodes", summary.get("nodes")),
-        "gpus_per_node": executor.get("gpus"),
-        "world_size": summary.get("world_size"),
-        "mbs": trainer.get("micro_batch_size", summary.get("micro_batch_size")),
-        "gbs": trainer.get("global_batch_size", summary.get("global_batch_size")),
-        "seq": model.get("seq_length", summary.get("seq_length")),
-        "seed": trainer.get("seed"),
-        "steps": trainer.get("max_steps"),  # the planned length, which the learning-rate schedule depends on
-    }
-    for key in ("tp", "pp", "cp", "vp", "dp"):
-        meta[key] = parallel.get(key)
-    if not parallel and meta["engine"] == "torch":
-        meta.update(tp=1, pp=1, cp=1, vp=1)  # the PyTorch engine shards data only (FSDP)
-    if meta["gpu"] == "auto":
-        meta["gpu"] = None  # not resolved: unknown
-    return _clean(meta)
+
+def from_config(config: dict, summary: dict, names: tuple[str, str] = (CONFIG, SUMMARY)
+                ) -> tuple[dict[str, Any], dict[str, str]]:
+    """The project's config.yaml (resolved) and summary.json, either may be empty: metadata, and each key's source
+    (`config.yaml (trainer.max_steps)`), the files named as `names` says."""
+    files = {"config": (config, names[0]), "summary": (summary, names[1])}
+    meta: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for key, places in CONFIG_KEYS.items():
+        for file, dotted in places:
+            data, name = files[file]
+            value = _dig(data, dotted)
+            if value is not None and not (key == "gpu" and value == "auto"):  # auto: not resolved, unknown
+                meta[key], sources[key] = value, f"{name} ({dotted})"
+                break
+    if "params" not in meta:
+        meta["params"], sources["params"] = count_parameters(_section(config, "model")), f"{names[0]} (model)"
+    if not _section(config, "parallel") and meta.get("engine") == "torch":
+        for key in ("tp", "pp", "cp", "vp"):  # the PyTorch engine shards data only (FSDP)
+            meta[key], sources[key] = 1, f"{names[0]} (engine: torch, data parallel only)"
+    meta = _clean(meta)
+    return meta, {key: sources[key] for key in meta}
+
+
+def _dig(data: dict, dotted: str) -> Any:
+    *sections, key = dotted.split(".")
+    for name in sections:
+        data = _section(data, name)
+    return data.get(key)
 
 
 def _section(config: dict, key: str) -> dict:
@@ -158,8 +177,10 @@ def _section(config: dict, key: str) -> dict:
 # ---- 3. the log's own header lines ----
 
 
-def from_header(header: dict[str, Any], batch_sizes: list[int]) -> tuple[dict[str, Any], list[str]]:
-    """What the log's printed configuration says (parse.HeaderReader), and notes where its records disagree.
+def from_header(header: dict[str, Any], header_sources: dict[str, str], batch_sizes: list[int],
+                batch_source: str = "") -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """What the log's printed configuration says (parse.HeaderReader), each key's source (the line and the key it
+    was read from; the global batch's, `batch_source`, the iteration lines), and notes where its records disagree.
 
     FP8 only when the log says it is on (`fp8: hybrid|e4m3`, `--fp8-format`, a Bridge preset naming FP8): a
     recipe name alone (`fp8_recipe: delayed` is Transformer Engine's default, printed by BF16 runs too) is not.
@@ -167,27 +188,47 @@ def from_header(header: dict[str, Any], batch_sizes: list[int]) -> tuple[dict[st
     keys = ("tp", "pp", "cp", "vp", "dp", "world_size", "nodes", "gpus_per_node", "mbs", "gbs", "seq", "seed", "steps")
     meta = {key: header.get(key) for key in keys}
     meta["model"] = header.get("model")  # torchtitan's model name and flavor, where they name one of conf/model
+    meta["gpu"] = gpu_of_device(header.get("device"))  # torchtitan's `CUDA capacity: NVIDIA B200 ...`
+    used = {key: [key] for key in keys + ("model",)}
+    used["gpu"] = ["device"]
     notes: list[str] = []
     if header.get("data_seq"):
-        meta["seq"] = header["data_seq"]  # Bridge's dataset length: what each sample holds
-    preset, fp8, fp4 = header.get("precision_preset"), header.get("fp8"), header.get("fp4")
-    if fp8 is None and ("fp8_e4m3" in header or "fp8_hybrid" in header):
-        fp8 = "e4m3" if header.get("fp8_e4m3") else "hybrid" if header.get("fp8_hybrid") else "none"
-    if preset:
-        meta["precision"] = preset_precision(preset)
-    elif fp8 not in (None, "none"):
-        meta["precision"] = RECIPE_TO_PRECISION.get(header.get("fp8_recipe"), "fp8")
-    elif fp4 not in (None, "none"):
-        meta["precision"] = "nvfp4"  # not a recipe of this project: compared with nothing, never taken for BF16
-    elif fp8 == "none" and header.get("bf16"):
-        meta["precision"] = "bf16"
+        meta["seq"], used["seq"] = header["data_seq"], ["data_seq"]  # Bridge's dataset length: what each sample holds
+    meta["precision"], used["precision"] = _header_precision(header)
+    sources = {key: "; ".join(header_sources[k] for k in used[key] if k in header_sources) for key in used}
     if batch_sizes:
         logged = max(set(batch_sizes), key=batch_sizes.count)  # as printed on the iteration lines: what ran
         if meta["gbs"] is not None and meta["gbs"] != logged:
             notes.append(f"the printed config says global batch {meta['gbs']}, the iteration lines {logged}: "
                          f"{logged} used")
-        meta["gbs"] = logged
-    return _clean(meta), notes
+        meta["gbs"], sources["gbs"] = logged, batch_source
+    meta = _clean(meta)
+    return meta, {key: sources[key] for key in meta}, notes
+
+
+def _header_precision(header: dict[str, Any]) -> tuple[Optional[str], list[str]]:
+    """The precision the printed configuration states, and the header keys it rests on."""
+    preset, fp8, fp4 = header.get("precision_preset"), header.get("fp8"), header.get("fp4")
+    fp8_keys = ["fp8"]
+    if fp8 is None and ("fp8_e4m3" in header or "fp8_hybrid" in header):
+        fp8 = "e4m3" if header.get("fp8_e4m3") else "hybrid" if header.get("fp8_hybrid") else "none"
+        fp8_keys = ["fp8_e4m3", "fp8_hybrid"]
+    if preset:
+        return preset_precision(preset), ["precision_preset"]
+    if fp8 not in (None, "none"):
+        return RECIPE_TO_PRECISION.get(header.get("fp8_recipe"), "fp8"), fp8_keys + ["fp8_recipe"]
+    if fp4 not in (None, "none"):
+        return "nvfp4", ["fp4"]  # not a recipe of this project: compared with nothing, never taken for BF16
+    if fp8 == "none" and header.get("bf16"):
+        return "bf16", fp8_keys + ["bf16"]
+    return None, []
+
+
+def gpu_of_device(device: Optional[str]) -> Optional[str]:
+    """A device's name as the system gives it (`NVIDIA H100 80GB HBM3`, `NVIDIA GB200`) -> conf/gpu's name, where it
+    names exactly one."""
+    found = _words(str(device).lower(), {name: name for name in gpu_names()}) if device else set()
+    return found.pop() if len(found) == 1 else None
 
 
 # Megatron-Bridge's mixed-precision presets (megatron.bridge.training.mixed_precision), by the words in their names.
@@ -270,6 +311,17 @@ def merge(layers: list[tuple[str, dict[str, Any]]]) -> tuple[dict[str, Any], dic
     return meta, origin
 
 
+# How derive() computes each key it fills (conf/ files named by the values they depend on)
+DERIVATIONS = {
+    "recipe": "the precision (conf/precision)",
+    "world_size": "nodes x GPUs per node",
+    "gpus_per_node": "world size / nodes",
+    "dp": "world size / (TP x PP x CP)",
+    "params": "conf/model/{model}.yaml (the model's dimensions)",
+    "peak_tflops_bf16": "conf/gpu/{gpu}.yaml (peak_tflops_bf16)",
+}
+
+
 def derive(meta: dict[str, Any], origin: dict[str, str]) -> None:
     def put(key: str, value: Any) -> None:
         if meta.get(key) is None and value is not None:
@@ -292,6 +344,19 @@ def derive(meta: dict[str, Any], origin: dict[str, str]) -> None:
         put("params", count_parameters(_conf("model", meta["model"])))
     if meta.get("gpu"):
         put("peak_tflops_bf16", _conf("gpu", meta["gpu"]).get("peak_tflops_bf16"))
+
+
+def sources(meta: dict[str, Any], origin: dict[str, str], details: dict[str, dict[str, str]]) -> dict[str, str]:
+    """Each metadata key's source: the detail its layer gives (`details`: layer -> key -> `run.log line 12
+    (tensor_model_parallel_size)`, `config.yaml (trainer.max_steps)`), or how it was derived."""
+    out = {}
+    for key in meta:
+        layer = origin.get(key, "")
+        if layer == "derived":
+            out[key] = "derived from " + DERIVATIONS[key].format(**meta)
+        else:
+            out[key] = details.get(layer, {}).get(key) or layer
+    return out
 
 
 def canonical_precision(value: str) -> str:

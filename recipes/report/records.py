@@ -1,4 +1,5 @@
-"""The common record every input format is turned into: a run's steps, its metadata and what was skipped."""
+"""The common record every input format is turned into: a run's steps, its metadata and what was skipped, and where
+in its files each came from (a line number, a config key), so that a surprising number is checked in one step."""
 
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ class Step:
     global_batch_size: Optional[int] = None
     nan_iterations: int = 0  # Megatron's "number of nan iterations" in this interval
     fresh: bool = False  # first record a process wrote (start or restart): compilation and warm-up inside
+    where: str = ""  # the file it was read from, as the report names it
+    line: int = 0  # its line in that file
+
+    def reading(self) -> tuple:
+        """What the record says (its step and values, NaN written as text so that it equals itself): two records
+        with the same reading are one record printed twice."""
+        values = (self.step, self.loss, self.time_s, self.tokens_per_s_per_gpu, self.tflops_per_gpu, self.mfu,
+                  self.samples_per_s, self.grad_norm, self.global_batch_size, self.nan_iterations)
+        return tuple("nan" if isinstance(v, float) and math.isnan(v) else v for v in values)
 
     @property
     def bad_loss(self) -> bool:
@@ -40,7 +50,9 @@ class Run:
     paths: list[Path]  # the files (or run directory) it was read from
     steps: list[Step]  # sorted by step, each step once
     meta: dict[str, Any] = field(default_factory=dict)  # merged metadata (see metadata.py)
-    meta_origin: dict[str, str] = field(default_factory=dict)  # metadata key -> where it came from
+    meta_origin: dict[str, str] = field(default_factory=dict)  # metadata key -> the source it came from (metadata.py)
+    meta_source: dict[str, str] = field(default_factory=dict)  # metadata key -> its line or config key in that source
+    field_keys: dict[str, str] = field(default_factory=dict)  # Step attribute -> the name its files print it under
     provenance: dict[str, Any] = field(default_factory=dict)  # commit, versions, device (run directories)
     notes: list[str] = field(default_factory=list)  # what was skipped and why
     label_target: str = ""  # the FILE of a --label that names this run (its first file, as given)
@@ -63,6 +75,16 @@ def merge_steps(segments: list[list[Step]]) -> tuple[list[Step], int]:
                 del by_step[record.step]  # re-insert so dict order tracks the newest write
             by_step[record.step] = record
     return [by_step[s] for s in sorted(by_step)], repeats
+
+
+def lines_of(records: list[Step], printed_as: str = "") -> str:
+    """Where records were read: `run.log lines 20-100 (elapsed time per iteration (ms))`, one range per file."""
+    spans: dict[str, list[int]] = {}
+    for record in records:
+        spans.setdefault(record.where, []).append(record.line)
+    ranges = [f"{where} line {min(lines)}" if min(lines) == max(lines) else f"{where} lines {min(lines)}-{max(lines)}"
+              for where, lines in spans.items()]
+    return "; ".join(ranges) + (f" ({printed_as})" if printed_as and ranges else "")
 
 
 class Skips:

@@ -12,7 +12,7 @@ from typing import Any, Optional
 from recipes.metrics import warmup_steps
 from recipes.report.metadata import PRECISION_ORDER, describe_layout
 from recipes.report.published import Published, published_for
-from recipes.report.records import Run, Step
+from recipes.report.records import Run, Step, lines_of
 from recipes.report.render import Table
 
 MATCH_KEYS = ("model", "gpu", "engine", "nodes", "world_size", "tp", "pp", "cp", "vp", "mbs", "gbs", "seq", "steps")
@@ -49,6 +49,7 @@ class Result:
     vs_published: Optional[float] = None  # our tokens/s/GPU / the published one
     flags: list[str] = field(default_factory=list)
     note: str = ""  # why there is no baseline (the field that blocked the match, and the --label that supplies it)
+    sources: dict[str, str] = field(default_factory=dict)  # CSV column -> the lines (or derivation) behind its value
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -156,6 +157,7 @@ def measure(run: Run) -> Result:
         thin=thin,
     )
     result.state = _state(result, last)
+    result.sources = _figure_sources(result, measured, [r for r in steps if last - warmup < r.step <= last])
     result.published = published_for(meta)
     if result.published and result.tokens_per_s_per_gpu is not None:
         result.vs_published = result.tokens_per_s_per_gpu / result.published.tokens
@@ -181,6 +183,38 @@ def _state(result: Result, last: int) -> list[str]:
     if result.run.resumed_at:
         state.append(f"resumed at step {', '.join(str(step) for step in result.run.resumed_at)}")
     return state
+
+
+def _figure_sources(result: Result, measured: list[Step], last_window: list[Step]) -> dict[str, str]:
+    """Where each figure of the run comes from: the lines of the records behind it and the name they print it
+    under, or how it was derived; blank where there is no figure."""
+    run, keys = result.run, result.run.field_keys
+
+    def held(attribute: str, records: list[Step] = measured) -> str:
+        holding = [r for r in records if _finite([getattr(r, attribute)])]
+        return lines_of(holding, keys.get(attribute, attribute))
+
+    tokens = held("tokens_per_s_per_gpu")
+    if not tokens and held("samples_per_s"):
+        tokens = f"derived from samples per second x seq / world size: {held('samples_per_s')}"
+    elif not tokens:
+        tokens = f"derived from global batch x seq / world size / step time: {held('time_s')}"
+    peak = run.meta_source.get("peak_tflops_bf16")
+    state = [f"last record: {lines_of(run.steps[-1:])}"]
+    if result.meta.get("steps"):
+        state.append(f"planned steps: {run.meta_source.get('steps', '')}")
+    restarts = [r for r in run.steps[1:] if r.fresh]
+    if restarts:
+        state.append(f"restarts: {lines_of(restarts)}")
+    return {
+        "run_state": "; ".join(state),
+        "median_step_time_s": held("time_s") if result.step_time_s is not None else "",
+        "tokens_per_s_per_gpu": tokens if result.tokens_per_s_per_gpu is not None else "",
+        "tflops_per_gpu": held("tflops_per_gpu") if result.tflops_per_gpu is not None else "",
+        "mfu": (f"derived from TFLOP/s/GPU / peak_tflops_bf16 ({peak})" if result.tflops_per_gpu is not None and peak
+                else held("mfu")) if result.mfu is not None else "",
+        "final_loss": held("loss", last_window) if result.final_loss is not None else "",
+    }
 
 
 def _tokens_per_s(record: Step, meta: dict[str, Any]) -> Optional[float]:
@@ -443,6 +477,10 @@ CSV_HEADERS = """
     ours_over_published final_loss loss_gap_vs_bf16 max_loss_gap_vs_bf16 flag note format sources
 """.split()
 META_COLUMNS = CSV_HEADERS[1 : CSV_HEADERS.index("seed") + 1]  # model .. seed, straight from the run's metadata
+FIGURE_COLUMNS = ["run_state", "median_step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "final_loss"]
+# Where each value of a row came from (`run.log line 12 (tensor_model_parallel_size)`, `config.yaml (trainer.seed)`,
+# `run.log lines 20-100 (elapsed time per iteration (ms))`): a `<column>_source` column for each, after the rest
+CSV_HEADERS += [f"{column}_source" for column in META_COLUMNS + FIGURE_COLUMNS]
 
 
 def csv_rows(results: list[Result], display_path) -> list[list[str]]:
@@ -473,6 +511,8 @@ def csv_rows(results: list[Result], display_path) -> list[list[str]]:
             *(r.final_loss, r.loss_gap, r.max_loss_gap, "; ".join(r.flags), r.note),
             r.run.format,
             " ".join(display_path(p) for p in r.run.paths),
+            *(r.run.meta_source.get(key) if m.get(key) is not None else None for key in META_COLUMNS),
+            *(r.sources.get(column) for column in FIGURE_COLUMNS),
         ]
         rows.append([raw(v) for v in values])
     return rows

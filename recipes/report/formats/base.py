@@ -5,6 +5,7 @@ A family is data: the patterns that start its records (`LineFormat`), the field 
 mapped to a `Step` attribute), the configuration dumps it prints (config_dump.DumpKind), and, where it needs one, a
 reader of its own other lines (`SideLines`: Megatron-Bridge's throughput lines, torchtitan's startup lines) and a
 last look at what was read (`finish`: Megatron-DeepSpeed's TFLOPs, kept only where they are model FLOPs).
+Everything read keeps where it was read: a record its line, a configuration value its line and printed key.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
-from recipes.report.formats.config_dump import DumpKind
+from recipes.report.formats.config_dump import DumpKind, Sourced
 from recipes.report.records import Step
 
 
@@ -32,6 +33,10 @@ class FileRead:
     planned_steps: Optional[int] = None  # the run's length as its records print it (`iteration 10/ 100`)
     skipped_records: int = 0  # records (lines, for a log) that could not be read
     start_step: Optional[int] = None  # the step the log says training started at (torchtitan: > 1 when resumed)
+    header_sources: dict[str, str] = field(default_factory=dict)  # header key -> `run.log line 12 (printed key)`
+    field_keys: dict[str, str] = field(default_factory=dict)  # Step attribute -> the name the records print it under
+    planned_source: str = ""  # the line that printed planned_steps
+    claimed: bool = True  # False: a format this reader does not claim, read as the one its lines look like (`format`)
 
 
 def number(value: Any) -> Optional[float]:
@@ -122,6 +127,9 @@ class LineFormat:
     assign: str = ":"  # between a field's key and its value
     redrawn: bool = False  # a progress bar: drawn again for the same step as its fields update
     pairs: Optional[re.Pattern] = None  # fields as `key: value` matches where no separator splits them (torchtitan)
+    # Tools this reader does not claim print lines of the same shape (GPT-NeoX forked Megatron's iteration line): a
+    # file of it is claimed only where a record names its loss as a family here does
+    shape_shared: bool = False
 
 
 Fields = list[tuple[re.Pattern, str]]  # field name (lower case) -> Step attribute
@@ -130,13 +138,14 @@ Fields = list[tuple[re.Pattern, str]]  # field name (lower case) -> Step attribu
 class SideLines(Protocol):
     """A family's reader of lines that are neither records nor configuration, and of the records they belong to."""
 
-    def line(self, line: str) -> bool: ...  # True: the line was this reader's (not a record, not configuration)
+    # True: the line was this reader's (not a record, not configuration); `where` names it (`run.log line 12`)
+    def line(self, line: str, where: str) -> bool: ...
 
     def record(self, fmt: LineFormat, record: Step) -> None: ...
 
     def notes(self, where: str) -> list[str]: ...
 
-    def header(self) -> dict[str, Any]: ...  # what its lines state of the configuration
+    def header(self) -> dict[str, Sourced]: ...  # what its lines state of the configuration, and where
 
 
 @dataclass(frozen=True)
@@ -168,6 +177,7 @@ class ParsedFields:
     unreadable: list[str]  # core fields whose value is no number
     other_losses: set[str]  # keys naming a loss that no attribute takes
     families: set[str]  # the families whose fields these are
+    keys: dict[str, str]  # Step attribute -> the key it was read under, as printed
 
 
 def parse_fields(text: str, fmt: LineFormat, families: list[Family]) -> ParsedFields:
@@ -177,9 +187,10 @@ def parse_fields(text: str, fmt: LineFormat, families: list[Family]) -> ParsedFi
     unreadable: list[str] = []
     other_losses: set[str] = set()
     seen: set[str] = set()
+    keys: dict[str, str] = {}
     fields = [(pattern, attribute, family.name) for family in families for pattern, attribute in family.fields]
-    for key, raw in _items(text, fmt):
-        key = " ".join(key.lower().split())
+    for printed, raw in _items(text, fmt):
+        key = " ".join(printed.lower().split())
         for pattern, attribute, family in fields:
             name = pattern.fullmatch(key)
             if not name:
@@ -192,11 +203,12 @@ def parse_fields(text: str, fmt: LineFormat, families: list[Family]) -> ParsedFi
                 unit = value["unit"].lower() if value["unit"] else name.groupdict().get("unit")
                 scale = UNIT_SECONDS[unit] if attribute == "time_s" else 1.0
                 values[attribute] = float(value["number"]) * scale
+                keys[attribute] = " ".join(printed.split())
             break
         else:
             if "loss" in key:
                 other_losses.add(key)
-    return ParsedFields(values, [CORE_FIELDS[a] for a in unreadable if a in CORE_FIELDS], other_losses, seen)
+    return ParsedFields(values, [CORE_FIELDS[a] for a in unreadable if a in CORE_FIELDS], other_losses, seen, keys)
 
 
 def _items(text: str, fmt: LineFormat) -> list[tuple[str, str]]:
@@ -210,7 +222,7 @@ def _items(text: str, fmt: LineFormat) -> list[tuple[str, str]]:
     return items
 
 
-def make_record(fmt: LineFormat, iteration: int, values: dict[str, float]) -> Step:
+def make_record(fmt: LineFormat, iteration: int, values: dict[str, float], where: str, line: int) -> Step:
     step = iteration + 1 if fmt.zero_based else iteration
     if "global_step" in values and math.isfinite(values["global_step"]):
         # NeMo's global_step is 0-based like its iteration. A NeMo 1 bar is drawn once more after the last step's
@@ -229,4 +241,6 @@ def make_record(fmt: LineFormat, iteration: int, values: dict[str, float]) -> St
         grad_norm=values.get("grad_norm"),
         global_batch_size=int(gbs) if gbs is not None and math.isfinite(gbs) else None,
         nan_iterations=int(nan_its) if nan_its is not None and math.isfinite(nan_its) else 0,
+        where=where,
+        line=line,
     )

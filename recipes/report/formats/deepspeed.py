@@ -7,6 +7,11 @@ and argument dump, with fields of its own at the end of the line:
 causal), and the recomputed forward added when `--checkpoint-activations` or `--recompute-granularity` is on. Without
 recomputation it is model FLOPs (by its own formula) and is read; with it, it counts hardware FLOPs and is dropped,
 saying so. Tokens/s/GPU (its tgs, or samples per second x sequence / GPUs) is the figure to compare across tools.
+
+DeepSpeed prints its engine's configuration too (deepspeed/runtime/config.py `DeepSpeedConfig.print`, every line
+behind its logger's `[config.py:1000:print]`): its `world_size` is the data-parallel size (`mpu.
+get_data_parallel_world_size()`), not the run's GPUs, so none of its values is read as the run's. Launched on
+several nodes through pdsh, every line carries the host's name (formats/prefixes.py).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import re
 from typing import Any
 
 from recipes.report.formats.base import Family
+from recipes.report.formats.config_dump import DumpKind
 from recipes.report.formats.megatron import ITERATION
 from recipes.report.records import Step
 
@@ -39,4 +45,8 @@ def finish(steps: list[Step], header: dict[str, Any], where: str) -> list[str]:
             "and NeMo count half): compare tokens/s/GPU across tools"]
 
 
-DEEPSPEED = Family("Megatron-DeepSpeed", formats=[ITERATION], fields=FIELDS, finish=finish)
+# Each line of it, its title `DeepSpeedEngine configuration:` among them, so a log cut before the title is read alike
+ENGINE_CONFIG_LINE = re.compile(r"\[config\.py:\d+:print\]")
+DUMPS = [DumpKind("deepspeed engine config", ENGINE_CONFIG_LINE, None, marked=ENGINE_CONFIG_LINE, the_runs=False)]
+
+DEEPSPEED = Family("Megatron-DeepSpeed", formats=[ITERATION], fields=FIELDS, dumps=DUMPS, finish=finish)

@@ -4,20 +4,27 @@
   ` [2024-05-01 12:00:00] iteration      100/    1000 | consumed samples: ... | elapsed time per iteration (ms):
   1234.5 | throughput per GPU (TFLOP/s/GPU): 456.7 | ... | lm loss: 2.345678E+00 | ... |`. Primus writes the time,
   TFLOP/s and tokens/s as `this interval/running average` (`32208.7/32208.7`, `456.7 (avg 455.0)`): the first is
-  Megatron's own figure, the one read.
+  Megatron's own figure, the one read. On one node Primus also forwards the last rank's line to rank 0
+  (primus/backends/megatron/patches/training_log/print_rank_last_patches.py `_forward_single_node_training_log`),
+  so each line is printed twice with the same values: one record (parse.py).
+- Other tools print lines of this shape (GPT-NeoX, a fork of Megatron, its `lm_loss` and `approx flops per GPU`): a
+  file is read as one of the formats here only where a record names its loss `lm loss` (`lm-loss`); otherwise its
+  format is one this reader does not claim, and it yields only what it states unambiguously (parse.py).
 - Megatron-Bridge prints its throughput on a line of its own (`Step Time : 1.23s GPU utilization:
   456.7MODEL_TFLOP/s/GPU`), from rank 0, next to the iteration line of the same interval that the last rank prints:
   the two are paired in the order they come, and only when their step times agree (`StepTimePairs`).
-- Config dumps: Megatron-LM's argument list, Bridge's ConfigContainer YAML and its summary of non-default values.
+- Config dumps: Megatron-LM's argument list, Bridge's ConfigContainer YAML and its summary of non-default values,
+  Primus's `log_dict_aligned` list (primus/core/utils/module_utils.py: `Final backend args (after patches): (N
+  parameters)`, then `  key : value (type)` lines, then a line of dashes).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import Optional
 
 from recipes.report.formats.base import Family, LineFormat
-from recipes.report.formats.config_dump import DumpKind
+from recipes.report.formats.config_dump import DumpKind, Sourced
 from recipes.report.records import Step
 
 ITERATION = LineFormat(
@@ -25,6 +32,7 @@ ITERATION = LineFormat(
     # not NeMo 2's ", iteration"
     re.compile(r"(?<!,\s)\biteration\s+(?P<it>\d+)\s*/\s*(?P<total>\d+)\s*\|"),
     zero_based=False,
+    shape_shared=True,
 )
 
 FIELDS = [
@@ -45,6 +53,7 @@ DUMPS = [
              None),
     DumpKind("bridge summary", re.compile(r"Configuration Summary \(Non-Default Values"), re.compile(r"^\s*={10,}\s*$"),
              fp8_absent_means_off=True),
+    DumpKind("primus arguments", re.compile(r": \(\d+ parameters\)\s*$"), re.compile(r"-{40,}\s*$")),
 ]
 
 # Megatron-Bridge's throughput line; `tok/s/gpu` appears in some versions.
@@ -66,7 +75,7 @@ class StepTimePairs:
         self.waiting: Optional[Step] = None  # an iteration record waiting
         self.unpaired = 0
 
-    def line(self, line: str) -> bool:
+    def line(self, line: str, where: str) -> bool:
         match = STEP_TIME.search(line)
         if not match:
             return False
@@ -107,7 +116,7 @@ class StepTimePairs:
         return [f"{where}: {unpaired} 'Step Time' line(s) not paired with an iteration line of the same step time: "
                 "their TFLOP/s not used"]
 
-    def header(self) -> dict[str, Any]:
+    def header(self) -> dict[str, Sourced]:
         return {}
 
 

@@ -7,8 +7,9 @@
   consumed_samples=1536.0, train_step_timing in s=6.300]`, or `1it [00:04, 4.36s/it, ...]` without a total. The bar
   is redrawn in place (carriage returns): each redraw is a line, and a redraw of the step just read replaces it. A
   bar without `key=value` fields (its first draw) is not a record. A bar cut at the terminal's width has no closing
-  `]`: its last field may be cut mid-value and is dropped; without `global_step` the bar's count (the finished
-  steps) is the step.
+  `]`: its last field may be cut mid-value and is dropped, and the bar stays a record of its step: without
+  `global_step` the bar's count (the finished steps) is the step, also where the cut took the loss and the step time
+  (a bar cut inside the loss is a step without a loss, never a line skipped).
 - NeMo 1's experiment configuration, printed as YAML under `Experiment configuration`.
 """
 

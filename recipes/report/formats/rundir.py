@@ -39,7 +39,7 @@ def read_metrics_jsonl(path: Path, where: str) -> FileRead:
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             skips.add("no positive integer 'step'", line_no)
             continue
-        record = Step(step=step)
+        record = Step(step=step, where=where, line=line_no)
         unreadable = [key for key in ("loss", "step_time_s") if obj.get(key) is not None and number(obj[key]) is None]
         unreadable = [key.replace("step_time_s", "step time") for key in unreadable]
         if unreadable:
@@ -49,5 +49,6 @@ def read_metrics_jsonl(path: Path, where: str) -> FileRead:
             setattr(record, attribute, number(obj.get(key)))
         steps.append(record)
     mark_restarts(steps)
+    keys = {attribute: key for key, attribute in JSONL_FIELDS.items()}
     return FileRead("metrics.jsonl", steps, notes=skips.notes() + empty_note(where, lines, steps),
-                    skipped_records=skips.count())
+                    skipped_records=skips.count(), field_keys=keys)
