@@ -1,5 +1,6 @@
 """Checkpoint and resume of the PyTorch engine: exact continuation, metrics without gaps or duplicates, pruning,
-atomic saves, refusal of a checkpoint of another model, and the same through torchrun with two processes.
+atomic saves, refusal of a checkpoint of another model, one call each way between the engine and the shared
+checkpoint code, and the same through torchrun with two processes.
 
 Runs are tiny_llama with 64-token sequences on random tokens, in FP8 current scaling (one in delayed scaling), on
 the CPU (deterministic: compile is off), and a constant learning rate, so that a run may also be extended
@@ -25,6 +26,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from recipes.config import CheckpointConfig, Config, TrainerConfig, load_option
 from recipes.folders import save_config
 from recipes.engine import checkpoint, torch_engine
+from recipes.trainer import checkpoints as shared_checkpoints
 from recipes.trainer import loop
 from recipes.trainer.checkpoints import complete_checkpoints
 
@@ -357,6 +359,35 @@ def test_delayed_scaling_state_travels_in_the_checkpoint(tmp_path):
     run(make_config(tmp_path / "run", max_steps=2, interval=2, precision="fp8_delayed", **small))
     run(make_config(tmp_path / "run", max_steps=4, interval=2, precision="fp8_delayed", **small))
     assert losses(tmp_path / "run") == losses(tmp_path / "whole")
+
+
+def calls_into(modules: list, action) -> dict[str, list[str]]:
+    """The functions of each module that `action` calls from outside that module, in order: where the run's control
+    enters it (sys.setprofile sees every Python call; a function's calls within its own module are not entries)."""
+    names = {module.__file__: module.__name__ for module in modules}
+    entered: dict[str, list[str]] = {name: [] for name in names.values()}
+
+    def profile(frame, event, arg):
+        file = frame.f_code.co_filename
+        if event == "call" and file in names and frame.f_back.f_code.co_filename != file:
+            entered[names[file]].append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        action()
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+def test_a_resumed_run_enters_each_checkpoint_module_once_to_restore_and_once_to_save(tmp_path):
+    """The engine restores and saves through one call each into the shared checkpoint code, which calls the
+    engine's checkpoint format once each way: nothing else of the loop or the engine reaches either module."""
+    run_dir = tmp_path / "run"
+    run(make_config(run_dir, max_steps=2, interval=2))
+    resumed = make_config(run_dir, max_steps=4, interval=2)  # from step 2's checkpoint, saving step 4's
+    assert calls_into([shared_checkpoints, checkpoint], lambda: run(resumed)) == {
+        "recipes.trainer.checkpoints": ["restore", "save"], "recipes.engine.checkpoint": ["read", "write"]}
 
 
 def test_two_processes_checkpoint_and_resume_exactly_through_torchrun(tmp_path):

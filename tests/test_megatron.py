@@ -552,7 +552,7 @@ def test_megatron_fsdp_load_sets_the_fp8_scales_before_the_weights_hook_casts_wi
 @pytest.mark.parametrize("before", [None, "0"])
 def test_resume_trusts_transformer_engines_pickled_extra_state_only_while_loading(monkeypatch, before):
     """TE 2.20 refuses to unpickle delayed scaling's extra state without NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1;
-    load_latest sets it while it loads the run's own checkpoint and leaves the user's setting as it was."""
+    MegatronCheckpoint.read sets it while it loads the run's own checkpoint and leaves the user's setting as it was."""
     from recipes.megatron.checkpoint import TE_UNSAFE_PICKLE, own_te_extra_state_trusted
 
     if before is None:

@@ -29,19 +29,19 @@ FSDP every rank writes its own shards in parallel, nothing is gathered to one pr
 whatever wraps it (FSDP, activation checkpointing, compile). Rank 0 alone writes checkpoint.pt (each rank's RNG
 state is gathered to it) once every rank's shards are on disk; every rank reads it.
 
-A save writes into the temporary folder (DCP fsyncs its files; checkpoint.pt is fsynced), and renames it to
-`step_<N>` (a rename is atomic), so a folder named `step_<N>` is always complete. One the machine refuses (a full
-disk, `ulimit -f`) removes the temporary folder and stops the run in one line (recipes.trainer.checkpoints.settle);
-a stop signal that comes meanwhile, a second Ctrl-C included, waits for the save (recipes.trainer.stopping).
+This module is what the engine hands recipes.trainer.checkpoints (TorchCheckpoint: the shards, the RNG states),
+whose `save` and `restore` do the rest: the temporary folder published with one rename (DCP fsyncs its files;
+checkpoint.pt is fsynced), the manifest, the checks before a resume, pruning, a save the machine refuses (a full
+disk, `ulimit -f`) stopping the run in one line. A stop signal that comes during a save, a second Ctrl-C included,
+waits for it (recipes.trainer.loop.save, recipes.trainer.stopping).
 """
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -51,19 +51,9 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from recipes.config import Config, to_dict
-from recipes.trainer import checkpoints
 from recipes.trainer.checkpoints import CheckpointError
-from recipes.trainer.stopping import stop_signals
 
 FILE = "checkpoint.pt"
-
-
-@dataclass
-class Checkpoint:
-    path: Path  # the step_<N> folder
-    step: int
-    state: dict
 
 
 # ---- what a checkpoint holds ----
@@ -102,73 +92,49 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     )
 
 
-# ---- saving ----
+# ---- what the engine hands recipes.trainer.checkpoints ----
 
 
-def save(
-    directory: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, rank: int,
-    world_size: int, device: torch.device,
-) -> Optional[Path]:
-    """Write step `step`'s checkpoint (every rank calls this and writes its shards) and prune old ones. Returns
-    the folder on rank 0. SaveFailed on every rank where the machine refuses it (recipes.trainer.checkpoints)."""
-    rng = [rng_state(device)]
-    if world_size > 1:
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, rng[0])
-        rng = gathered
-    with stop_signals.saving():
-        # made by rank 0 and named with its process id, the same on every rank
-        temporary = checkpoints.start_everywhere(directory, step, str(os.getpid()), FILE, rank, world_size)
-        final, failure = None, None
+@dataclass
+class TorchCheckpoint:
+    """The torch engine's checkpoint format (recipes.trainer.checkpoints.CheckpointFormat): the model's and the
+    optimizer's shards through DCP, every rank's RNG state in checkpoint.pt."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    rank: int
+    world_size: int
+    marker: ClassVar[str] = FILE
+
+    def write(self, folder: Path) -> dict:
+        """Every rank's shards into `folder` (dcp.save returns once they and the metadata are all written); each
+        rank's RNG state, gathered, for checkpoint.pt."""
+        rng = [rng_state(self.device)]
+        if self.world_size > 1:
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, rng[0])
+            rng = gathered
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder,
+                 no_dist=self.world_size == 1)
+        return {"rng": rng}
+
+    def read(self, folder: Path, state: dict) -> None:
+        """Model and optimizer from `folder` into this (possibly sharded) model and its optimizer, then this rank's
+        RNG state."""
+        if not (folder / ".metadata").is_file():
+            raise CheckpointError(
+                f"cannot resume from {folder}: it holds no torch.distributed.checkpoint shards (an earlier "
+                "version of the engine wrote the whole state into checkpoint.pt). Use a new run.dir."
+            )
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         try:
-            model_state, optimizer_state = get_state_dict(model, optimizer)
-            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary,
-                     no_dist=world_size == 1)
-            # dcp.save returns once every rank's shards and the metadata are written
-            checkpoints.seal(temporary, FILE, {"step": step, "rng": rng, "config": to_dict(cfg)}, rank, world_size)
-            if rank == 0:
-                final = checkpoints.finish_save(directory, step, temporary)
-        except (Exception, CheckpointException) as error:  # DCP's is a BaseException
-            failure = error
-        checkpoints.settle(failure, directory, step, temporary, FILE, rank, world_size)
-    if rank == 0:
-        checkpoints.prune(directory, cfg.trainer.checkpoint.keep_last, FILE)
-    return final
-
-
-# ---- resuming ----
-
-
-def load_latest(directory: Path, cfg: Config) -> Optional[Checkpoint]:
-    """The newest intact checkpoint in `directory`, checked against `cfg` (recipes.trainer.checkpoints'
-    newest_intact: damaged ones are moved aside); None when there is none."""
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    found = checkpoints.newest_intact(directory, FILE, cfg, rank, world_size)
-    if found is None:
-        return None
-    step, path, state = found
-    return Checkpoint(path, step, state)
-
-
-def restore(checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Model and optimizer from `checkpoint` into this (possibly sharded) model and its optimizer (RNG
-    separately, last: see set_rng_state). Every rank calls it."""
-    if not (checkpoint.path / ".metadata").is_file():
-        raise CheckpointError(
-            f"cannot resume from {checkpoint.path}: it holds no torch.distributed.checkpoint shards (an earlier "
-            "version of the engine wrote the whole state into checkpoint.pt). Use a new run.dir."
-        )
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    try:
-        dcp.load(
-            {"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint.path,
-            no_dist=not dist.is_initialized(),
-        )
-    except (CheckpointException, RuntimeError) as error:  # missing or misshapen entries
-        raise CheckpointError(f"cannot resume from {checkpoint.path}: the model does not match it: {error}") from None
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-
-
-def rank_rng(checkpoint: Checkpoint, rank: int) -> dict[str, Any]:
-    states = checkpoint.state["rng"]
-    return states[rank % len(states)]  # a different world size: data and weights are exact, RNG streams reused
+            dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder,
+                     no_dist=not dist.is_initialized())
+        except (CheckpointException, RuntimeError) as error:  # missing or misshapen entries
+            raise CheckpointError(f"cannot resume from {folder}: the model does not match it: {error}") from None
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+        states = state["rng"]
+        # a different world size: data and weights are exact, RNG streams reused
+        set_rng_state(states[self.rank % len(states)], self.device)

@@ -10,7 +10,8 @@ loop both engines share (`recipes.trainer.loop`), and writes `metrics.jsonl` and
 `summary.json` into the run directory. Several processes train fully sharded
 data-parallel (FSDP2, `recipes.engine.fsdp`; NCCL on GPUs, Gloo on CPUs), each reading its own slice of every
 global batch. With `trainer.checkpoint.interval` set it checkpoints as it goes, and a start in a run directory
-that holds a checkpoint continues from the newest one (`recipes.engine.checkpoint`, `recipes.trainer.checkpoints`).
+that holds a checkpoint continues from the newest one: `recipes.trainer.checkpoints`' restore and save, with the
+engine's shards (`recipes.engine.checkpoint`).
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from recipes.compute import compute_dtype
 from recipes.config import Config, GradReduce
 from recipes.data.dataset import make_dataset
-from recipes.engine import checkpoint
+from recipes.engine.checkpoint import TorchCheckpoint
 from recipes.engine.fsdp import data_parallel_mesh, materialize, shard_model
 from recipes.engine.training import build_optimizer, checkpoint_blocks, compile_blocks, optimizer_step
 from recipes.fp8 import Fp8Training
 from recipes.metrics import StepMetrics
 from recipes.models.attention import attention_kernel
 from recipes.models.transformer import Transformer
-from recipes.trainer.checkpoints import changed_settings, own_checkpoint_dir
+from recipes.trainer import checkpoints
 from recipes.trainer.console import print_step
 from recipes.trainer.entry import engine_main
 from recipes.trainer.loop import EngineSteps, train_loop
@@ -100,17 +101,8 @@ def train(cfg: Config, run_dir: Path) -> dict:
     fp8 = Fp8Training.for_run(cfg, world_size, device)
     model = build_model(cfg, device, fp8, mesh)
     optimizer = build_optimizer(model, cfg.trainer, device)
-    checkpoints = own_checkpoint_dir(cfg, run_dir, rank, world_size)
-    resumed = checkpoint.load_latest(checkpoints, cfg)
-    first_step = 1
-    if resumed:
-        checkpoint.restore(resumed, model, optimizer)
-        checkpoint.set_rng_state(checkpoint.rank_rng(resumed, rank), device)
-        first_step = resumed.step + 1
-        if rank == 0:
-            changed = changed_settings(resumed.state["config"], cfg)
-            note = f" (changed: {', '.join(changed)})" if changed else ""
-            print(f"resuming from step {resumed.step} of {resumed.path}{note}", flush=True)
+    shards = TorchCheckpoint(model, optimizer, device, rank, world_size)
+    start = checkpoints.restore(cfg, run_dir, shards, rank, world_size)
     fp8.weights_changed(model)  # the initial or restored weights
     batches = MicroBatches(cfg, rank, world_size, device)
     dtype = compute_dtype(cfg.trainer.compute_dtype, device.type)
@@ -132,14 +124,14 @@ def train(cfg: Config, run_dir: Path) -> dict:
         return loss.item(), grad_norm.item()
 
     def save_checkpoint(step: int) -> Optional[Path]:
-        return checkpoint.save(checkpoints, step, model, optimizer, cfg, rank, world_size, device)
+        return checkpoints.save(cfg, run_dir, step, shards, rank, world_size)
 
     def log(interval: list[StepMetrics], history: list[StepMetrics]) -> None:
         print_step(history, cfg.trainer.max_steps, world_size if device.type == "cpu" else 0)
 
     facts = {"attention": attention_kernel(cfg.model, device, dtype), "fused_loss": cfg.trainer.fused_loss}
     engine = EngineSteps(train_step, save_checkpoint, log, log_first_step=True, facts=facts)
-    summary = train_loop(cfg, run_dir, engine, first_step, rank, world_size, device)
+    summary = train_loop(cfg, run_dir, engine, start, rank, world_size, device)
     if world_size > 1:
         dist.barrier()  # every rank waits for rank 0's summary
         dist.destroy_process_group()

@@ -5,11 +5,12 @@
                        manifest.json  every file's size and SHA-256, written last: checked before a resume,
                                       which falls back to the newest intact checkpoint
 
-Every rank writes its own shards into one temporary folder, and rank 0 publishes it as step_<N> with one rename
-(recipes.trainer.checkpoints' start_save/finish_save), so the newest step_<N> is always whole and is what a restart
-in the same run directory resumes, with the same tp, pp, vp and cp (the optimizer's "dp_reshardable" format lets
-only the data-parallel size change). There is no RNG state to keep: no dropout, and the data of a step is a
-function of the step (recipes.megatron.data).
+The engine hands MegatronCheckpoint to recipes.trainer.checkpoints' save and restore, which keep the folders as
+for the torch engine: every rank writes its own shards into one temporary folder, which rank 0 publishes as
+step_<N> with one rename, so the newest step_<N> is always whole and is what a restart in the same run directory
+resumes, with the same tp, pp, vp and cp (the optimizer's "dp_reshardable" format lets only the data-parallel size
+change). There is no RNG state to keep: no dropout, and the data of a step is a function of the step
+(recipes.megatron.data).
 
 Megatron-FSDP's parameters and optimizer states are DTensor shards, which megatron-core 0.16.1 saves only in its
 "fsdp_dtensor" form, through torch.distributed.checkpoint (as Megatron-LM's --ckpt-format fsdp_dtensor). Megatron-LM
@@ -21,18 +22,15 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from recipes.config import Config, to_dict
-from recipes.trainer import checkpoints
-from recipes.trainer.stopping import stop_signals
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
 from megatron.core.fp8_utils import is_float8tensor, post_all_gather_processing
@@ -136,74 +134,57 @@ def _empty_like(param: DTensor, dtype: torch.dtype) -> DTensor:
                               run_check=False, shape=param.shape, stride=param.stride())
 
 
-def save(directory: Path, step: int, model: list, optimizer, cfg: Config) -> Optional[Path]:
-    """Write step `step`'s checkpoint (a collective: every rank calls it); the published folder on rank 0. As the
-    torch engine's save: SaveFailed on every rank where the machine refuses it (its temporary folder removed), and a
-    stop signal meanwhile waits for it (recipes.trainer.checkpoints.settle, recipes.trainer.stopping)."""
-    with stop_signals.saving():
-        final = _save(directory, step, model, optimizer, cfg, dist.get_rank(), dist.get_world_size())
-    if final:
-        checkpoints.prune(directory, cfg.trainer.checkpoint.keep_last, MARKER)
-    return final
+@dataclass
+class MegatronCheckpoint:
+    """engine=megatron's checkpoint format (recipes.trainer.checkpoints.CheckpointFormat): every rank's shards of the
+    model chunks and the optimizer, through dist_checkpointing (torch.distributed.checkpoint under Megatron-FSDP)."""
 
+    model: list
+    optimizer: Any
+    marker: ClassVar[str] = MARKER
 
-def _save(directory: Path, step: int, model: list, optimizer, cfg: Config, rank: int,
-          world_size: int) -> Optional[Path]:
-    """save's writing, from its temporary folder to the published one; the same outcome on every rank."""
-    temporary = checkpoints.start_everywhere(directory, step, "megatron", MARKER, rank, world_size)
-    # With overlapped parameter all-gathers the model's BF16 weights lag the optimizer step until the next
-    # forward; gather them now, as Megatron-LM does before saving (Megatron-FSDP saves its main weights' shards).
-    fsdp = is_fsdp(model)
-    overlapped = [chunk for chunk in model if chunk.ddp_config.overlap_param_gather and not fsdp]
-    for chunk in overlapped:
-        chunk.disable_forward_pre_hook(param_sync=True)
-        # megatron-core 0.16.1's forced all-gather skips what its overlapped one does after it: FP8 weights'
-        # transposes (what dgrad reads on Hopper) would stay the previous step's, still marked valid, and the step
-        # after every checkpoint would train on them (found comparing resumed runs: docs/results).
-        post_all_gather_processing([param for param in chunk.parameters() if is_float8tensor(param)])
-    dist.barrier()
-    final, failure = None, None
-    try:  # a failure of the writers is raised on every rank (DCP's and megatron-core's CheckpointException)
+    def write(self, folder: Path) -> dict:
+        """Every rank's shards into `folder`; the marker keeps nothing more (no RNG state: see above)."""
+        # With overlapped parameter all-gathers the model's BF16 weights lag the optimizer step until the next
+        # forward; gather them now, as Megatron-LM does before saving (Megatron-FSDP saves its main weights' shards).
+        fsdp = is_fsdp(self.model)
+        overlapped = [chunk for chunk in self.model if chunk.ddp_config.overlap_param_gather and not fsdp]
+        for chunk in overlapped:
+            chunk.disable_forward_pre_hook(param_sync=True)
+            # megatron-core 0.16.1's forced all-gather skips what its overlapped one does after it: FP8 weights'
+            # transposes (what dgrad reads on Hopper) would stay the previous step's, still marked valid, and the
+            # step after every checkpoint would train on them (found comparing resumed runs: docs/results).
+            post_all_gather_processing([param for param in chunk.parameters() if is_float8tensor(param)])
+        dist.barrier()
+        # a failure of the writers is raised on every rank (DCP's and megatron-core's CheckpointException)
         if fsdp:
-            dcp.save(fsdp_state_dict(model, optimizer), checkpoint_id=str(temporary))
+            dcp.save(fsdp_state_dict(self.model, self.optimizer), checkpoint_id=str(folder))
         else:
-            dist_checkpointing.save(sharded_state_dict(model, optimizer), str(temporary))
+            dist_checkpointing.save(sharded_state_dict(self.model, self.optimizer), str(folder))
         for chunk in overlapped:
             chunk.enable_forward_pre_hook()
-        dist.barrier()
-        checkpoints.seal(temporary, MARKER, {"step": step, "config": to_dict(cfg)}, rank, world_size)
-        if rank == 0:
-            final = checkpoints.finish_save(directory, step, temporary)
-    except (Exception, CheckpointException) as error:  # DCP's is a BaseException
-        failure = error
-    checkpoints.settle(failure, directory, step, temporary, MARKER, rank, world_size)
-    return final
+        dist.barrier()  # every rank's shards are in before rank 0 lists the folder's files for the manifest
+        return {}
 
-
-@torch.no_grad()  # the optimizer copies loaded states into its FP32 master weights, views of autograd leaves
-def load_latest(directory: Path, cfg: Config, model: list, optimizer) -> int:
-    """Load the newest intact checkpoint (recipes.trainer.checkpoints' newest_intact: verified against its manifest,
-    damaged ones moved aside) into the model chunks and optimizer; its step, 0 when there is none."""
-    found = checkpoints.newest_intact(directory, MARKER, cfg, dist.get_rank(), dist.get_world_size())
-    if found is None:
-        return 0
-    step, path, _ = found
-    if is_fsdp(model):
-        _load_fsdp(path, model, optimizer)
-        return step
-    # Without Transformer Engine or Apex, megatron-core reads Adam's step count while it builds the loading state
-    # dict, which a fresh optimizer does not have yet: one step on zero gradients allocates the states (and moves
-    # the weights by weight decay), and the load below overwrites all of it.
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    optimizer.step()
-    with own_te_extra_state_trusted():
-        state = dist_checkpointing.load(sharded_state_dict(model, optimizer, is_loading=True), str(path))
-        for key, chunk in zip(model_keys(model), model):
-            chunk.load_state_dict(state[key])
-    optimizer.load_state_dict(state["optimizer"])
-    _restore_adam_steps(optimizer)
-    return step
+    @torch.no_grad()  # the optimizer copies loaded states into its FP32 master weights, views of autograd leaves
+    def read(self, folder: Path, state: dict) -> None:
+        """The shards of `folder` into the model chunks and the optimizer."""
+        model, optimizer = self.model, self.optimizer
+        if is_fsdp(model):
+            _load_fsdp(folder, model, optimizer)
+            return
+        # Without Transformer Engine or Apex, megatron-core reads Adam's step count while it builds the loading
+        # state dict, which a fresh optimizer does not have yet: one step on zero gradients allocates the states
+        # (and moves the weights by weight decay), and the load below overwrites all of it.
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.step()
+        with own_te_extra_state_trusted():
+            loaded = dist_checkpointing.load(sharded_state_dict(model, optimizer, is_loading=True), str(folder))
+            for key, chunk in zip(model_keys(model), model):
+                chunk.load_state_dict(loaded[key])
+        optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_steps(optimizer)
 
 
 def _load_fsdp(path: Path, model: list, optimizer) -> None:
@@ -232,9 +213,9 @@ TE_UNSAFE_PICKLE = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
 @contextmanager
 def own_te_extra_state_trusted():
     """Transformer Engine (2.20) keeps delayed scaling's amax histories and scales as a pickle in each layer's extra
-    state and refuses to unpickle it unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1. load_latest only reads this
-    run's own checkpoints (its checkpoint folder, checked by check_resumable), so it trusts them for the load and
-    puts the setting back after."""
+    state and refuses to unpickle it unless NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1. A resume only reads this run's
+    own checkpoints (its checkpoint folder, checked by recipes.trainer.checkpoints.restore), so it trusts them for
+    the load and puts the setting back after."""
     before = os.environ.get(TE_UNSAFE_PICKLE)
     os.environ[TE_UNSAFE_PICKLE] = "1"
     try:
@@ -248,8 +229,8 @@ def own_te_extra_state_trusted():
 
 def _restore_adam_steps(optimizer) -> None:
     """torch's Adam (megatron-core's optimizer without TE/Apex) keeps a step count per parameter, which megatron-core
-    saves once per parameter group and, into an optimizer that has already stepped (see load_latest), does not
-    copy back: without this, bias correction would restart from the allocation step."""
+    saves once per parameter group and, into an optimizer that has already stepped (see MegatronCheckpoint.read),
+    does not copy back: without this, bias correction would restart from the allocation step."""
     for megatron_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = megatron_optimizer.optimizer
         for group in inner.param_groups:

@@ -10,7 +10,8 @@ Megatron-LM's pretrain_gpt.py does:
     data                  GPTDataset / MockGPTDataset via BlendedMegatronDatasetBuilder recipes.megatron.data
     schedule              get_forward_backward_func: no pipelining, 1F1B, interleaved 1F1B
     gradients, optimizer  DistributedDataParallel (or Megatron-FSDP) + the distributed optimizer
-    checkpoints           dist_checkpointing, resharded on load               recipes.megatron.checkpoint
+    checkpoints           dist_checkpointing, resharded on load                         recipes.megatron.checkpoint
+                          in the checkpoint folders both engines share                  recipes.trainer.checkpoints
 
 Its steps run in the loop both engines share (recipes.trainer.loop), so it writes what the torch engine writes:
 metrics.jsonl and summary.json (recipes.metrics), plus Megatron's iteration line every log interval, so reports
@@ -33,13 +34,13 @@ from torch.profiler import record_function
 from recipes.compute import run_compute_dtype
 from recipes.config import Config, ConfigError
 from recipes.megatron import parallel_state
-from recipes.megatron import checkpoint as megatron_checkpoint
 from recipes.megatron.build import build, initialize_parallel_state
+from recipes.megatron.checkpoint import MegatronCheckpoint
 from recipes.megatron.data import MicroBatches, build_train_dataset
 from recipes.megatron.translate import ddp_config, optimizer_config
 from recipes.metrics import StepMetrics
 from recipes.profiling import OPTIMIZER
-from recipes.trainer.checkpoints import own_checkpoint_dir
+from recipes.trainer import checkpoints
 from recipes.trainer.console import megatron_iteration_line
 from recipes.trainer.entry import engine_main
 from recipes.trainer.loop import EngineSteps, train_loop
@@ -139,10 +140,8 @@ def train(cfg: Config, run_dir: Path) -> dict:
     config, chunks = build(cfg, device, compute)
     model = wrap(cfg, config, chunks)
     optimizer = get_megatron_optimizer(optimizer_config(cfg, compute), model)
-    checkpoints = own_checkpoint_dir(cfg, run_dir, rank, dist.get_world_size())
-    first_step = megatron_checkpoint.load_latest(checkpoints, cfg, model, optimizer) + 1
-    if rank == 0 and first_step > 1:
-        print(f"resuming from step {first_step - 1} of {checkpoints}", flush=True)
+    shards = MegatronCheckpoint(model, optimizer)
+    start = checkpoints.restore(cfg, run_dir, shards, rank, world_size)
 
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     batches = MicroBatches(build_train_dataset(cfg, rank), cfg, dp_rank, dp_size)
@@ -173,14 +172,13 @@ def train(cfg: Config, run_dir: Path) -> dict:
         return step_loss(losses_reduced).item(), float(grad_norm)
 
     def save_checkpoint(step: int) -> Optional[Path]:
-        return megatron_checkpoint.save(checkpoints, step, model, optimizer, cfg)
+        return checkpoints.save(cfg, run_dir, step, shards, rank, world_size)
 
     def log(interval: list[StepMetrics], history: list[StepMetrics]) -> None:
         print(megatron_iteration_line(interval, cfg.trainer.max_steps, cfg.trainer.global_batch_size, history),
               flush=True)
 
-    summary = train_loop(cfg, run_dir, EngineSteps(train_step, save_checkpoint, log), first_step, rank, world_size,
-                         device)
+    summary = train_loop(cfg, run_dir, EngineSteps(train_step, save_checkpoint, log), start, rank, world_size, device)
     dist.barrier()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

@@ -1,18 +1,24 @@
 """Checkpoint folders as both engines keep them, and whether a run may continue from one.
 
+    <checkpoints>/owner.json              whose folder this is: the run directory that saves here, and its dataset
     <checkpoints>/step_00000050/          a complete checkpoint: the file its engine writes last is there
     <checkpoints>/step_00000150.tmp-<x>/  a save that was killed midway: never read, removed by the next save
     <checkpoints>/step_00000100.damaged/  a checkpoint whose files no longer match its manifest: never read, kept
 
-An engine writes a checkpoint into a temporary folder (start_save) and publishes it as `step_<N>` with one atomic
-rename (finish_save), so a folder named `step_<N>` is always complete; `prune` keeps the newest ones. A manifest
+An engine calls this module twice: `restore` before its first step and `save` at each checkpoint the loop asks for.
+What a checkpoint holds is the engine's, handed over as a small object (`CheckpointFormat`: its marker file, a
+function that writes its shards into a folder and one that reads them back; recipes.engine.checkpoint,
+recipes.megatron.checkpoint); everything else is here.
+
+`save` writes into a temporary folder (start_save) and publishes it as `step_<N>` with one atomic rename
+(finish_save), so a folder named `step_<N>` is always complete; `prune` keeps the newest ones. A manifest
 (manifest.json: each file's size and SHA-256, written before the rename) lets a resume check the files before it
-reads them (verify_files) and fall back to an older checkpoint when one was damaged since. A run started again in
-the same run directory continues from the newest intact one, if its config allows (check_resumable; the launcher
-checks it before it writes anything: check_before_launch), and cuts its metrics back to that step
-(resume_metrics). A save the machine refuses (a full disk, a quota, `ulimit -f`) removes its temporary folder and
-stops the run in one line on every rank (settle: SaveFailed); the checkpoints before it stay. What a checkpoint
-holds is each engine's: recipes.engine.checkpoint, recipes.megatron.checkpoint.
+reads them (verify_files) and fall back to an older checkpoint when one was damaged since. `restore` continues a run
+started again in the same run directory from the newest intact checkpoint, if the folder is the run's own
+(own_checkpoint_dir) and its config allows (check_resumable; the launcher checks both before it writes anything:
+check_owner, check_before_launch), and cuts its metrics back to that step (resume_metrics). A save the machine
+refuses (a full disk, a quota, `ulimit -f`) removes its temporary folder and stops the run in one line on every rank
+(settle: SaveFailed); the checkpoints before it stay.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ import re
 import resource
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -56,6 +63,70 @@ class CheckpointError(ConfigError):
 def checkpoint_dir(cfg: Config, run_dir: Path) -> Path:
     configured = cfg.trainer.checkpoint.dir
     return run_dir / CHECKPOINTS if configured is None else run_dir / Path(configured).expanduser()
+
+
+# ---- what an engine calls: restore and save ----
+
+
+class CheckpointFormat(Protocol):
+    """What an engine keeps in a checkpoint and how; where, when, and whether it is intact are this module's. Every
+    rank calls `write` and `read`."""
+
+    marker: str  # the small file rank 0 writes last (step, config and what `write` returns): a complete checkpoint
+
+    def write(self, folder: Path) -> dict:
+        """Write this rank's shards into `folder`, returning once every rank's are there; what it returns is kept in
+        the marker beside step and config (rank 0's)."""
+
+    def read(self, folder: Path, state: dict) -> None:
+        """Load the shards of `folder` into this rank's model and optimizer; `state` is the marker's."""
+
+
+@dataclass
+class Start:
+    """Where a run starts: the step after its checkpoint's (1 without one), and on the logging rank the metrics of
+    the steps before it ([] elsewhere)."""
+
+    first_step: int
+    history: list[StepMetrics]
+
+
+def restore(cfg: Config, run_dir: Path, engine: CheckpointFormat, rank: int, world_size: int) -> Start:
+    """The run continued from the newest intact checkpoint of its own checkpoint folder (damaged ones moved aside),
+    read by `engine`, or started from scratch where there is none; metrics.jsonl cut back to match. CheckpointError
+    on every rank when the folder is another run's or this run cannot continue from its checkpoint. A collective
+    when world_size > 1."""
+    directory = own_checkpoint_dir(cfg, run_dir, rank, world_size)
+    found = newest_intact(directory, engine.marker, cfg, rank, world_size)
+    if found is None:
+        return Start(1, resume_metrics(run_dir, 0) if rank == 0 else [])
+    step, folder, state = found
+    engine.read(folder, state)
+    if rank == 0:
+        changed = changed_settings(state["config"], cfg)
+        note = f" (changed: {', '.join(changed)})" if changed else ""
+        print(f"resuming from step {step} of {folder}{note}", flush=True)
+    return Start(step + 1, resume_metrics(run_dir, step, folder) if rank == 0 else [])
+
+
+def save(cfg: Config, run_dir: Path, step: int, engine: CheckpointFormat, rank: int, world_size: int) -> Optional[Path]:
+    """Step `step`'s checkpoint, its shards written by `engine`, published whole, and the oldest pruned; the
+    published folder on rank 0 (None elsewhere). SaveFailed on every rank where the machine refuses it (its
+    temporary folder removed, the checkpoints before it kept). A collective when world_size > 1."""
+    directory = checkpoint_dir(cfg, run_dir)
+    temporary = start_everywhere(directory, step, engine.marker, rank, world_size)
+    final, failure = None, None
+    try:
+        state = engine.write(temporary)
+        seal(temporary, engine.marker, {"step": step, "config": to_dict(cfg), **state}, rank, world_size)
+        if rank == 0:
+            final = finish_save(directory, step, temporary)
+    except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+        failure = error
+    settle(failure, directory, step, temporary, engine.marker, rank, world_size)
+    if rank == 0:
+        prune(directory, cfg.trainer.checkpoint.keep_last, engine.marker)
+    return final
 
 
 # ---- whose checkpoints ----
@@ -152,11 +223,6 @@ def _describe(dataset: Optional[dict]) -> str:
 def step_folder(directory: Path, step: int) -> Path:
     """Where the complete checkpoint of `step` is kept in `directory`."""
     return directory / f"step_{step:08d}"
-
-
-def is_due(cfg: Config, step: int) -> bool:
-    interval = cfg.trainer.checkpoint.interval
-    return interval > 0 and (step % interval == 0 or step == cfg.trainer.max_steps)
 
 
 def complete_checkpoints(directory: Path, marker: str) -> list[tuple[int, Path]]:
@@ -256,13 +322,13 @@ class SaveFailed(CheckpointError):
     temporary folder is removed, the checkpoints before it stay, and the run stops in one line on every rank."""
 
 
-def start_everywhere(directory: Path, step: int, tag: str, marker: str, rank: int, world_size: int) -> Path:
-    """start_save on rank 0, its folder shared with every rank; SaveFailed on every rank where rank 0 cannot make
-    it. A collective when world_size > 1."""
+def start_everywhere(directory: Path, step: int, marker: str, rank: int, world_size: int) -> Path:
+    """start_save on rank 0 (named with its process id), its folder shared with every rank; SaveFailed on every
+    rank where rank 0 cannot make it. A collective when world_size > 1."""
     started: list[Any] = [None]  # the folder, or why it could not be made
     if rank == 0:
         try:
-            started[0] = start_save(directory, step, tag)
+            started[0] = start_save(directory, step, str(os.getpid()))
         except OSError as error:
             started[0] = _failure_line(error, directory, step, marker)
     if world_size > 1:

@@ -10,11 +10,12 @@
     dead check         a gradient norm of exactly 0 for DEAD_STEPS steps running: the network can no longer learn,
                        and training stops the same way (DeadNetworkError)
     log                the engine's progress line every trainer.log_interval steps and at the last one
-    checkpoint         the engine's, every trainer.checkpoint.interval steps and at the last one
+    checkpoint         the engine's, every trainer.checkpoint.interval steps and at the last one (checkpoint_due)
     stop               on a signal, after the step: its checkpoint, and out (recipes.trainer.stopping)
 
 and at the end summary.json (recipes.trainer.console.finish_run). An engine hands the loop its step, checkpoint
-and log functions (`EngineSteps`); it sets up and restores before, and tears down after.
+and log functions (`EngineSteps`) and where the run starts (`Start`: the first step and the metrics before it, from
+recipes.trainer.checkpoints.restore); it sets up and restores before, and tears down after.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from recipes.config import Config, TrainerConfig
 from recipes.metrics import MetricsWriter, StepMetrics, step_metrics
 from recipes.profiling import profile_step_if_due
-from recipes.trainer.checkpoints import checkpoint_dir, is_due, resume_metrics, step_folder
+from recipes.trainer.checkpoints import Start
 from recipes.trainer.console import finish_run
 from recipes.trainer.stopping import Stopped, stop_signals
 
@@ -101,22 +102,28 @@ class EngineSteps:
     facts: dict = field(default_factory=dict)  # what summary.json adds about the engine's kernels (attention, loss)
 
 
+def checkpoint_due(cfg: Config, step: int) -> bool:
+    interval = cfg.trainer.checkpoint.interval
+    return interval > 0 and (step % interval == 0 or step == cfg.trainer.max_steps)
+
+
 def save(engine: EngineSteps, writer: Optional[MetricsWriter], step: int) -> Optional[Path]:
     """The engine's checkpoint of `step`, with a copy of metrics.jsonl beside it on the logging rank: a resume from
-    it keeps every step's metrics even where the run directory's file was lost."""
-    saved = engine.save_checkpoint(step)
+    it keeps every step's metrics even where the run directory's file was lost. A stop signal meanwhile, a second
+    Ctrl-C included, is only noted: the checkpoint is finished first (recipes.trainer.stopping)."""
+    with stop_signals.saving():
+        saved = engine.save_checkpoint(step)
     if saved and writer:
         writer.keep_copy(saved)
     return saved
 
 
-def train_loop(cfg: Config, run_dir: Path, engine: EngineSteps, first_step: int, rank: int, world_size: int,
+def train_loop(cfg: Config, run_dir: Path, engine: EngineSteps, start: Start, rank: int, world_size: int,
                device: torch.device) -> dict:
-    """Steps first_step..trainer.max_steps; returns the summary (on the logging rank, rank 0; {} elsewhere)."""
-    is_logger = rank == 0
-    # The whole run's steps, those of earlier attempts included; metrics.jsonl is cut back to the checkpoint.
-    history: list[StepMetrics] = resume_metrics(run_dir, first_step - 1, step_folder(
-        checkpoint_dir(cfg, run_dir), first_step - 1)) if is_logger else []
+    """Steps start.first_step..trainer.max_steps; returns the summary (on the logging rank, rank 0; {} elsewhere)."""
+    is_logger, first_step = rank == 0, start.first_step
+    # The whole run's steps, those of earlier attempts included (metrics.jsonl was cut back to the checkpoint).
+    history = start.history
     writer = MetricsWriter(run_dir, cfg, first_step, history) if is_logger else None
     last_logged = first_step - 1
     zero_gradient_steps = 0
@@ -153,12 +160,12 @@ def train_loop(cfg: Config, run_dir: Path, engine: EngineSteps, first_step: int,
                         or step == cfg.trainer.max_steps:
                     engine.log([m for m in history if m.step > last_logged], history)
                     last_logged = step
-            saved = save(engine, writer, step) if is_due(cfg, step) else None
+            saved = save(engine, writer, step) if checkpoint_due(cfg, step) else None
             if saved:
                 print(f"saved checkpoint of step {step} to {saved}", flush=True)
             signum = stop_signals.agreed(device)
             if signum and step < cfg.trainer.max_steps:
-                if cfg.trainer.checkpoint.interval > 0 and not is_due(cfg, step):
+                if cfg.trainer.checkpoint.interval > 0 and not checkpoint_due(cfg, step):
                     saved = save(engine, writer, step)
                 raise Stopped(signum, step, saved)
     finally:
