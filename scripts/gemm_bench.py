@@ -8,8 +8,8 @@ before timing: this measures the GEMMs, not quantization. Per-tensor and per-cha
 (as fprop does in TE); block-scaled GEMMs have none. Shapes: M = N = 8192 with a K sweep, and each model's four
 linear-layer GEMMs (QKV, attention output, fc1, fc2) at one micro-batch of its sequence length. Times are medians of
 `--repeats` CUDA-event-timed runs after warm-up, rotating between two input sets so no run reads the previous
-run's operands from L2. Writes gemm.csv (every shape, the format scripts/compare.py --gemm reads), gemm_k_sweep.csv
-and gemm_speedup_vs_k.png.
+run's operands from L2. Writes gemm.csv (every shape, the format scripts/compare.py --gemm reads), gemm_k_sweep.csv,
+gemm_speedup_vs_k.png and provenance.json (command, commit, date, versions, device).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import csv
 import json
 import statistics
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
@@ -102,6 +103,27 @@ def bench_shape(label: str, m: int, n: int, k: int, warmup: int = 5, repeats: in
     return rows
 
 
+def write_records(rows: list[dict], out: Path, argv: list[str] | None) -> None:
+    """gemm.csv (every shape), gemm_k_sweep.csv and its plot, and provenance.json: the command, commit, date (UTC),
+    versions and device."""
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "gemm.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    sweep_csv = out / "gemm_k_sweep.csv"
+    with sweep_csv.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(r for r in rows if r["shape"].startswith("sweep"))
+    sweep_rows, _ = read_gemm_csv(sweep_csv, str(sweep_csv))  # the compare tool's reader, so both plot alike
+    if sweep_rows:
+        gemm_speedup_vs_k(sweep_rows, out / "gemm_speedup_vs_k.png")
+    command = "python scripts/gemm_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    record = {"command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **provenance()}
+    (out / "provenance.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="directory for gemm.csv, the PNG and provenance.json")
@@ -114,20 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [("sweep M=N=8192", 8192, 8192, k) for k in K_SWEEP]
     shapes += [shape for name in MODELS for shape in model_gemm_shapes(name)]
     rows = [row for shape in shapes for row in bench_shape(*shape, args.warmup, args.repeats)]
-    args.out.mkdir(parents=True, exist_ok=True)
-    with (args.out / "gemm.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    sweep_csv = args.out / "gemm_k_sweep.csv"
-    with sweep_csv.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(r for r in rows if r["shape"].startswith("sweep"))
-    sweep_rows, _ = read_gemm_csv(sweep_csv, str(sweep_csv))  # the compare tool's reader, so both plot alike
-    gemm_speedup_vs_k(sweep_rows, args.out / "gemm_speedup_vs_k.png")
-    command = "python scripts/gemm_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    (args.out / "provenance.json").write_text(json.dumps({"command": command, **provenance()}, indent=2) + "\n")
+    write_records(rows, args.out, argv)
     return 0
 
 

@@ -7,7 +7,7 @@ model's sequence length, random BF16 activations in place of the embedding) then
 engine's `optimizer_step`. No embedding or output layer: the blocks are what FP8 changes. Blocks are compiled
 as in the engine. Each precision gets the same model code, compile settings, batch and seed; reported numbers
 are medians over the steps after warm-up. Model TFLOP/s use `recipes.metrics.flops_per_token` without the
-output layer, with causal attention counted half (Megatron-LM); a second column counts it whole (PaLM, torchtitan). Writes results.csv, results.md and provenance.json into --out.
+output layer, with causal attention counted half (Megatron-LM); a second column counts it whole (PaLM, torchtitan). Writes results.csv, results.md and provenance.json (command, commit, date, versions, device) into --out.
 
 `--peer torchao` adds torchao's float8 tensorwise training (`convert_to_float8_training`, recipe "tensorwise") on
 the same blocks in the same process, as the outside reference for the per-tensor recipes. `--peer te` adds
@@ -40,6 +40,7 @@ import json
 import statistics
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -449,7 +450,8 @@ def write_results(rows: list[dict], args, argv: list[str] | None) -> None:
         (args.out / "profiles.json").write_text(json.dumps(profiles, indent=2) + "\n")
     (args.out / "results.md").write_text(markdown_table(rows) + "\n")
     command = "python scripts/layer_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    (args.out / "provenance.json").write_text(json.dumps({"command": command, **provenance()}, indent=2) + "\n")
+    record = {"command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **provenance()}
+    (args.out / "provenance.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ the same engine and the torch engine's run of the same recipe; `scripts/compare.
 Timings are medians over the steps after each run's warm-up steps (compilation, first FP8 casts, CUDA graph capture).
 Every run sees the same Python: with Transformer Engine installed (megatron-core's FP8 needs it), the torch engine's
 runs import it too, through megatron-core, as in a NeMo container; results.md says whether it was importable.
-OUT receives results.md, results.csv and runs.tar.gz (each run's config.yaml, plan.txt, metrics.jsonl,
-summary.json and logs; no checkpoints).
+OUT receives results.md, results.csv, provenance.json and runs.tar.gz (each run's config.yaml, plan.txt,
+metrics.jsonl, summary.json and logs; no checkpoints).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ import sys
 import tarfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -542,7 +543,8 @@ def loss_tables(runs: list[Run], rows: dict[str, dict]) -> list[str]:
 
 def write_results(study: str, runs: list[Run], rows: dict[str, dict], out: Path, directory: Path,
                   best: Optional[str], commit: str) -> None:
-    """results.md and results.csv, and runs.tar.gz of the runs' small files (a checkpoint is gigabytes)."""
+    """results.md and results.csv, provenance.json (command, commit, date, versions, device), and runs.tar.gz of the
+    runs' small files (a checkpoint is gigabytes)."""
     out.mkdir(parents=True, exist_ok=True)
     tables = speed_tables(runs, rows, best) if study == "speed" else loss_tables(runs, rows)
     info = provenance()
@@ -554,6 +556,10 @@ def write_results(study: str, runs: list[Run], rows: dict[str, dict], out: Path,
               "runs import it through megatron-core, as in a NeMo container)", f"command: {' '.join(sys.argv)}"]
     title = f"# scripts/megatron_bench.py: {study} study"
     (out / "results.md").write_text("\n".join([title, "", *tables, *footer]) + "\n")
+    record = {"command": "python scripts/megatron_bench.py " + " ".join(sys.argv[1:]),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              **info, "commit": os.environ.get("FP8_RECIPES_COMMIT", commit), "transformer_engine_importable": bool(te)}
+    (out / "provenance.json").write_text(json.dumps(record, indent=2) + "\n")
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[runs[0].name]) if runs else ["name"])
         writer.writeheader()
@@ -601,7 +607,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                        if r.part in parts)
     if fp8_megatron and importlib.util.find_spec("transformer_engine") is None:
         parser.error("engine=megatron's FP8 runs need Transformer Engine, which this Python cannot import: install "
-                     "it (README, engine=megatron), or leave those parts out (--parts)")
+                     "it (docs/engines.md, engine=megatron outside a container), or leave those parts out (--parts)")
     return run_study(args.dir, args.out, parts, args.budget_s, args.best)
 
 

@@ -22,13 +22,15 @@ Parts (each run is the engine started as launch/run.py starts it, from a config 
 
 Throughput is the median over the steps after the first WARMUP (compilation, allocator warm-up). Every run's
 directory keeps its config.yaml, metrics.jsonl, summary.json (commit, versions, device) and train.log; the table is
-printed and written to DIR/results.md. Runs stop at the first failure. The text data of part a needs
-megatron-core (README, Dependencies); otherwise only torch and PyYAML: no Hydra, no nemo-run.
+printed and written to DIR/results.md, one row per run to DIR/results.csv, and the command, commit, date, versions
+and device to DIR/provenance.json. Runs stop at the first failure. The text data of part a needs megatron-core
+(docs/install.md, dependencies); otherwise only torch and PyYAML: no Hydra, no nemo-run.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import importlib.util
 import json
@@ -38,7 +40,9 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Optional
 
 from recipes.config import Config, GradReduce, TrainerConfig, load_config, load_option
 from recipes.folders import save_config
@@ -226,14 +230,45 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     done = execute(runs, args.out, args.gpu, args.gpus)
-    lines = report(runs, done, args.gpus)
+    write_records(runs, done, args.out, args.gpus, time.perf_counter() - started)
+    return 0 if len(done) == len(runs) else 1
+
+
+def result_row(run: Run, run_dir: Optional[Path]) -> dict:
+    """One line of results.csv: the run, and its figures where it finished (throughput as results.md reports it)."""
+    row = {"run": run.name, "part": run.part, "model": run.model, "precision": run.precision, "gpus": run.gpus,
+           "global_batch_size": run.trainer["global_batch_size"], "accumulate": run.accumulate,
+           "status": "ok" if run_dir else "failed or not run"}
+    if run_dir:
+        summary = json.loads((run_dir / SUMMARY).read_text())
+        steps = metrics(run_dir)
+        row.update({field: steady(run_dir, field) if len(steps) > WARMUP else None
+                    for field in ("step_time_s", "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu")})
+        row.update(steps=len(steps), final_loss=steps[-1]["loss"], peak_memory_gib=summary["peak_memory_gib"],
+                   run_commit=summary.get("commit"))
+    return row
+
+
+def write_records(runs: list[Run], done: dict[str, Path], out: Path, gpus: int, seconds: float) -> None:
+    """results.md (printed too), results.csv (one row per planned run) and provenance.json: the command, commit,
+    date (UTC), versions and device."""
+    out.mkdir(parents=True, exist_ok=True)
+    lines = report(runs, done, gpus)
     info = provenance()
+    command = "python scripts/scaling_bench.py " + " ".join(sys.argv[1:])
     lines += ["", f"commit {info.get('commit')}; {info.get('device')}; versions {info.get('versions')}",
-              f"command: {' '.join(sys.argv)}; {time.perf_counter() - started:.0f} s in all"]
+              f"command: {command}; {seconds:.0f} s in all"]
     text = "\n".join(lines)
     print(text)
-    (args.out / "results.md").write_text(text + "\n")
-    return 0 if len(done) == len(runs) else 1
+    (out / "results.md").write_text(text + "\n")
+    rows = [result_row(run, done.get(run.name)) for run in runs]
+    fields = list(dict.fromkeys(key for row in rows for key in row))
+    with (out / "results.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    record = {"command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **info}
+    (out / "provenance.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":
