@@ -179,13 +179,13 @@ class MegatronConfig:
     those recipes' values.
 
     A fusion left at None (auto) is on where its kernel can be loaded on the machine that builds the model
-    (Transformer Engine; Apex for megatron-core's own linear layers and softmax) and off elsewhere; set true where
-    that kernel is missing it fails before launch, or when the engine builds the model (recipes.megatron.translate
-    resolves them; the plan shows the result).
+    (Transformer Engine; CUDA for the wgrad accumulation; Apex for megatron-core's local softmax) and off
+    elsewhere; set true where that kernel is missing it fails before launch, or when the engine builds the model
+    (recipes.megatron.translate resolves them; the plan shows the result).
     """
 
-    # wgrad GEMMs accumulate into the FP32 main_grad buffer in place; auto: every linear with Apex, only Transformer
-    # Engine's layers without it (megatron-core's output layer needs Apex's kernel), off under Megatron-FSDP (NeMo)
+    # wgrad GEMMs accumulate into the main_grad buffer in place, every linear (TE's kernel in TE's layers; Apex's, or
+    # recipes.megatron.wgrad without Apex, in megatron-core's own); auto: on with CUDA, off under Megatron-FSDP (NeMo)
     gradient_accumulation_fusion: Optional[bool] = None
     cross_entropy_loss_fusion: Optional[bool] = None  # Transformer Engine's fused cross-entropy over the vocabulary
     apply_rope_fusion: Optional[bool] = None  # Transformer Engine's fused rotary embedding
@@ -195,7 +195,9 @@ class MegatronConfig:
     overlap_grad_reduce: bool = True  # gradient reduction overlapped with the backward
     overlap_param_gather: bool = True  # sharded weights' all-gather overlapped with the forward (distributed optimizer)
     align_param_gather: Optional[bool] = None  # all pipeline stages start their all-gathers together; auto: with vp > 1
-    grad_reduce_in_fp32: bool = True  # FP32 gradient buffer and reduction (NeMo's performance scripts: false, BF16)
+    # The gradient buffer and its reduction in BF16, as every NVIDIA performance recipe (Megatron-Bridge, NeMo
+    # scripts/performance, Megatron-LM's --grad-reduce-in-bf16); true: FP32, like the torch engine's main gradients
+    grad_reduce_in_fp32: bool = False
     tp_comm_overlap: bool = False  # Transformer Engine's userbuffers overlap TP communication with GEMMs (tp > 1, sp)
     cuda_graphs: bool = False  # megatron-core's per-layer CUDA graphs (cuda_graph_impl=local; NeMo: off on H100)
     # Bit-reproducible steps: Transformer Engine's deterministic attention backward (NVTE_ALLOW_NONDETERMINISTIC_ALGO

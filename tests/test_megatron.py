@@ -155,7 +155,7 @@ def test_every_published_layout_translates_and_validates_in_megatron_core(hydra_
             actual = getattr(ddp, name) if hasattr(ddp, name) and not hasattr(tc, name) else getattr(tc, name)
             assert actual == value, (precision, name)
         assert tc.fp8_param == FP8_PRESETS[precision]["fp8_param_gather"]
-        assert ddp.grad_reduce_in_fp32 and ddp.use_distributed_optimizer
+        assert not ddp.grad_reduce_in_fp32 and ddp.use_distributed_optimizer  # BF16, as NVIDIA's performance recipes
         assert ddp.use_megatron_fsdp == row["fsdp"]
         optimizer = translate.optimizer_config(cfg)
         assert optimizer.use_distributed_optimizer and optimizer.bf16
@@ -238,7 +238,9 @@ def test_memory_estimate_shards_optimizer_states_and_recompute_shrinks_activatio
     memory = estimate_memory(base, parameters)
     per_gpu = parameters / 8  # TP 8, PP 1: all layers, an eighth of each
     assert memory.weights == pytest.approx(2 * per_gpu, rel=1e-3)  # BF16
-    assert memory.gradients == pytest.approx(4 * per_gpu, rel=1e-3)  # FP32 main_grad
+    assert memory.gradients == pytest.approx(2 * per_gpu, rel=1e-3)  # BF16 main_grad, NVIDIA's performance setting
+    fp32_buffer = estimate_memory(hydra_compose(*args, "megatron.grad_reduce_in_fp32=true"), parameters)
+    assert fp32_buffer.gradients == pytest.approx(4 * per_gpu, rel=1e-3)
     assert memory.optimizer == pytest.approx(12 * per_gpu / 4, rel=1e-3)  # master + 2 moments over DP = 4
     replicated = estimate_memory(hydra_compose(*args, "parallel.distributed_optimizer=false"), parameters)
     assert replicated.optimizer == pytest.approx(12 * per_gpu, rel=1e-3)

@@ -3,13 +3,15 @@ megatron-core's TransformerConfig, DistributedDataParallelConfig or OptimizerCon
 machine can load; a switch that cannot run is refused in one line naming the fix; the plan says which.
 
 Kernels this machine lacks are simulated honestly: Apex's extensions by an empty module of their name on sys.path,
-which the real import check (translate.available_kernels) then finds; Transformer Engine by Kernels(...) handed to
-the translation, with TE's fused-RoPE entry point, the one megatron-core's TransformerConfig checks at construction,
-set to a stand-in. The GPU test at the end (`pytest -m gpu`) builds the Transformer Engine model for real.
+which the real import check (translate.available_kernels) then finds; Transformer Engine and CUDA by Kernels(...)
+handed to the translation, with TE's fused-RoPE entry point, the one megatron-core's TransformerConfig checks at
+construction, set to a stand-in. The GPU tests at the end (`pytest -m gpu`) build the Transformer Engine model for
+real.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -19,9 +21,9 @@ from recipes.config import ConfigError
 from recipes.plan.checks import megatron_tuning, validate
 
 translate = pytest.importorskip("recipes.megatron.translate")
-from recipes.megatron.translate import Kernels, NO_KERNELS, WgradFusion, available_kernels  # noqa: E402
+from recipes.megatron.translate import Kernels, NO_KERNELS, available_kernels  # noqa: E402
 
-WITH_TE = Kernels(transformer_engine=True, apex_wgrad=False, apex_softmax=False)  # TE installed with pip
+WITH_TE = Kernels(transformer_engine=True, wgrad_accumulation=True, apex_softmax=False)  # a GPU, TE from pip
 BASE = ("engine=megatron", "gpu=h200", "model=llama3_8b", "model.num_layers=2", "precision=fp8_current", "dryrun=true")
 
 
@@ -46,56 +48,104 @@ def configs(cfg, kernels: Kernels) -> dict:
             "opt": translate.optimizer_config(cfg)}
 
 
-# ---- gradient-accumulation fusion: only where its kernels exist ----
+# ---- gradient-accumulation fusion: every linear, wherever CUDA builds the model ----
 
 
-def test_gradient_accumulation_fusion_follows_apex_and_transformer_engine(hydra_compose, apex_importable, te_rope):
+def test_gradient_accumulation_fusion_is_on_wherever_cuda_builds_the_model(hydra_compose):
     cfg = hydra_compose(*BASE)
-    assert available_kernels().apex_wgrad  # the stand-in is found by the real check
-    # Apex importable (the NeMo container): megatron-core's one flag, every linear layer fused.
-    for kernels in (available_kernels(), dataclasses.replace(available_kernels(), transformer_engine=True)):
-        assert translate.wgrad_fusion(cfg, kernels) == WgradFusion.all
-        assert translate.transformer_config(cfg, kernels).gradient_accumulation_fusion
-    explicit = hydra_compose(*BASE, "megatron.gradient_accumulation_fusion=true")
-    assert translate.transformer_config(explicit, available_kernels()).gradient_accumulation_fusion
+    assert translate.wgrad_fusion(cfg, WITH_TE) is True
+    assert translate.wgrad_fusion(cfg, dataclasses.replace(WITH_TE, transformer_engine=False)) is True  # local spec
+    assert translate.wgrad_fusion(cfg, None) is None  # the job's machine decides
+    assert not available_kernels().wgrad_accumulation  # this CPU machine: megatron-core's fused backward needs CUDA
+    assert translate.wgrad_fusion(cfg, available_kernels()) is False
+    # kept under CUDA graphs (megatron-core's graphs keep its one flag); off under Megatron-FSDP, as NeMo; off asked
+    assert translate.wgrad_fusion(hydra_compose(*BASE, "megatron.cuda_graphs=true"), WITH_TE) is True
+    assert translate.wgrad_fusion(hydra_compose(*BASE, "parallel.fsdp=true"), WITH_TE) is False
+    assert translate.wgrad_fusion(hydra_compose(*BASE, "megatron.gradient_accumulation_fusion=false"), WITH_TE) is False
 
 
-def test_without_apex_only_transformer_engines_layers_fuse_and_the_output_layer_builds(hydra_compose, te_rope,
-                                                                                        megatron_state):
+def test_apex_extension_is_found_and_kept(hydra_compose, apex_importable, monkeypatch):
+    from megatron.core.tensor_parallel import layers
+    from recipes.megatron import wgrad
+
+    assert available_kernels().wgrad_accumulation  # the stand-in is found by the real check, on a CPU too
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", True)
+    monkeypatch.setattr(layers, "fused_weight_gradient_mlp_cuda", "apex's", raising=False)
+    wgrad.install()
+    assert layers.fused_weight_gradient_mlp_cuda == "apex's"
+
+
+def test_without_apex_the_output_layer_builds_with_the_fusion(hydra_compose, te_rope, megatron_state, monkeypatch):
     """The failure of issue 15: with megatron-core's flag on and no Apex, its ColumnParallelLinear (the output layer)
-    refuses to build. Without Apex the flag stays off and build() turns on TE's own fusion in TE's layers."""
+    refuses to build. recipes.megatron.wgrad takes Apex's place, and build() installs it."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import layers
+    from recipes.megatron import wgrad
     from recipes.megatron.build import build_model_chunks
 
-    assert not available_kernels().apex_wgrad and not available_kernels().transformer_engine  # this CPU machine
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", False)  # as imported without Apex
     cfg = hydra_compose(*BASE)
-    assert translate.wgrad_fusion(cfg, WITH_TE) == WgradFusion.te_layers
-    assert translate.wgrad_fusion(cfg, available_kernels()) == WgradFusion.off
     tc = translate.transformer_config(cfg, WITH_TE, use_cpu_initialization=True)
-    assert not tc.gradient_accumulation_fusion
+    assert tc.gradient_accumulation_fusion
     tc = dataclasses.replace(tc, perform_initialization=False)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")  # TE's spec needs TE; the output layer is the same
     with torch.device("meta"):
-        (model,) = build_model_chunks(cfg, tc, spec)
-        assert not model.output_layer.gradient_accumulation_fusion
         with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):
-            build_model_chunks(cfg, dataclasses.replace(tc, gradient_accumulation_fusion=True), spec)
+            build_model_chunks(cfg, tc, spec)
+        monkeypatch.setattr(layers, "fused_weight_gradient_mlp_cuda", None, raising=False)  # restored after
+        wgrad.install()
+        (model,) = build_model_chunks(cfg, tc, spec)
+    assert model.output_layer.gradient_accumulation_fusion
+    assert layers.fused_weight_gradient_mlp_cuda is wgrad
 
 
-def test_gradient_accumulation_fusion_off_under_fsdp_and_cuda_graphs_and_when_asked(hydra_compose):
-    assert translate.wgrad_fusion(hydra_compose(*BASE, "parallel.fsdp=true"), WITH_TE) == WgradFusion.off  # NeMo
-    graphs = hydra_compose(*BASE, "megatron.cuda_graphs=true")
-    assert translate.wgrad_fusion(graphs, WITH_TE) == WgradFusion.off
-    assert translate.wgrad_fusion(hydra_compose(*BASE, "megatron.gradient_accumulation_fusion=false"),
-                                  WITH_TE) == WgradFusion.off
-    assert translate.wgrad_fusion(hydra_compose(*BASE), None) is None  # the job's machine decides
+@pytest.mark.parametrize("buffer", [torch.float32, torch.bfloat16])
+def test_the_fused_output_layer_adds_its_weight_gradient_into_main_grad(megatron_state, monkeypatch, buffer):
+    """megatron-core's own fused backward (LinearWithGradAccumulationAndAsyncCommunication) through
+    recipes.megatron.wgrad, two micro-batches into one main_grad, against the unfused path: megatron-core's BF16
+    wgrad added afterwards, as its DDP hook does. FP32 buffer: the fused sum is the exact products summed in FP32,
+    so it is at least as close to the FP64 sum as the unfused one. On a CPU megatron-core's backward allocates its
+    placeholder gradient on torch.cuda.current_device(): the stand-in returns the CPU."""
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
+    from recipes.megatron import wgrad
+
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", False)
+    monkeypatch.setattr(layers, "fused_weight_gradient_mlp_cuda", None, raising=False)
+    wgrad.install()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.nn.Parameter((torch.randn(48, 64, generator=generator) / 8).bfloat16())
+    inputs = [torch.randn(2, 32, 64, generator=generator).bfloat16() for _ in range(2)]
+    upstream = [torch.randn(2, 32, 48, generator=generator).bfloat16() for _ in range(2)]
+
+    def main_grad(fused: bool) -> torch.Tensor:
+        weight.main_grad = torch.zeros(48, 64, dtype=buffer)
+        weight.grad_added_to_main_grad = False
+        for x, dy in zip(inputs, upstream):
+            weight.grad = None
+            out = linear_with_grad_accumulation_and_async_allreduce(
+                x, weight, None, gradient_accumulation_fusion=fused, allreduce_dgrad=False, sequence_parallel=False)
+            out.backward(dy)
+            if not weight.grad_added_to_main_grad:
+                weight.main_grad.add_(weight.grad)  # DDP's hook, unfused
+            weight.grad_added_to_main_grad = False
+        return weight.main_grad.double()
+
+    exact = sum(dy.double().flatten(0, 1).t() @ x.double().flatten(0, 1) for x, dy in zip(inputs, upstream))
+    fused, unfused = main_grad(True), main_grad(False)
+    assert not torch.equal(fused, torch.zeros_like(fused))
+    assert (fused - unfused).norm() <= 1e-2 * exact.norm()
+    if buffer == torch.float32:
+        assert (fused - exact).abs().max() <= 1e-5 * exact.abs().max()
+        assert (fused - exact).norm() <= (unfused - exact).norm()
 
 
 def test_explicit_fusion_without_its_kernel_is_refused_in_one_line_before_launch_and_at_build(hydra_compose):
     """A local run on this machine (not a dry run) is planned with this Python's kernels: no Apex, no TE here."""
     here = ("engine=megatron", "gpu=h200", "precision=bf16")
     cases = {
-        "megatron.gradient_accumulation_fusion=true": "need Apex's fused_weight_gradient_mlp_cuda",
+        "megatron.gradient_accumulation_fusion=true": "runs on CUDA GPUs",
         "megatron.cross_entropy_loss_fusion=true": "needs Transformer Engine",
         "megatron.apply_rope_fusion=true": "needs Transformer Engine",
         "megatron.cuda_graphs=true": "graph-safe RNG tracker",
@@ -112,14 +162,14 @@ def test_explicit_fusion_without_its_kernel_is_refused_in_one_line_before_launch
 
 def test_the_plan_says_which_kernels_run(hydra_compose, apex_importable):
     elsewhere = megatron_tuning(hydra_compose(*BASE))
-    assert elsewhere.startswith("decided where it runs (on with Transformer Engine; softmax: Apex): wgrad accumulation")
+    assert elsewhere.startswith("decided where it runs (on with Transformer Engine; wgrad accumulation: on CUDA; "
+                                "softmax: Apex): wgrad accumulation, cross-entropy")
     here = megatron_tuning(hydra_compose("engine=megatron", "gpu=h200", "precision=bf16"))  # no TE, Apex stand-in
-    assert here.startswith("fused: wgrad accumulation (every linear), softmax; "
-                           "unfused: cross-entropy, RoPE, SwiGLU, residual add; grads reduced in FP32, overlapped")
-    assert translate.describe_tuning(hydra_compose(*BASE), WITH_TE).startswith(
-        "fused: wgrad accumulation (TE's layers; the output layer's needs Apex), cross-entropy, RoPE, SwiGLU, "
-        "residual add; unfused: softmax; grads reduced in FP32, overlapped; param all-gather overlapped; "
-        "CUDA graphs off; TP comm overlap off")
+    assert here.startswith("fused: wgrad accumulation, softmax; "
+                           "unfused: cross-entropy, RoPE, SwiGLU, residual add; grads reduced in BF16, overlapped")
+    assert translate.describe_tuning(hydra_compose(*BASE, "megatron.grad_reduce_in_fp32=true"), WITH_TE) == (
+        "fused: wgrad accumulation, cross-entropy, RoPE, SwiGLU, residual add; unfused: softmax; grads reduced in "
+        "FP32, overlapped; param all-gather overlapped; CUDA graphs off; TP comm overlap off")
     assert megatron_tuning(hydra_compose(*BASE, "megatron.deterministic=true")).endswith("; deterministic")
 
 
@@ -127,11 +177,11 @@ def test_the_plan_says_which_kernels_run(hydra_compose, apex_importable):
 
 SWITCHES = {
     # override: expected fields of the TransformerConfig (tc), DDP config (ddp) and optimizer config (opt), with TE
-    "defaults": ((), {"tc": dict(gradient_accumulation_fusion=False, cross_entropy_loss_fusion=True,
+    "defaults": ((), {"tc": dict(gradient_accumulation_fusion=True, cross_entropy_loss_fusion=True,
                                  cross_entropy_fusion_impl="te", apply_rope_fusion=True, bias_activation_fusion=True,
                                  bias_dropout_fusion=True, masked_softmax_fusion=False, tp_comm_overlap=False,
                                  cuda_graph_impl="none", use_te_rng_tracker=False, fp8_param=True),
-                      "ddp": dict(grad_reduce_in_fp32=True, overlap_grad_reduce=True, overlap_param_gather=True,
+                      "ddp": dict(grad_reduce_in_fp32=False, overlap_grad_reduce=True, overlap_param_gather=True,
                                   align_param_gather=False, use_distributed_optimizer=True, fp8_param_gather=True),
                       "opt": dict(overlap_param_gather=True, use_distributed_optimizer=True)}),
     "cross-entropy": (("megatron.cross_entropy_loss_fusion=false",), {"tc": dict(cross_entropy_loss_fusion=False)}),
@@ -139,7 +189,7 @@ SWITCHES = {
     "swiglu": (("megatron.bias_activation_fusion=false",), {"tc": dict(bias_activation_fusion=False)}),
     "residual": (("megatron.bias_dropout_fusion=false",), {"tc": dict(bias_dropout_fusion=False)}),
     "softmax": (("megatron.masked_softmax_fusion=true",), {"tc": dict(masked_softmax_fusion=True)}),
-    "grads in bf16": (("megatron.grad_reduce_in_fp32=false",), {"ddp": dict(grad_reduce_in_fp32=False)}),
+    "grads in fp32": (("megatron.grad_reduce_in_fp32=true",), {"ddp": dict(grad_reduce_in_fp32=True)}),
     "no grad overlap": (("megatron.overlap_grad_reduce=false",), {"ddp": dict(overlap_grad_reduce=False)}),
     "no gather overlap": (("megatron.overlap_param_gather=false",), {"ddp": dict(overlap_param_gather=False),
                                                                       "opt": dict(overlap_param_gather=False)}),
@@ -153,26 +203,21 @@ SWITCHES = {
     "no fp8 gather": (("precision.fp8_param_gather=false",), {"tc": dict(fp8_param=False),
                                                             "ddp": dict(fp8_param_gather=False)}),
     "cuda graphs": (("megatron.cuda_graphs=true",), {"tc": dict(cuda_graph_impl="local", use_te_rng_tracker=True,
-                                                                gradient_accumulation_fusion=False)}),
+                                                                gradient_accumulation_fusion=True)}),
     "tp comm overlap": (("parallel.tp=2", "executor.gpus=2", "megatron.tp_comm_overlap=true"),
                         {"tc": dict(tp_comm_overlap=True, sequence_parallel=True)}),
-    "wgrad fusion with apex": (("megatron.gradient_accumulation_fusion=true",), "apex"),
+    "no wgrad fusion": (("megatron.gradient_accumulation_fusion=false",),
+                        {"tc": dict(gradient_accumulation_fusion=False)}),
     "deterministic": (("megatron.deterministic=true",), {"tc": dict(deterministic_mode=True)}),
 }
 
 
 @pytest.mark.parametrize("case", list(SWITCHES))
-def test_each_switch_reaches_megatron_core(hydra_compose, te_rope, tmp_path, monkeypatch, case):
+def test_each_switch_reaches_megatron_core(hydra_compose, te_rope, case):
     overrides, expected = SWITCHES[case]
-    kernels = WITH_TE
-    if expected == "apex":
-        (tmp_path / "fused_weight_gradient_mlp_cuda.py").write_text("")
-        monkeypatch.syspath_prepend(str(tmp_path))
-        kernels = dataclasses.replace(available_kernels(), transformer_engine=True)
-        expected = {"tc": dict(gradient_accumulation_fusion=True)}
     cfg = hydra_compose(*BASE, *overrides)
     validate(cfg)
-    built = configs(cfg, kernels)
+    built = configs(cfg, WITH_TE)
     for name, fields in expected.items():
         assert {field: getattr(built[name], field) for field in fields} == fields, name
 
@@ -216,40 +261,45 @@ def test_a_switch_that_cannot_run_is_refused_in_one_line(hydra_compose, case):
 # ---- on a GPU with Transformer Engine (`pytest -m gpu`) ----
 
 
+def megatron_config(tmp_path, precision: str = "bf16", **megatron):
+    """tiny_llama on engine=megatron from conf/ options (the GPU machine lacks Hydra)."""
+    from recipes.config import Config, MegatronConfig, TrainerConfig, load_option
+
+    return Config(model=load_option("model", "tiny_llama"), precision=load_option("precision", precision),
+                  gpu=load_option("gpu", "h200"), executor=load_option("executor", "local"),
+                  data=dataclasses.replace(load_option("data", "mock"), cache_dir=str(tmp_path / "cache")),
+                  trainer=TrainerConfig(micro_batch_size=2, global_batch_size=4, max_steps=2, log_interval=1),
+                  engine="megatron", megatron=MegatronConfig(**megatron))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_te_layers_accumulate_weight_gradients_in_place_as_the_unfused_path_does(tmp_path):
-    """Without Apex: TE's layers fuse (fuse_wgrad_accumulation on), megatron-core's output layer does not, and two
-    micro-batches' main_grad equal those of the same model with the fusion off, to BF16 rounding of the wgrads.
-    Configs from conf/ options without Hydra, which the GPU machine lacks."""
+@pytest.mark.parametrize("buffer", ["fp32", "bf16"])
+def test_every_linear_accumulates_weight_gradients_in_place_as_the_unfused_path_does(tmp_path, buffer):
+    """TE's layers and megatron-core's output layer fuse (recipes.megatron.wgrad in place of Apex), and two
+    micro-batches' main_grad equal those of the same model with the fusion off, to BF16 rounding of the wgrads."""
     pytest.importorskip("transformer_engine")
     from functools import partial
 
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from recipes.config import Config, MegatronConfig, TrainerConfig, load_option
     from recipes.megatron import engine
     from recipes.megatron import parallel_state
     from recipes.megatron.build import build
     from recipes.megatron.data import MicroBatches, build_train_dataset
 
-    if available_kernels().apex_wgrad:
-        pytest.skip("Apex's extension is installed: megatron-core's own flag fuses every layer")
     grads = {}
     for fused in (True, False):
-        cfg = Config(model=load_option("model", "tiny_llama"), precision=load_option("precision", "bf16"),
-                     gpu=load_option("gpu", "h200"), executor=load_option("executor", "local"),
-                     data=dataclasses.replace(load_option("data", "mock"), cache_dir=str(tmp_path)),
-                     trainer=TrainerConfig(micro_batch_size=2, global_batch_size=4), engine="megatron",
-                     megatron=MegatronConfig(gradient_accumulation_fusion=None if fused else False))
+        cfg = megatron_config(tmp_path, gradient_accumulation_fusion=None if fused else False,
+                              grad_reduce_in_fp32=buffer == "fp32")
         if not torch.distributed.is_initialized():
             engine.setup_distributed(cfg)
         model_parallel_cuda_manual_seed(cfg.trainer.seed)  # the same weights for both
         config, chunks = build(cfg, torch.device("cuda"))
         te_layers = [m for m in chunks[0].modules() if hasattr(m, "fuse_wgrad_accumulation")]
         assert te_layers and all(m.fuse_wgrad_accumulation == fused for m in te_layers)
-        assert not chunks[0].output_layer.gradient_accumulation_fusion
+        assert chunks[0].output_layer.gradient_accumulation_fusion == fused
         (model,) = engine.wrap(cfg, config, chunks)
         model.zero_grad_buffer()
         batches = MicroBatches(build_train_dataset(cfg, 0), cfg, 0, 1)
@@ -257,7 +307,99 @@ def test_te_layers_accumulate_weight_gradients_in_place_as_the_unfused_path_does
                                     data_iterator=batches.of_step(1, 2), model=model, num_microbatches=2,
                                     seq_length=cfg.model.seq_length, micro_batch_size=2, forward_only=False)
         grads[fused] = {name: p.main_grad.float().clone() for name, p in model.module.named_parameters()}
+        assert all(g.dtype == (torch.float32 if buffer == "fp32" else torch.bfloat16)
+                   for g in (p.main_grad for p in model.module.parameters()))
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
+    assert any("output_layer" in name for name in grads[True])
     for name, unfused in grads[False].items():
         assert (grads[True][name] - unfused).norm() <= 1e-2 * unfused.norm() + 1e-6, name
+
+
+def cuda_kernel_names(run) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+FALLBACK_CAST = "cast_transpose_general_kernel"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_the_master_shard_cast_writes_tes_bytes_without_the_fallback_kernel(recipe):
+    """TE's cast_master_weights_to_fp8, as megatron-core's distributed optimizer calls it (a flat FP32 shard, its
+    offset, manual post-all-gather processing), on FP8 primary weights: TE's own path launches the general
+    cast-transpose kernel; inside rowwise_master_casts it does not, and writes the same FP8 bytes, scale and
+    scale_inv, and leaves the weights' quantizers as they were."""
+    te = pytest.importorskip("transformer_engine.pytorch")
+    from transformer_engine.common import recipe as te_recipes
+    from transformer_engine.pytorch.tensor.utils import cast_master_weights_to_fp8
+
+    from recipes.megatron.master_cast import rowwise_master_casts
+
+    if not torch.distributed.is_initialized():
+        store = torch.distributed.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
+        torch.distributed.init_process_group("nccl", store=store, rank=0, world_size=1)
+    fp8 = te_recipes.Float8CurrentScaling() if recipe == "current" else te_recipes.DelayedScaling()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    masters = [torch.randn(n, generator=generator, device="cuda") / 16 for n in (768 * 256, 256 * 768)]
+
+    def cast(rowwise: bool):
+        with te.quantized_model_init(enabled=True, recipe=fp8):
+            weights = [te.Linear(256, 768, bias=False, params_dtype=torch.bfloat16).weight,
+                       te.Linear(768, 256, bias=False, params_dtype=torch.bfloat16).weight]
+        usages = [(w._quantizer.rowwise_usage, w._quantizer.columnwise_usage) for w in weights]
+        shard = [masters[0], masters[1][1000:]]  # the second: a shard starting inside its weight
+
+        def run():
+            with rowwise_master_casts(weights) if rowwise else contextlib.nullcontext():
+                cast_master_weights_to_fp8(weights, shard, [0, 1000], torch.distributed.group.WORLD,
+                                           manual_post_all_gather_processing=True)
+
+        kernels = cuda_kernel_names(run)
+        assert [(w._quantizer.rowwise_usage, w._quantizer.columnwise_usage) for w in weights] == usages
+        return kernels, [(w._data.clone(), w._scale_inv.clone()) for w in weights]
+
+    te_kernels, te_result = cast(rowwise=False)
+    our_kernels, our_result = cast(rowwise=True)
+    assert any(FALLBACK_CAST in name for name in te_kernels)  # what the check looks for does run in TE's path
+    assert not any(FALLBACK_CAST in name for name in our_kernels), our_kernels
+    for offset, (data, scale_inv), (te_data, te_scale_inv) in zip((0, 1000), our_result, te_result):
+        assert torch.equal(data.view(-1)[offset:], te_data.view(-1)[offset:])  # the shard's bytes (the rest: init)
+        assert torch.equal(scale_inv, te_scale_inv)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision", ["fp8_current", "fp8_delayed"])
+def test_a_megatron_fp8_step_runs_no_fallback_cast(tmp_path, precision):
+    """engine=megatron with FP8 primary weights (the preset's fp8_param_gather), as the plan runs it: the profiled
+    second step's trace has FP8 kernels and no cast_transpose_general_kernel."""
+    pytest.importorskip("transformer_engine")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from recipes.config import REPO_ROOT
+    from recipes.folders import save_config
+
+    cfg = megatron_config(tmp_path, precision)
+    assert cfg.precision.fp8_param_gather
+    cfg.trainer.profile_step = 2
+    cfg.run.dir = str(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    save_config(cfg, tmp_path / "run" / "config.yaml")
+    done = subprocess.run([sys.executable, "-m", "recipes.megatron.engine", str(tmp_path / "run" / "config.yaml")],
+                          cwd=tmp_path / "run", capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    trace = json.loads((tmp_path / "run" / "profile" / "trace_rank0.json").read_text())
+    kernels = [e["name"] for e in trace["traceEvents"] if e.get("cat") == "kernel"]
+    assert any("fp8" in name.lower() or "quantize" in name.lower() for name in kernels)
+    assert not [name for name in kernels if FALLBACK_CAST in name]

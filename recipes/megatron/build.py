@@ -14,8 +14,8 @@ import importlib.util
 import torch
 
 from recipes.config import Config, ConfigError, Normalization, Recipe
-from recipes.megatron import parallel_state
-from recipes.megatron.translate import WgradFusion, available_kernels, fusions, gpt_model_kwargs, transformer_config
+from recipes.megatron import master_cast, parallel_state, wgrad
+from recipes.megatron.translate import available_kernels, gpt_model_kwargs, transformer_config
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
@@ -73,19 +73,6 @@ def build_model_chunks(cfg: Config, config: TransformerConfig, spec: ModuleSpec)
     return chunks
 
 
-def fuse_wgrad_accumulation_in_te_layers(chunks: list[GPTModel]) -> None:
-    """Transformer Engine's linear layers accumulate their weight gradients into main_grad with TE's own kernel
-    (fuse_wgrad_accumulation). megatron-core sets that from the one flag that also makes its own output layer
-    demand Apex's kernel, so without Apex the model is built with the flag off and each TE layer is switched on
-    here, before the first forward; the output layer keeps adding its gradient afterwards."""
-    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
-
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, TransformerEngineBaseModule) and hasattr(module, "fuse_wgrad_accumulation"):
-                module.fuse_wgrad_accumulation = True
-
-
 def initialize_tp_comm_overlap(cfg: Config, config: TransformerConfig) -> None:
     """Transformer Engine's userbuffers for overlapping tensor-parallel communication with the GEMMs, before the
     model is built, as Megatron-LM's _initialize_tp_communicators does (NCCL bootstrap, TE's default splits)."""
@@ -108,7 +95,9 @@ def build(cfg: Config, device: torch.device, compute: torch.dtype = torch.bfloat
     config = transformer_config(cfg, kernels, use_cpu_initialization=device.type == "cpu", compute=compute)
     if config.tp_comm_overlap:
         initialize_tp_comm_overlap(cfg, config)
+    if config.gradient_accumulation_fusion:
+        wgrad.install()  # megatron-core's own linears (the output layer) need it built in, unless Apex is there
+    if config.fp8_param:
+        master_cast.install()
     chunks = build_model_chunks(cfg, config, spec)
-    if fusions(cfg, kernels).gradient_accumulation_fusion == WgradFusion.te_layers:
-        fuse_wgrad_accumulation_in_te_layers(chunks)
     return config, [chunk.to(device) for chunk in chunks]

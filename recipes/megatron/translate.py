@@ -13,7 +13,6 @@ recipes.plan.checks.validate and still fails here is a gap in that preflight.
 
 from __future__ import annotations
 
-import enum
 import importlib.util
 from dataclasses import dataclass
 from typing import Optional
@@ -93,32 +92,28 @@ def recompute_fields(cfg: Config) -> dict:
     return {}
 
 
-class WgradFusion(str, enum.Enum):
-    """Which linear layers accumulate their weight gradient into main_grad inside the wgrad GEMM."""
-
-    all = "all"  # every one: Transformer Engine's layers with TE's kernel, megatron-core's own with Apex's
-    te_layers = "te_layers"  # Transformer Engine's layers; megatron-core's output layer adds its gradient afterwards
-    off = "off"
-
-
 @dataclass(frozen=True)
 class Kernels:
     """The fused kernels the Python that builds the model can load (available_kernels)."""
 
     transformer_engine: bool  # TE's layers, fused RoPE and cross-entropy, and its own wgrad accumulation
-    apex_wgrad: bool  # Apex's fused_weight_gradient_mlp_cuda: wgrad accumulation in megatron-core's own linears
+    # wgrad accumulation in megatron-core's own linears: Apex's fused_weight_gradient_mlp_cuda, or on CUDA without
+    # Apex recipes.megatron.wgrad (megatron-core's fused backward allocates on the CUDA device: not on a CPU)
+    wgrad_accumulation: bool
     apex_softmax: bool  # Apex's fused softmax kernels: megatron-core's local attention
 
 
-NO_KERNELS = Kernels(transformer_engine=False, apex_wgrad=False, apex_softmax=False)
+NO_KERNELS = Kernels(transformer_engine=False, wgrad_accumulation=False, apex_softmax=False)
 
 
 def available_kernels() -> Kernels:
-    """This Python's: Transformer Engine, and the Apex extensions megatron-core's own layers import by these names."""
+    """This Python's: Transformer Engine, the Apex extensions megatron-core's own layers import by these names, and
+    CUDA (the wgrad accumulation without Apex)."""
     def found(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
 
-    return Kernels(transformer_engine=found("transformer_engine"), apex_wgrad=found("fused_weight_gradient_mlp_cuda"),
+    return Kernels(transformer_engine=found("transformer_engine"),
+                   wgrad_accumulation=found("fused_weight_gradient_mlp_cuda") or torch.cuda.is_available(),
                    apex_softmax=found("scaled_upper_triang_masked_softmax_cuda"))
 
 
@@ -127,7 +122,7 @@ class Fusions:
     """cfg.megatron's kernel switches resolved; None: left to auto, and the kernels are those of another machine
     (the job runs elsewhere), so it is decided there."""
 
-    gradient_accumulation_fusion: Optional[WgradFusion]
+    gradient_accumulation_fusion: Optional[bool]
     cross_entropy_loss_fusion: Optional[bool]
     apply_rope_fusion: Optional[bool]
     bias_activation_fusion: Optional[bool]
@@ -168,29 +163,24 @@ def fusions(cfg: Config, kernels: Optional[Kernels]) -> Fusions:
     )
 
 
-def wgrad_fusion(cfg: Config, kernels: Optional[Kernels]) -> Optional[WgradFusion]:
-    """megatron-core has one flag for it, and its own linear layers (the output layer; every linear of the local
-    spec) then need Apex's fused_weight_gradient_mlp_cuda, while Transformer Engine's layers fuse it with TE's own
-    kernel. Auto: all with Apex, TE's layers without it; off under Megatron-FSDP (as NeMo's performance scripts),
-    and TE's layers alone not under CUDA graphs (megatron-core's graphs restore the accumulation flags TE sets only
-    when its one flag is on)."""
+def wgrad_fusion(cfg: Config, kernels: Optional[Kernels]) -> Optional[bool]:
+    """megatron-core's one flag: every linear accumulates its weight gradient into main_grad inside the GEMM,
+    Transformer Engine's layers with TE's kernel, megatron-core's own (the output layer) with Apex's or, without
+    Apex, recipes.megatron.wgrad. Auto: on wherever CUDA runs the model; off under Megatron-FSDP (as NeMo's
+    performance scripts)."""
     value = cfg.megatron.gradient_accumulation_fusion
     if value is False:
-        return WgradFusion.off
+        return False
     if value:
-        if kernels and not kernels.apex_wgrad:
+        if kernels and not kernels.wgrad_accumulation:
             raise ConfigError(
-                "megatron.gradient_accumulation_fusion=true: megatron-core's own linear layers (the output layer) "
-                "need Apex's fused_weight_gradient_mlp_cuda, which this Python lacks; leave it unset (Transformer "
-                "Engine's layers then fuse it with TE's kernel, the output layer does not) or set it false")
-        return WgradFusion.all
+                "megatron.gradient_accumulation_fusion=true: megatron-core's fused weight-gradient backward runs on "
+                "CUDA GPUs (this machine has none) or with Apex's fused_weight_gradient_mlp_cuda; leave it unset or "
+                "set it false")
+        return True
     if cfg.parallel.fsdp:
-        return WgradFusion.off
-    if kernels is None:
-        return None
-    if kernels.apex_wgrad:
-        return WgradFusion.all
-    return WgradFusion.te_layers if kernels.transformer_engine and not cfg.megatron.cuda_graphs else WgradFusion.off
+        return False
+    return kernels.wgrad_accumulation if kernels else None
 
 
 def check_overlaps(cfg: Config, kernels: Optional[Kernels]) -> None:
@@ -222,11 +212,9 @@ def check_overlaps(cfg: Config, kernels: Optional[Kernels]) -> None:
                               "this Python lacks: set it false")
 
 
-FUSION_NAMES = {"cross_entropy_loss_fusion": "cross-entropy", "apply_rope_fusion": "RoPE",
-                "bias_activation_fusion": "SwiGLU", "bias_dropout_fusion": "residual add",
+FUSION_NAMES = {"gradient_accumulation_fusion": "wgrad accumulation", "cross_entropy_loss_fusion": "cross-entropy",
+                "apply_rope_fusion": "RoPE", "bias_activation_fusion": "SwiGLU", "bias_dropout_fusion": "residual add",
                 "masked_softmax_fusion": "softmax"}
-WGRAD_FUSION_NAMES = {WgradFusion.all: "wgrad accumulation (every linear)",
-                      WgradFusion.te_layers: "wgrad accumulation (TE's layers; the output layer's needs Apex)"}
 
 
 def describe_tuning(cfg: Config, kernels: Optional[Kernels]) -> str:
@@ -235,14 +223,11 @@ def describe_tuning(cfg: Config, kernels: Optional[Kernels]) -> str:
     check_overlaps(cfg, kernels)
     fused = fusions(cfg, kernels)
     groups: dict[Optional[bool], list[str]] = {True: [], False: [], None: []}
-    wgrad = fused.gradient_accumulation_fusion
-    groups[None if wgrad is None else wgrad != WgradFusion.off].append(
-        WGRAD_FUSION_NAMES.get(wgrad, "wgrad accumulation"))
     for name, label in FUSION_NAMES.items():
         groups[getattr(fused, name)].append(label)
     m = cfg.megatron
     titles = {True: "fused", False: "unfused",
-              None: "decided where it runs (on with Transformer Engine; softmax: Apex)"}
+              None: "decided where it runs (on with Transformer Engine; wgrad accumulation: on CUDA; softmax: Apex)"}
     parts = [f"{titles[key]}: {', '.join(names)}" for key, names in groups.items() if names]
     parts += [f"grads reduced in {'FP32' if m.grad_reduce_in_fp32 else 'BF16'}"
               + (", overlapped" if m.overlap_grad_reduce else ", not overlapped"),
@@ -275,8 +260,8 @@ def transformer_config(cfg: Config, kernels: Kernels = NO_KERNELS, *, use_cpu_in
                        compute: torch.dtype = torch.bfloat16) -> TransformerConfig:
     """BF16 parameters and compute (the optimizer keeps FP32 master weights), as NeMo's bf16 mixed precision (FP32
     with `compute` FP32: recipes.compute, a CPU without native BF16), with
-    cfg.megatron's fusions resolved against `kernels` (the default: a Python without Transformer Engine or Apex).
-    Gradient-accumulation fusion in Transformer Engine's layers alone is not megatron-core's flag: build sets it."""
+    cfg.megatron's fusions resolved against `kernels` (the default: a Python without Transformer Engine, Apex or
+    CUDA)."""
     check_overlaps(cfg, kernels)
     fused = fusions(cfg, kernels)
     cuda_graphs = cfg.megatron.cuda_graphs
@@ -288,7 +273,7 @@ def transformer_config(cfg: Config, kernels: Kernels = NO_KERNELS, *, use_cpu_in
         bf16=compute == torch.bfloat16,
         params_dtype=compute,
         pipeline_dtype=compute,
-        gradient_accumulation_fusion=fused.gradient_accumulation_fusion == WgradFusion.all,
+        gradient_accumulation_fusion=bool(fused.gradient_accumulation_fusion),
         cross_entropy_loss_fusion=fused.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl="te",
         apply_rope_fusion=fused.apply_rope_fusion,
@@ -327,10 +312,10 @@ def gpt_model_kwargs(cfg: Config) -> dict:
 
 
 def ddp_config(cfg: Config) -> DistributedDataParallelConfig:
-    """Gradients reduced in FP32 (NeMo's bf16 preset; megatron.grad_reduce_in_fp32=false: BF16, as NeMo's
-    performance scripts); gradient reduction and parameter all-gather overlapped with compute (cfg.megatron); FP8
-    weights all-gathered as FP8 where the precision asks (MXFP8 reuses the gradient buffer for it, as NeMo's preset
-    does)."""
+    """Gradients reduced in BF16 (megatron.grad_reduce_in_fp32=false, as every NVIDIA performance recipe; true:
+    FP32, NeMo's bf16 preset and the torch engine's main gradients); gradient reduction and parameter all-gather
+    overlapped with compute (cfg.megatron); FP8 weights all-gathered as FP8 where the precision asks (MXFP8 reuses
+    the gradient buffer for it, as NeMo's preset does)."""
     p, precision, m = cfg.parallel, cfg.precision, cfg.megatron
     check_overlaps(cfg, None)
     fp8_param_gather = precision.recipe != Recipe.bf16 and precision.fp8_param_gather

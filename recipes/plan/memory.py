@@ -29,11 +29,12 @@ class MemoryEstimate:
 
 # Bytes per parameter of (weights, gradients, optimizer states).
 #   torch engine: FP32 master weights are the model's weights; FP32 gradients; two FP32 Adam moments.
-#   megatron-core: BF16 weights (FP8 with fp8_param_gather), FP32 gradient buffer (main_grad), and FP32 master
-#   weights + two moments in the optimizer, which the distributed optimizer shards over data parallel
-#   (Megatron's 18 bytes per parameter become 6 + 12 / DP; Megatron-FSDP shards all three).
+#   megatron-core: BF16 weights (FP8 with fp8_param_gather), a BF16 gradient buffer (main_grad; FP32 with
+#   megatron.grad_reduce_in_fp32=true), and FP32 master weights + two moments in the optimizer, which the
+#   distributed optimizer shards over data parallel (16 bytes per parameter become 4 + 12 / DP; 18 and 6 + 12 / DP
+#   with the FP32 buffer; Megatron-FSDP shards all three).
 TORCH_BYTES = (4.0, 4.0, 8.0)
-MEGATRON_BYTES = (2.0, 4.0, 12.0)
+MEGATRON_BYTES = (2.0, 2.0, 12.0)
 
 
 def activation_bytes_per_token_layer(cfg: Config) -> tuple[float, float]:
@@ -77,8 +78,8 @@ def estimate_memory(cfg: Config, parameters: int) -> MemoryEstimate:
     weight_bytes, grad_bytes, optimizer_bytes = MEGATRON_BYTES
     if cfg.precision.recipe != Recipe.bf16 and cfg.precision.fp8_param_gather:
         weight_bytes = 1.0
-    if cfg.engine == Engine.nemo:
-        grad_bytes = 2.0  # NeMo's gradient buffer is BF16: grad_reduce_in_fp32=False (recipes.nemo.mapping)
+    if cfg.engine == Engine.megatron and cfg.megatron.grad_reduce_in_fp32:
+        grad_bytes = 4.0  # NeMo's gradient buffer is BF16 always: grad_reduce_in_fp32=False (recipes.nemo.mapping)
     shards = data_parallel_size(cfg) * p.cp  # megatron's data-parallel group for optimizer states includes CP
     if p.fsdp:
         weight_bytes, grad_bytes = weight_bytes / shards, grad_bytes / shards
