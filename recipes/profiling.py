@@ -15,6 +15,7 @@ import re
 import shutil
 import statistics
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -156,17 +157,30 @@ def gpu_telemetry(device: torch.device, interval_ms: int = 100) -> Iterator[dict
     which = [f"--id={pci[0]:08X}:{pci[1]:02X}:{pci[2]:02X}.0"] if all(isinstance(i, int) for i in pci) else []
     command = [smi, *which, f"--query-gpu={TELEMETRY_QUERY}", "--format=csv,noheader,nounits",
                f"--loop-ms={interval_ms}"]
-    sampler = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with sampler_output(command) as output:
         yield telemetry
-    finally:
-        sampler.terminate()
+    telemetry.update(summarize_telemetry(output["text"]))
+
+
+@contextlib.contextmanager
+def sampler_output(command: list[str]) -> Iterator[dict]:
+    """`command` runs while the body does, then is stopped; on exit the dict's "text" is all it printed. Into a
+    file, not a pipe: a pipe read only at the end fills (64 KiB, about 100 s of nvidia-smi's samples) and stops
+    the sampler mid-run."""
+    output: dict = {}
+    with tempfile.TemporaryFile("w+") as printed:
+        sampler = subprocess.Popen(command, stdout=printed, stderr=subprocess.STDOUT, text=True)
         try:
-            output, _ = sampler.communicate(timeout=10)
-        except subprocess.TimeoutExpired:  # leave no sampler behind
-            sampler.kill()
-            output, _ = sampler.communicate()
-        telemetry.update(summarize_telemetry(output))
+            yield output
+        finally:
+            sampler.terminate()
+            try:
+                sampler.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # leave no sampler behind
+                sampler.kill()
+                sampler.wait()
+            printed.seek(0)
+            output["text"] = printed.read()
 
 
 def summarize_telemetry(output: str) -> dict:

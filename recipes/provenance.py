@@ -6,28 +6,35 @@ import os
 import platform
 import subprocess
 from importlib import metadata
+from pathlib import Path
 
 import torch
 
 from recipes.config import REPO_ROOT
 
 
-
-def git_commit() -> str:
-    """HEAD's hash, with '-dirty' when tracked files differ from it; 'unknown' outside a git checkout.
+def git_commit(root: Path = REPO_ROOT) -> str:
+    """HEAD's hash of the project's own checkout, with '-dirty' when tracked files differ from it; 'unknown'
+    where `root` is not the top of a git checkout.
 
     FP8_RECIPES_COMMIT, when set, is taken instead: for copies of the repo without .git (containers, lent machines).
+    Such a copy may lie inside another git repository, whose HEAD git would give for `root`: that commit is not
+    the project's, so it is never taken.
     """
     if os.environ.get("FP8_RECIPES_COMMIT"):
         return os.environ["FP8_RECIPES_COMMIT"]
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+
     try:
-        head = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "diff", "--quiet", "HEAD"], capture_output=True).returncode
-    except (OSError, subprocess.CalledProcessError):
+        top, head = git("rev-parse", "--show-toplevel"), git("rev-parse", "HEAD")
+        if top.returncode or head.returncode or Path(top.stdout.strip()).resolve() != Path(root).resolve():
+            return "unknown"
+        dirty = git("diff", "--quiet", "HEAD").returncode
+    except OSError:  # no git
         return "unknown"
-    return head + ("-dirty" if dirty else "")
+    return head.stdout.strip() + ("-dirty" if dirty else "")
 
 
 def _version(package: str) -> str | None:

@@ -5,29 +5,54 @@
 One step = forward and backward of `--micro-batches` micro-batches (gradient accumulation, micro-batch 1, the
 model's sequence length, random BF16 activations in place of the embedding) then one AdamW step, exactly the
 engine's `optimizer_step`. No embedding or output layer: the blocks are what FP8 changes. Blocks are compiled
-as in the engine. Each precision gets the same model code, compile settings, batch and seed; reported numbers
-are medians over the steps after warm-up. Model TFLOP/s use `recipes.metrics.flops_per_token` without the
-output layer, with causal attention counted half (Megatron-LM); a second column counts it whole (PaLM, torchtitan). Writes results.csv, results.md and provenance.json (command, commit, date, versions, device) into --out.
+as in the engine. Each precision gets the same model code, compile settings, batch and seed. Model TFLOP/s use
+`recipes.metrics.flops_per_token` without the output layer, with causal attention counted half (Megatron-LM); a
+second column counts it whole (PaLM, torchtitan). Writes results.csv, results.md and provenance.json (command,
+date, versions, device, and the commit: git's, FP8_RECIPES_COMMIT's in a copy without .git, else "unknown") into
+--out; the console says the commit first.
+
+How columns are timed: in each of `--rounds` rounds (default 2) every column is built, warmed up (`--warmup`
+steps), timed for `--steps` steps and freed, in the order given in even rounds and in reverse in odd ones, so that
+no column always runs first and a steady drift of the GPU's clock or temperature over the study falls on every
+column alike. One column is built at a time, since a large proxy's columns do not fit in one GPU together
+(nemotron4_340b's one layer peaks near 70 GiB); built again, a column is the same (same seed; compiled graphs come
+from the compile caches). A row gives the median over all the column's timed steps (`--steps` x `--rounds`, 10 by
+default) beside their spread (min-max), and the median SM clock and power over them: on a GPU nvidia-smi samples
+them during the timed steps (recipes.profiling.gpu_telemetry), and each step's time is printed with the clock and
+power it ran at, since the same kernels run a few percent slower while the GPU holds its clock down under its
+power limit.
 
 `--peer torchao` adds torchao's float8 tensorwise training (`convert_to_float8_training`, recipe "tensorwise") on
-the same blocks in the same process, as the outside reference for the per-tensor recipes. `--peer te` adds
-Transformer Engine's layers (scripts/te_peer.py) in each of TE's recipes (or those `--te-recipes` names), with the
-same shapes, micro-batches, inputs, loss, AdamW (fused, weight decay on matrices) and timing, trained with BF16
-parameters and BF16 gradients summed by autograd; `--peer te_megatron` adds them trained as Megatron-LM trains
-them, with the work ours does: FP32 main gradients summed inside TE's weight-gradient GEMMs and FP32 master
-weights. How a TE column differs from ours beyond that: eager (ours: each block compiled), TE's fused kernels and
-its attention backend choice (cuDNN fused attention on Hopper; ours: PyTorch SDPA under the model's own order,
-cuDNN's fused attention first: recipes.models.attention).
+the same blocks in the same process, as the outside reference for the per-tensor recipes. The other peers have a
+column in each of TE's recipes (or those `--te-recipes` names), with the same shapes, micro-batches, inputs, loss,
+optimizer hyper-parameters (TRAINER's; weight decay on matrices only) and timing:
+- `--peer te`: Transformer Engine's layers (scripts/te_peer.py) with BF16 parameters and BF16 gradients summed by
+  autograd, torch's fused AdamW on the BF16 parameters (TE's examples);
+- `--peer te_megatron`: the same layers trained as Megatron-LM trains them: FP32 main gradients summed inside
+  TE's weight-gradient GEMMs, clipped as ours; TE's FusedAdam with FP32 master weights: with BF16 weights it keeps
+  the masters itself (as the 16 bits the BF16 weights lack) and writes the BF16 weights in its kernel; with FP8
+  primary weights, where Megatron's preset keeps them (current and delayed scaling, MXFP8; TE's FP8 model init),
+  FusedAdam steps the masters and they are cast into the FP8 weights as megatron-core's distributed optimizer casts
+  them, with engine=megatron's row-wise cast (recipes.megatron.master_cast);
+- `--peer megatron_layer`: megatron-core's own TransformerLayers with Transformer Engine's spec
+  (scripts/megatron_layer_peer.py), configured by recipes.megatron.translate as engine=megatron configures them,
+  trained by megatron-core's DistributedDataParallel, schedule and distributed optimizer on one GPU.
+How a TE column differs from ours beyond that: eager (ours: each block compiled), TE's fused kernels and its
+attention backend choice (cuDNN fused attention on Hopper; ours: PyTorch SDPA under the model's own order,
+cuDNN's fused attention first: recipes.models.attention), activations in (seq, batch, hidden) (ours: batch
+first); the optimizer: TE's FusedAdam (ours: torch's fused AdamW on FP32 weights, which the forward casts to BF16
+or quantizes to FP8 once per step), and in te_megatron's current and delayed columns FP8 weights between steps.
+A megatron_layer column further: megatron-core's layer code, its fusions as translate resolves them and its
+gradient buffer's precision (cfg.megatron's defaults: printed when the column is built), its gradient hooks and
+schedule, and its optimizer: FusedAdam on FP32 masters, then the BF16 weights copied from them (or the FP8
+weights cast) in a pass of their own.
 
-With `--profile`, each step's kernel time is split into GEMMs / attention / FP8 quantization / other (recipes.profiling),
-the time the GPU sat idle is split into gaps between queued kernels and waits for the host, and the "limit" column is
-the step speedup if every linear-layer GEMM ran at the FP8/BF16 rate ratio that `scripts/gemm_bench.py` measures
-for this model's four fprop GEMM shapes (per-tensor, timed here in the same process) and quantization cost
-nothing: bf16_kernels / (bf16_kernels - gemm + gemm / ratio). dgrad and wgrad have the same FLOPs as fprop with
-transposed shapes; the fprop ratio stands in for theirs. On a GPU, nvidia-smi samples the SM clock and power
-during the timed steps of each column (recipes.profiling.gpu_telemetry), and each step's time is printed with the
-clock and power it ran at: the same kernels run a few percent slower while the GPU holds its clock down under its
-power limit.
+With `--profile`, one more step per column (in the last round) has its kernel time split into GEMMs / attention /
+FP8 quantization / other (recipes.profiling), the time the GPU sat idle split into gaps between queued kernels and
+waits for the host, and the "limit" column is the step speedup if every linear-layer GEMM ran at the FP8/BF16 rate
+ratio that `scripts/gemm_bench.py` measures for this model's four fprop GEMM shapes (per-tensor, timed here in the
+same process) and quantization cost nothing: bf16_kernels / (bf16_kernels - gemm + gemm / ratio). dgrad and wgrad
+have the same FLOPs as fprop with transposed shapes; the fprop ratio stands in for theirs.
 """
 
 from __future__ import annotations
@@ -37,12 +62,13 @@ import csv
 import dataclasses
 import gc
 import json
+import math
 import statistics
 import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import yaml
@@ -62,30 +88,45 @@ from recipes.provenance import provenance
 
 # Sibling scripts: scripts/, this script's folder, is on sys.path.
 from gemm_bench import bench_shape, model_gemm_shapes
-from te_peer import TE_RECIPES, MegatronStyleTraining, TeDecoderStack, import_transformer_engine, te_recipe
+from te_peer import (
+    TE_RECIPES, MegatronStyleTraining, TeDecoderStack, fp8_primary_weights, import_transformer_engine,
+    one_process_group, te_recipe,
+)
 
 TORCHAO_PEER = "torchao_tensorwise"
+PEERS = ("torchao", "te", "te_megatron", "megatron_layer")
+RECIPE_PEERS = ("te", "te_megatron", "megatron_layer")  # a column per TE recipe
+# Every column's optimizer: AdamW's betas, epsilon, weight decay and clipping are TrainerConfig's defaults.
+TRAINER = TrainerConfig(lr=1e-5, warmup_steps=0)
 
-
-class Trainee(NamedTuple):
-    """What a column trains: the module whose parameters the optimizer updates (the blocks, or the FP32 master
-    weights of TE's BF16 layers), the loss of one micro-batch (input, micro-batch index), and the object whose
-    hooks the engine's optimizer step calls (the FP8 object; BF16's, which does nothing, for TE's own FP8)."""
-
-    model: nn.Module
-    loss: Callable[[torch.Tensor, int], torch.Tensor]
-    fp8: Fp8Training
+Step = Callable[[Sequence[torch.Tensor]], torch.Tensor]
+"""A built column's training step: forward and backward of each micro-batch input (batch, seq, hidden), the update;
+returns the step's loss, the mean over the micro-batches of the mean squared output."""
 
 
 class Variant(NamedTuple):
-    """One column of the study: a name and how it builds its blocks for a model on a device."""
+    """One column of the study: a name and how it builds its layers and their training for a model on a device."""
 
     name: str
-    build: Callable[[ModelConfig, argparse.Namespace, torch.device], Trainee]
+    build: Callable[[ModelConfig, argparse.Namespace, torch.device], Step]
 
 
 def squared_output(out: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean()
+
+
+def engine_step(model: nn.Module, fp8: Fp8Training, loss_of: Callable[[torch.Tensor, int], torch.Tensor],
+                device: torch.device) -> Step:
+    """The torch engine's step (recipes.engine.training.optimizer_step) on `model`: AdamW on its parameters,
+    `fp8`'s hooks, `loss_of(x, micro)` the loss of micro-batch `micro` with input x."""
+    optimizer = build_optimizer(model, TRAINER, device)
+
+    def step(inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        loss, _ = optimizer_step(lambda micro: loss_of(inputs[micro], micro) / len(inputs), len(inputs), model, fp8,
+                                 optimizer, TRAINER.lr, TRAINER.grad_clip)
+        return loss
+
+    return step
 
 
 def ours(name: str, convert: Callable[[nn.Module, int, torch.device], Fp8Training]) -> Variant:
@@ -93,7 +134,7 @@ def ours(name: str, convert: Callable[[nn.Module, int, torch.device], Fp8Trainin
     returns the FP8 object of the step), then compiled as the torch engine does it in one process; BF16 autocast
     (none with --compute-dtype resolving to FP32, as the engine on a CPU without native BF16)."""
 
-    def build(model_cfg: ModelConfig, args, device: torch.device) -> Trainee:
+    def build(model_cfg: ModelConfig, args, device: torch.device) -> Step:
         with torch.device(device):
             stack = DecoderStack(model_cfg)
         init_weights(stack, model_cfg)
@@ -101,11 +142,11 @@ def ours(name: str, convert: Callable[[nn.Module, int, torch.device], Fp8Trainin
         if args.compile:
             compile_blocks(stack.layers)
 
-        def loss(x: torch.Tensor, micro: int) -> torch.Tensor:
+        def loss_of(x: torch.Tensor, micro: int) -> torch.Tensor:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == torch.bfloat16):
                 return squared_output(stack(x))
 
-        return Trainee(stack, loss, fp8)
+        return engine_step(stack, fp8, loss_of, device)
 
     return Variant(name, build)
 
@@ -140,33 +181,59 @@ def torchao_variant() -> Variant:
 
 def te_variant(peer: str, recipe_name: str) -> Variant:
     """Transformer Engine's layers (scripts/te_peer.py), eager, in TE's recipe `recipe_name`; trained with BF16
-    gradients and parameters (peer "te") or as Megatron-LM trains them (peer "te_megatron")."""
+    gradients and parameters (peer "te") or as Megatron-LM trains them (peer "te_megatron": FP8 weights where
+    Megatron's preset keeps them)."""
     column = f"{peer}_{recipe_name}"
 
-    def build(model_cfg: ModelConfig, args, device: torch.device) -> Trainee:
+    def build(model_cfg: ModelConfig, args, device: torch.device) -> Step:
         te = import_transformer_engine()
         recipe = te_recipe(recipe_name, column)
         megatron_style = peer == "te_megatron"
-        stack = TeDecoderStack(model_cfg, fuse_wgrad_accumulation=megatron_style)
+        fp8_weights = megatron_style and fp8_primary_weights(recipe_name)
+        stack = TeDecoderStack(model_cfg, fuse_wgrad_accumulation=megatron_style,
+                               fp8_weights_recipe=recipe if fp8_weights else None)
 
-        def loss(x: torch.Tensor, micro: int) -> torch.Tensor:
+        def loss_of(x: torch.Tensor, micro: int) -> torch.Tensor:
             with te.autocast(enabled=recipe is not None, recipe=recipe):
                 out = stack(x, is_first_microbatch=micro == 0)
             return squared_output(out)
 
-        if megatron_style:
-            training = MegatronStyleTraining(stack)
-            return Trainee(training.masters, loss, training)
-        return Trainee(stack, loss, Fp8Training(load_option("precision", "bf16")))  # TE's FP8: in its layers
+        if not megatron_style:  # TE's FP8 is in its layers: the step's FP8 object is BF16's, which does nothing
+            return engine_step(stack, Fp8Training(load_option("precision", "bf16")), loss_of, device)
+        training = MegatronStyleTraining(stack, TRAINER, one_process_group(device))
+        return lambda inputs: training.step(lambda micro: loss_of(inputs[micro], micro) / len(inputs), len(inputs))
 
     return Variant(column, build)
 
 
-def te_columns(peer: str, recipes: list[str] | None = None) -> list[Variant]:
-    """The peer's column in each of `recipes` (default: TE_RECIPES, MXFP8 only where TE says it runs: Blackwell)."""
-    te = import_transformer_engine()
+def megatron_layer_variant(recipe_name: str) -> Variant:
+    """megatron-core's own layers (scripts/megatron_layer_peer.py) with the conf/precision preset of TE's recipe
+    `recipe_name`, trained as engine=megatron trains them."""
+    column = f"megatron_layer_{recipe_name}"
+
+    def build(model_cfg: ModelConfig, args, device: torch.device) -> Step:
+        from megatron_layer_peer import MegatronLayerTraining, megatron_config
+
+        if recipe_name != "bf16":
+            te_recipe(recipe_name, column)  # refuses a recipe TE cannot run here, naming the column
+        cfg = megatron_config(model_cfg, recipe_name, TRAINER, args.micro_batches)
+        training = MegatronLayerTraining(cfg, device, args.dtype, squared_output)
+        print(f"  {column:>24} {training.description}", flush=True)
+        return training.step
+
+    return Variant(column, build)
+
+
+def peer_columns(peer: str, recipes: list[str] | None = None) -> list[Variant]:
+    """A peer's column in each of `recipes` (default: TE_RECIPES, MXFP8 only where TE says it runs: Blackwell).
+    TE's own layers need TE here; megatron-core's, given BF16 alone, build without it (its local spec)."""
     if recipes is None:
+        te = import_transformer_engine()
         recipes = [name for name in TE_RECIPES if name != "mxfp8" or te.is_mxfp8_available()]
+    elif peer != "megatron_layer":
+        import_transformer_engine()
+    if peer == "megatron_layer":
+        return [megatron_layer_variant(name) for name in recipes]
     return [te_variant(peer, name) for name in recipes]
 
 
@@ -182,7 +249,37 @@ class DecoderStack(nn.Module):
         return x
 
 
-def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.device) -> dict:
+def bench_model(model_cfg: ModelConfig, variants: list[Variant], args, device: torch.device,
+                progress: Callable[[list[dict]], None]) -> list[dict]:
+    """Every column's row for one model, timed over args.rounds rounds (the module's doc); a column that fails (no
+    kernel, a compile error, out of memory) is reported in its row and left out of the later rounds. `progress`
+    gets the rows so far after each column of each round."""
+    rounds: dict[str, list[dict]] = {variant.name: [] for variant in variants}
+    errors: dict[str, str] = {}
+
+    def rows() -> list[dict]:
+        return [column_row(model_cfg, variant, rounds[variant.name], errors.get(variant.name), args)
+                for variant in variants if rounds[variant.name] or variant.name in errors]
+
+    for index in range(args.rounds):
+        for variant in variants if index % 2 == 0 else variants[::-1]:
+            if variant.name in errors:
+                continue
+            try:
+                rounds[variant.name].append(time_column(model_cfg, variant, args, device, index))
+            except Exception as error:  # noqa: BLE001 - any failure of one column is a result to report
+                print(f"  {variant.name:>24} FAILED: {type(error).__name__}: {str(error).splitlines()[0][:200]}",
+                      flush=True)
+                errors[variant.name] = f"round {index + 1}: {error}"[:500]
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            progress(rows())
+    return rows()
+
+
+def time_column(model_cfg: ModelConfig, variant: Variant, args, device: torch.device, round_index: int) -> dict:
+    """One round of one column: build it, warm it up, time args.steps steps (with the clock and power of each),
+    profile one more step in the last round with --profile; then free it."""
     torch.manual_seed(args.seed)
     torch._dynamo.reset()
     counters.clear()
@@ -191,93 +288,102 @@ def bench_one(model_cfg: ModelConfig, variant: Variant, args, device: torch.devi
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    trainee = variant.build(model_cfg, args, device)
-    stack = trainee.model
-    trainer = TrainerConfig(lr=1e-5, warmup_steps=0, max_steps=args.steps)
-    optimizer = build_optimizer(stack, trainer, device)
+    step = variant.build(model_cfg, args, device)
     shape = (1, model_cfg.seq_length, model_cfg.hidden_size)
-    # A few distinct inputs, rotated, so no step reuses the previous step's activations.
+    # A few distinct inputs, rotated, so no micro-batch reuses the previous one's activations.
     inputs = [torch.randn(shape, device=device, dtype=args.dtype) for _ in range(4)]
+    micro_batches = [inputs[micro % len(inputs)] for micro in range(args.micro_batches)]
+    label = f"  {variant.name:>24} round {round_index + 1}/{args.rounds}"
 
-    def micro_batch_loss(micro: int) -> torch.Tensor:
-        return trainee.loss(inputs[micro % len(inputs)], micro) / args.micro_batches
-
-    def training_step():
-        return optimizer_step(micro_batch_loss, args.micro_batches, stack, trainee.fp8, optimizer, trainer.lr,
-                              trainer.grad_clip)
-
-    def timed_step(step: int) -> tuple[float, float, tuple[float, float]]:
+    def timed_step(index: int) -> tuple[float, float, tuple[float, float]]:
         """(seconds, loss, (start, end) in time.time()) of one training step."""
         _synchronize(device)
         start, wall_start = time.perf_counter(), time.time()
-        loss, _ = training_step()
+        loss = step(micro_batches)
         _synchronize(device)
         seconds = time.perf_counter() - start
-        print(f"  {variant.name:>18} step {step + 1}/{args.warmup + args.steps}: {seconds:.3f} s", flush=True)
+        print(f"{label} step {index + 1}/{args.warmup + args.steps}: {seconds:.3f} s", flush=True)
         return seconds, loss.item(), (wall_start, time.time())
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for step in range(args.warmup):
-        timed_step(step)
+    for index in range(args.warmup):
+        timed_step(index)
     with gpu_telemetry(device) as telemetry:  # the clock and power of the timed steps
-        times, losses, windows = zip(*(timed_step(step) for step in range(args.warmup, args.warmup + args.steps)))
-    print(f"  {variant.name:>18} {describe_telemetry(telemetry)}", flush=True)
+        times, losses, windows = zip(*(timed_step(index) for index in range(args.warmup, args.warmup + args.steps)))
+    print(f"{label} {describe_telemetry(telemetry)}", flush=True)
     step_clocks = [window_telemetry(telemetry, *window) for window in windows]
     if any(step_clocks):
-        print(f"  {variant.name:>18} per step: " + ", ".join(
+        print(f"{label} per step: " + ", ".join(
             f"{seconds * 1e3:.1f} ms" + (f" at {clock['sm_clock_mhz']:.0f} MHz, {clock['power_w']:.0f} W" if clock
                                           else "") for seconds, clock in zip(times, step_clocks)), flush=True)
-    step_time = statistics.median(times)
     kernel_profile = None
-    if args.profile and device.type == "cuda":
-        kernel_profile = profile_kernels(training_step)
-        print(f"  {variant.name:>18} profile: {describe_time_split(kernel_profile)}", flush=True)
-        for kernel in kernel_profile["top_kernels"][:12]:
-            print(f"      {kernel['ms']:8.2f} ms  {kernel['calls']:5d} calls  {kernel['category']:>9}  "
-                  f"{kernel['name']}")
-        for kernel in kernel_profile["most_called"][:5]:
-            print(f"      {kernel['calls']:5d} calls  {kernel['ms']:8.2f} ms  (most called)  {kernel['name']}")
-        print(f"  {variant.name:>18} timeline: {describe_idle(kernel_profile['idle'])}", flush=True)
-        for gap in kernel_profile["idle"]["longest_gaps"][:4]:
-            print(f"      {gap['ms']:8.3f} ms idle at {gap['at_ms']:.1f} ms, after {gap['after'][:50]}, before "
-                  f"{gap['before'][:50]}")
-    tokens = args.micro_batches * model_cfg.seq_length
-    tflops = tokens * flops_per_token(model_cfg, include_output_layer=False) / step_time / 1e12
-    tflops_full = tokens * flops_per_token(model_cfg, include_output_layer=False, causal=False) / step_time / 1e12
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    del trainee, stack, optimizer, inputs
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    if args.profile and device.type == "cuda" and round_index == args.rounds - 1:
+        kernel_profile = profile_kernels(lambda: step(micro_batches))
+        print_profile(variant.name, kernel_profile)
     return {
-        **row_identity(model_cfg, variant, args),
-        "graph_breaks": sum(counters["graph_break"].values()),
-        "median_step_s": step_time,
-        "mean_step_s": statistics.mean(times),
-        "min_step_s": min(times),
-        "max_step_s": max(times),
-        "model_tflops": tflops,
-        "model_tflops_full_attention": tflops_full,
-        "tokens_per_s": tokens / step_time,
-        "peak_memory_gib": peak,
+        "times": list(times),
         "last_loss": losses[-1],
-        **{key: telemetry.get(key) for key in ("sm_clock_mhz", "power_w", "power_limit_w", "temperature_c",
-                                               "power_capped_share")},
-        "step_ms": [round(seconds * 1e3, 2) for seconds in times],
-        "step_sm_clock_mhz": [clock and clock["sm_clock_mhz"] for clock in step_clocks],
+        "telemetry": telemetry,
+        "step_clocks": step_clocks,
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan,
+        "graph_breaks": sum(counters["graph_break"].values()),
         "profile": kernel_profile,
     }
 
 
-def bench_or_report(model_cfg: ModelConfig, variant: Variant, args, device: torch.device) -> dict:
-    """A recipe that fails (no kernel, a compile error) is reported in the table, and the study goes on."""
-    try:
-        return bench_one(model_cfg, variant, args, device)
-    except Exception as error:  # noqa: BLE001 - any failure of one recipe is a result to report
-        print(f"  {variant.name:>18} FAILED: {type(error).__name__}: {str(error).splitlines()[0][:200]}", flush=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        return {**row_identity(model_cfg, variant, args), "error": str(error)[:500]}
+def print_profile(name: str, kernel_profile: dict) -> None:
+    print(f"  {name:>24} profile: {describe_time_split(kernel_profile)}", flush=True)
+    for kernel in kernel_profile["top_kernels"][:12]:
+        print(f"      {kernel['ms']:8.2f} ms  {kernel['calls']:5d} calls  {kernel['category']:>9}  {kernel['name']}")
+    for kernel in kernel_profile["most_called"][:5]:
+        print(f"      {kernel['calls']:5d} calls  {kernel['ms']:8.2f} ms  (most called)  {kernel['name']}")
+    print(f"  {name:>24} timeline: {describe_idle(kernel_profile['idle'])}", flush=True)
+    for gap in kernel_profile["idle"]["longest_gaps"][:4]:
+        print(f"      {gap['ms']:8.3f} ms idle at {gap['at_ms']:.1f} ms, after {gap['after'][:50]}, before "
+              f"{gap['before'][:50]}")
+
+
+def column_row(model_cfg: ModelConfig, variant: Variant, rounds: list[dict], error: str | None, args) -> dict:
+    """A column's row from its rounds: the median, mean and spread of all its timed steps, the medians of the
+    clock and power samples taken during them, the highest peak memory; or its error."""
+    if error is not None:
+        return {**row_identity(model_cfg, variant, args), "rounds": len(rounds), "error": error}
+    times = [seconds for timed in rounds for seconds in timed["times"]]
+    step_time = statistics.median(times)
+    tokens = args.micro_batches * model_cfg.seq_length
+    tflops = tokens * flops_per_token(model_cfg, include_output_layer=False) / step_time / 1e12
+    tflops_full = tokens * flops_per_token(model_cfg, include_output_layer=False, causal=False) / step_time / 1e12
+    telemetry = pooled_telemetry([timed["telemetry"] for timed in rounds])
+    return {
+        **row_identity(model_cfg, variant, args),
+        "rounds": len(rounds),
+        "timed_steps": len(times),
+        "graph_breaks": max(timed["graph_breaks"] for timed in rounds),
+        "median_step_s": step_time,
+        "mean_step_s": statistics.mean(times),
+        "min_step_s": min(times),
+        "max_step_s": max(times),
+        "round_median_ms": [round(statistics.median(timed["times"]) * 1e3, 2) for timed in rounds],
+        "model_tflops": tflops,
+        "model_tflops_full_attention": tflops_full,
+        "tokens_per_s": tokens / step_time,
+        "peak_memory_gib": max(timed["peak_memory_gib"] for timed in rounds),
+        "last_loss": rounds[-1]["last_loss"],
+        **{key: telemetry.get(key) for key in ("sm_clock_mhz", "power_w", "power_limit_w", "temperature_c",
+                                               "power_capped_share")},
+        "step_ms": [round(seconds * 1e3, 2) for seconds in times],
+        "step_sm_clock_mhz": [clock and clock["sm_clock_mhz"] for timed in rounds for clock in timed["step_clocks"]],
+        "profile": rounds[-1]["profile"],
+    }
+
+
+def pooled_telemetry(telemetries: list[dict]) -> dict:
+    """A column's clock and power over all its rounds: the medians of every sample taken during its timed steps;
+    or why there are none."""
+    samples = [sample for telemetry in telemetries for sample in telemetry.get("timeline", ())]
+    pooled = window_telemetry({"timeline": samples}, -math.inf, math.inf)
+    return pooled or {"unavailable": telemetries[0].get("unavailable", "no samples")}
 
 
 def compare_to_bf16(model_cfg: ModelConfig, results: list[dict]) -> None:
@@ -338,18 +444,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precisions", default="bf16,fp8_current",
                         help="comma-separated conf/precision options, each optionally with field overrides, e.g. "
                              "bf16:fused_kernels=false")
-    parser.add_argument("--peer", choices=["torchao", "te", "te_megatron"], action="append",
+    parser.add_argument("--peer", choices=PEERS, action="append",
                         help="add peer columns: torchao's float8 tensorwise training; Transformer Engine's layers "
                              "with BF16 gradients (te_bf16, te_current, te_delayed, te_blockwise, te_mxfp8 on "
-                             "Blackwell) or trained as Megatron-LM trains them (te_megatron_bf16, ...); repeatable")
-    parser.add_argument("--te-recipes", help=f"comma-separated TE recipes of the te and te_megatron columns, of "
-                                             f"{','.join(TE_RECIPES)} (default: all that run on this GPU)")
+                             "Blackwell) or trained as Megatron-LM trains them (te_megatron_bf16, ...); "
+                             "megatron-core's own layers trained by megatron-core (megatron_layer_bf16, ...); "
+                             "repeatable")
+    parser.add_argument("--te-recipes", help=f"comma-separated TE recipes of the {', '.join(RECIPE_PEERS)} columns, "
+                                             f"of {','.join(TE_RECIPES)} (default: all that run on this GPU)")
     parser.add_argument("--micro-batches", type=int, default=8, help="gradient-accumulation micro-batches per step")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per precision")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, autotuning)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per column in each round")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds over all columns, in order then reversed (each column built anew in each)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed steps first, in each round (compilation, autotuning)")
     parser.add_argument("--seq-length", type=int, help="override the model's sequence length (for quick checks)")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="run eagerly")
-    parser.add_argument("--profile", action="store_true", help="profile one more step: GEMM / attention / other")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one more step per column, in the last round: GEMM / attention / other")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compute-dtype", type=ComputeDtype, choices=list(ComputeDtype), default=ComputeDtype.auto,
                         help="as trainer.compute_dtype: auto (BF16; FP32 on a CPU without native BF16), bf16, fp32")
@@ -362,40 +474,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.te_recipes is not None:
         args.te_recipes = args.te_recipes.split(",")
         unknown = [name for name in args.te_recipes if name not in TE_RECIPES]
-        if unknown or not args.peer or not {"te", "te_megatron"} & set(args.peer):
+        if unknown or not args.peer or not set(RECIPE_PEERS) & set(args.peer):
             parser.error(f"--te-recipes {','.join(args.te_recipes)}: give TE recipes of {', '.join(TE_RECIPES)}, "
-                         "with --peer te or --peer te_megatron")
-    if args.steps < 1 or args.warmup < 0:
-        parser.error(f"--steps {args.steps} --warmup {args.warmup}: time at least one step, after 0 or more warm-up")
+                         f"with --peer {' or --peer '.join(RECIPE_PEERS)}")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        parser.error(f"--steps {args.steps} --warmup {args.warmup} --rounds {args.rounds}: time at least one step, "
+                     "after 0 or more warm-up, in at least one round")
     return args
 
 
+TABLE_COLUMNS = (
+    "model", "layers", "seq", "precision", "median step (ms)", "min-max (ms)", "timed steps (rounds)",
+    "model TFLOP/s (Megatron, causal)", "TFLOP/s (full attention)", "speedup vs fastest bf16", "limit",
+    "gain captured", "peak mem (GiB)", "kernels: GEMM / attention / quantization / other (ms)",
+    "GPU idle: queued / waits (ms)", "SM clock (MHz) / power (W)", "graph breaks",
+)
+
+
 def markdown_table(rows: list[dict]) -> str:
-    lines = [
-        "| model | layers | seq | precision | median step (ms) | model TFLOP/s (Megatron, causal) | "
-        "TFLOP/s (full attention) | speedup vs fastest bf16 | limit | gain captured | peak mem (GiB) | "
-        "kernels: GEMM / attention / quantization / other (ms) | GPU idle: queued / waits (ms) | "
-        "SM clock (MHz) / power (W) | graph breaks |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
     for row in rows:
+        identity = [row["model"], row["layers"], row["seq_length"], row["precision"]]
         if "error" in row:
-            lines.append(f"| {row['model']} | {row['layers']} | {row['seq_length']} | {row['precision']} | "
-                         f"failed: {row['error'].splitlines()[0][:80]} | | | | | | | | | | |")
+            cells = [*identity, f"failed: {row['error'].splitlines()[0][:80]}"]
+            lines.append("| " + " | ".join(map(str, cells)) + " |" + " |" * (len(TABLE_COLUMNS) - len(cells)))
             continue
-        speedup = f"{row['speedup_vs_bf16']:.3f}x" if row.get("speedup_vs_bf16") is not None else "n/a"
-        limit = f"{row['limit']:.3f}x" if row.get("limit") else "n/a"
-        captured = f"{row['gain_captured']:.0%}" if row.get("gain_captured") is not None else "n/a"
-        split = " / ".join(f"{row['profile']['ms'][k]:.1f}" for k in ("gemm", "attention", "quantization", "other")) if row.get("profile") else "n/a"
-        idle = (f"{row['profile']['idle']['queued_gaps_ms']:.1f} / {row['profile']['idle']['wait_gaps_ms']:.1f}"
-                if row.get("profile") else "n/a")
-        clock = f"{row['sm_clock_mhz']:.0f} / {row['power_w']:.0f}" if row.get("sm_clock_mhz") is not None else "n/a"
-        lines.append(
-            f"| {row['model']} | {row['layers']} | {row['seq_length']} | {row['precision']} | "
-            f"{row['median_step_s'] * 1e3:.1f} | {row['model_tflops']:.1f} | {row['model_tflops_full_attention']:.1f} | "
-            f"{speedup} | {limit} | {captured} | {row['peak_memory_gib']:.1f} | {split} | {idle} | {clock} | "
-            f"{row['graph_breaks']} |"
-        )
+        profile = row.get("profile")
+        cells = [
+            *identity,
+            f"{row['median_step_s'] * 1e3:.1f}",
+            f"{row['min_step_s'] * 1e3:.1f}-{row['max_step_s'] * 1e3:.1f}" if row.get("min_step_s") else "n/a",
+            f"{row['timed_steps']} ({row['rounds']})" if row.get("rounds") else "n/a",
+            f"{row['model_tflops']:.1f}",
+            f"{row['model_tflops_full_attention']:.1f}",
+            f"{row['speedup_vs_bf16']:.3f}x" if row.get("speedup_vs_bf16") is not None else "n/a",
+            f"{row['limit']:.3f}x" if row.get("limit") else "n/a",
+            f"{row['gain_captured']:.0%}" if row.get("gain_captured") is not None else "n/a",
+            f"{row['peak_memory_gib']:.1f}",
+            " / ".join(f"{profile['ms'][k]:.1f}" for k in ("gemm", "attention", "quantization", "other"))
+            if profile else "n/a",
+            f"{profile['idle']['queued_gaps_ms']:.1f} / {profile['idle']['wait_gaps_ms']:.1f}" if profile else "n/a",
+            f"{row['sm_clock_mhz']:.0f} / {row['power_w']:.0f}" if row.get("sm_clock_mhz") is not None else "n/a",
+            row["graph_breaks"],
+        ]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 
@@ -412,24 +534,29 @@ def main(argv: list[str] | None = None) -> int:
     peers = args.peer or []
     if "torchao" in peers:
         variants.append(torchao_variant())
-    for peer in ("te", "te_megatron"):
+    for peer in RECIPE_PEERS:
         if peer in peers:
             try:
-                variants += te_columns(peer, args.te_recipes)
+                variants += peer_columns(peer, args.te_recipes)
             except RuntimeError as error:
                 print(f"error: {error}", file=sys.stderr)
                 return 2
-    rows = []
+    record = provenance()
+    print(f"commit {record['commit']} on {record['device']}; "
+          + ", ".join(f"{name} {version}" for name, version in record["versions"].items()), flush=True)
+    rows: list[dict] = []
     for model_cfg, layers in zip(models, args.layers):
         model_cfg = dataclasses.replace(model_cfg, num_layers=layers)
         if args.seq_length:
             model_cfg = dataclasses.replace(model_cfg, seq_length=args.seq_length)
-        print(f"{model_cfg.name}: {layers} layers, seq {model_cfg.seq_length}, {args.micro_batches} micro-batches/step", flush=True)
-        results = []
-        for variant in variants:
-            results.append(bench_or_report(model_cfg, variant, args, device))
+        print(f"{model_cfg.name}: {layers} layers, seq {model_cfg.seq_length}, {args.micro_batches} micro-batches/"
+              f"step, {args.rounds} rounds of {args.warmup} warm-up + {args.steps} timed steps per column", flush=True)
+
+        def progress(results: list[dict]) -> None:
             if args.out:  # after every column, so a run cut short keeps what it measured
                 write_results(rows + results, args, argv)
+
+        results = bench_model(model_cfg, variants, args, device, progress)
         compare_to_bf16(model_cfg, results)
         rows += results
         if args.out:

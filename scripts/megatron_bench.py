@@ -2,7 +2,7 @@
 switch buys, the torch engine beside it; or the loss of each recipe over 500 steps.
 
     python scripts/megatron_bench.py prepare --dir bench/speed                    # here, with Hydra: the run dirs
-    python scripts/megatron_bench.py run --dir bench/speed --out OUT              # on the GPU machine
+    python scripts/megatron_bench.py run --dir bench/speed --out OUT --parts precisions,torch,nemotron   # GPU
     python scripts/megatron_bench.py run --dir bench/speed --out OUT2 --parts ablations --best fp8_current
     python scripts/megatron_bench.py prepare --study loss --dir bench/loss
     python scripts/megatron_bench.py run --dir bench/loss --out OUT3
@@ -13,34 +13,53 @@ each as its own process, `python -m <engine module> DIR/<name>/config.yaml` (the
 stops only that configuration; it needs only what the engines need (torch, PyYAML, rich, megatron-core, Transformer
 Engine for FP8), not Hydra or nemo-run.
 
-The speed study (llama3_8b with 8 layers, full vocabulary, mock data, seq 8192, micro-batch 1 x 8 per step), in
-this order:
-  precisions  engine=megatron bf16, fp8_current, fp8_delayed, fp8_blockwise with the tuned defaults (cfg.megatron)
-  torch       engine=torch in the same four recipes on the same model and batch (compiled)
+The speed study (llama3_8b with 8 layers, full vocabulary, mock data, seq 8192, micro-batch 1 x 8 per step), its
+columns in this order:
+  precisions  engine=megatron bf16, fp8_current, fp8_delayed, fp8_blockwise with the tuned defaults (cfg.megatron),
+  torch       each beside engine=torch in the same recipe on the same model and batch (compiled)
+  nemotron    nemotron4_15b, 4 layers, fp8_current, on both engines: LayerNorm1p and squared ReLU
+  fsdp        Megatron-FSDP in bf16 and fp8_current on the precisions' model, beside DDP's step time and memory
   functional  side by side (checks, not timings): a resume from a distributed checkpoint in every Hopper recipe
               and bf16, with the distributed optimizer and without, and under Megatron-FSDP in bf16, fp8_current and
               fp8_delayed (llama3_100m): run to step 6 with checkpoints at 3 and 6, cut back to step 3, run again;
               steps 4-6 repeat, and the run is failed unless each one's loss and gradient norm equal the
               uninterrupted run's
-  nemotron    nemotron4_15b, 4 layers, fp8_current, on both engines: LayerNorm1p and squared ReLU
-  fsdp        Megatron-FSDP in bf16 and fp8_current on the precisions' model, beside DDP's step time and memory
-  ablations   the fastest FP8 recipe of `precisions` (or --best) with one switch changed at a time, most telling first
-Every timed run profiles one step after its timed ones (`trainer.profile_step`, left out of the timing), and the
-tables split its kernel time by kernel name (GEMM, the output layer's included; attention; quantization; loss;
-optimizer; other: recipes.profiling); a targets table says, met or missed, whether the torch engine is at least as
-fast as engine=megatron in each recipe with no more memory, and its fp8_current speedup over its own bf16.
-Timed runs go one at a time, while --budget-s lasts (a run's cost is estimated from the finished runs of the same
-engine and model); one that does not fit is listed as not run, for another call with --parts.
+  ablations   the fastest FP8 recipe of `precisions` in this call (or --best) as tuned, and with one switch changed
+              at a time, most telling first (ABLATIONS)
+
+How a column is timed. It runs in rounds (prepare --rounds, default 2), each its own process in its own run dir
+(DIR/<name>, then DIR/<name>.round2, ...): warm-up steps (2; 6 with CUDA graphs, which are captured in the first
+steps), then the timed steps (prepare --steps, default 5: 10 per column). Round 1 then profiles one more step
+(`trainer.profile_step`, left out of the timing); later rounds stop after their timed steps. The timed columns of
+a call go round-robin: round 1 in the order above (megatron-bf16, torch-bf16, megatron-fp8_current,
+torch-fp8_current, ..., the nemotron pair, Megatron-FSDP), round 2 in the reverse order, and so on, so the two
+engines of one configuration always run one after the other and no column always goes first; the ablations go
+round-robin among themselves, their tuned run with them. A column's s/step is the median of the timed steps of all
+its rounds, its spread their min-max. While a timed process runs, nvidia-smi samples the GPU every 200 ms
+(recipes.profiling.gpu_telemetry): a column's SM clock and power are the medians of the samples taken during its
+timed steps. The engines record no clock time, so the bench watches each metrics.jsonl (a line is written and
+flushed as its step ends) every 50 ms: the timed steps ran from the moment the line of the step before them
+appeared to the moment the last one's did.
+
+The tables split the profiled step's kernel time by kernel name (GEMM, the output layer's included; attention;
+quantization; loss; optimizer; other: recipes.profiling); a targets table says, met or missed, whether the torch
+engine is at least as fast as engine=megatron in each recipe with no more memory, and its fp8_current speedup over
+its own bf16; a note names the settings in which the two engines differ. Before a group of timed columns starts,
+the columns that fit in what is left of --budget-s are chosen in order, a configuration's two engines together (a
+process's cost is estimated from the finished ones of the same engine and model); the others are listed as not
+run, for another call with --parts or --only.
 
 The loss study: llama3_100m on the bundled text, 500 steps, bf16 and each Hopper FP8 recipe on both engines, all at
 once (losses, not timings). Its table gives each run's mean loss over the last 100 steps against the BF16 run of
 the same engine and the torch engine's run of the same recipe; `scripts/compare.py OUT/runs` makes the report.
 
-Timings are medians over the steps after each run's warm-up steps (compilation, first FP8 casts, CUDA graph capture).
 Every run sees the same Python: with Transformer Engine installed (megatron-core's FP8 needs it), the torch engine's
 runs import it too, through megatron-core, as in a NeMo container; results.md says whether it was importable.
-OUT receives results.md, results.csv, provenance.json and runs.tar.gz (each run's config.yaml, plan.txt,
-metrics.jsonl, summary.json and logs; no checkpoints).
+OUT receives results.md and results.csv (written again after every process: a call cut short keeps what it
+measured), provenance.json (the commit of the code that ran: FP8_RECIPES_COMMIT, or HEAD of this checkout, or
+unknown; and the commit the configs were prepared at), runs.tar.gz (each round's config.yaml, plan.txt,
+metrics.jsonl, summary.json, logs and time split; no checkpoints) and traces.tar.gz (the Chrome trace of each
+engine=megatron column's profiled step).
 """
 
 from __future__ import annotations
@@ -48,8 +67,11 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import fnmatch
 import importlib.util
+import itertools
 import json
+import math
 import os
 import shutil
 import statistics
@@ -58,21 +80,31 @@ import sys
 import tarfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from recipes.config import REPO_ROOT, load_config, load_option
 from recipes.plan import launch_command
-from recipes.profiling import CATEGORY_NAMES
+from recipes.profiling import CATEGORY_NAMES, gpu_telemetry, window_telemetry
 from recipes.provenance import git_commit, provenance
-from recipes.run_files import CONFIG, METRICS, SUMMARY, TRAIN_LOG
+from recipes.run_files import CONFIG, METRICS, PROFILE, SUMMARY, TRAIN_LOG
 
 FP8_RECIPES = ("fp8_current", "fp8_delayed", "fp8_blockwise")  # the Hopper ones: MXFP8 needs Blackwell
-SPEED_PARTS = ("functional", "precisions", "torch", "nemotron", "fsdp", "ablations")
-FIRST_GUESS_S = {"megatron": 90.0, "torch": 150.0}  # a run's cost before any run of its kind has finished
-PROFILE_SPLIT = "profile/time_rank0.json"  # recipes.profiling's split of the profiled step
+SPEED_PARTS = ("precisions", "torch", "nemotron", "fsdp", "functional", "ablations")
+WARMUP_STEPS = 2  # compilation, the first FP8 casts
+GRAPHS_WARMUP_STEPS = 6  # megatron-core captures its CUDA graphs in the first steps
+TIMED_STEPS, ROUNDS = 5, 2  # per round, and rounds per column: 10 timed steps from two processes
+# A process's cost before any of its engine and model has finished: on an H200, runs of 6-7 steps of this study took
+# 39-56 s (engine=megatron) and 39-70 s (the torch engine, torch.compile included), start-up most of it.
+FIRST_GUESS_S = {"megatron": 55.0, "torch": 65.0}
+POLL_S = 0.05  # how often the bench looks for a new step in metrics.jsonl
+TELEMETRY_MS = 200  # nvidia-smi's sampling interval: a window of 5 steps holds ~35 samples
+PROFILE_SPLIT = f"{PROFILE}/time_rank0.json"  # recipes.profiling's split of the profiled step
+PROFILE_TRACE = f"{PROFILE}/trace_rank0.json"  # and its Chrome trace
 KEPT_FILES = (CONFIG, "plan.txt", METRICS, "metrics_uninterrupted.jsonl", SUMMARY, TRAIN_LOG,
               "train_resumed.log", PROFILE_SPLIT)
 CURRENT_OVER_BF16_TARGET = 1.30  # the torch engine's fp8_current speedup over its own bf16
@@ -82,21 +114,43 @@ LOSS_GAP_TARGET = 0.02  # each FP8 recipe's mean loss within 2% of its reference
 
 @dataclass(frozen=True)
 class Run:
+    """A column of the study: one configuration, run in `rounds` processes."""
+
     name: str
     part: str
     engine: str
     precision: str
-    overrides: tuple[str, ...]  # launch/run.py arguments
+    overrides: tuple[str, ...]  # launch/run.py arguments of round 1 (round_overrides: the others')
     switch: str = ""  # an ablation: what differs from the tuned run of the same precision
     side_by_side: bool = False  # shares the GPU with the other side-by-side runs: a check or a loss, not a timing
-    warmup: int = 2  # steps left out of the timing
+    warmup: int = WARMUP_STEPS  # steps left out of the timing
+    rounds: int = 1  # processes, each in its own run dir (round_dir), interleaved with the other columns'
     resume: bool = False  # run again from the checkpoint before the last, which is removed first
-    profile_step: Optional[int] = None  # profiled (trainer.profile_step), so left out of the timing
+    profile_step: Optional[int] = None  # round 1's last step, profiled (trainer.profile_step): not timed
     timeout_s: float = 300.0  # a hung process is killed (and never later than the budget allows)
 
     @property
     def model(self) -> str:
         return next(o.split("=", 1)[1] for o in self.overrides if o.startswith("model="))
+
+    @property
+    def configuration(self) -> str:
+        """What the column shares with its twin on the other engine (`megatron-bf16` and `torch-bf16`: `bf16`)."""
+        return self.name.split("-", 1)[1]
+
+
+def round_dir(directory: Path, run: Run, round_: int) -> Path:
+    """Round 1's run dir is named after the column (its profiled step is there), a later round's after both."""
+    return directory / (run.name if round_ == 1 else f"{run.name}.round{round_}")
+
+
+def round_overrides(run: Run, round_: int) -> tuple[str, ...]:
+    """Round 1 as planned; a later round stops after its timed steps, so a column's step is profiled once."""
+    if round_ == 1 or run.profile_step is None:
+        return run.overrides
+    last = f"trainer.max_steps={run.profile_step - 1}"
+    return tuple(last if o.startswith("trainer.max_steps=") else o for o in run.overrides
+                 if not o.startswith("trainer.profile_step="))
 
 
 # megatron-core's unsharded optimizer, which updates no FP8 weights (so none kept): an ablation, and the resume
@@ -107,35 +161,43 @@ WITHOUT_DISTRIBUTED_OPTIMIZER = ("parallel.distributed_optimizer=false", "precis
 FSDP_TIMED = ("bf16", "fp8_current")
 FSDP_RESUMES = ("bf16", "fp8_current", "fp8_delayed")
 
-# One switch at a time on the fastest FP8 recipe, most telling first (the budget may stop the list early).
+# One switch at a time on the fastest FP8 recipe, most telling first (the budget may stop the list early): the two
+# whose result sets a default (the FP32 gradient buffer, like-for-like with the torch engine's FP32 main gradients,
+# against NVIDIA's BF16 one; CUDA graphs, with the wgrad fusion kept), then what each fusion buys.
 ABLATIONS = (
+    ("grad_reduce_in_fp32=true", ("megatron.grad_reduce_in_fp32=true",)),
+    ("cuda_graphs=true", ("megatron.cuda_graphs=true",)),
     ("gradient_accumulation_fusion=false", ("megatron.gradient_accumulation_fusion=false",)),
-    ("cross_entropy_loss_fusion=false", ("megatron.cross_entropy_loss_fusion=false",)),
     ("fp8_param_gather=false", ("precision.fp8_param_gather=false",)),
+    ("cross_entropy_loss_fusion=false", ("megatron.cross_entropy_loss_fusion=false",)),
     ("apply_rope_fusion=false", ("megatron.apply_rope_fusion=false",)),
     ("bias_activation_fusion=false", ("megatron.bias_activation_fusion=false",)),
-    ("grad_reduce_in_fp32=false", ("megatron.grad_reduce_in_fp32=false",)),  # NeMo's performance scripts' value
-    ("cuda_graphs=true", ("megatron.cuda_graphs=true",)),
     ("distributed_optimizer=false", WITHOUT_DISTRIBUTED_OPTIMIZER),
     ("bias_dropout_fusion=false", ("megatron.bias_dropout_fusion=false",)),
     ("overlaps=false", ("megatron.overlap_grad_reduce=false", "megatron.overlap_param_gather=false")),
 )
 
 
-def speed_runs(gpu: str, steps: int) -> list[Run]:
-    def proxy(model: str, layers: int, engine: str = "megatron", max_steps: int = steps) -> tuple[str, ...]:
-        return (f"engine={engine}", f"gpu={gpu}", f"model={model}", f"model.num_layers={layers}", "data=mock",
-                "trainer.micro_batch_size=1", "trainer.global_batch_size=8", f"trainer.max_steps={max_steps}",
-                "trainer.log_interval=1")
-
-    def profiled(name: str, part: str, engine: str, precision: str, model: str, layers: int, *extra: str) -> Run:
-        """A timed run, then one more step profiled."""
-        overrides = (*proxy(model, layers, engine, steps + 1), f"trainer.profile_step={steps + 1}",
+def speed_runs(gpu: str, steps: int = TIMED_STEPS, rounds: int = ROUNDS) -> list[Run]:
+    """The speed study's columns in its order, each with `steps` timed steps in each of `rounds` processes."""
+    def column(name: str, part: str, engine: str, precision: str, model: str = "llama3_8b", layers: int = 8,
+               extra: tuple[str, ...] = (), switch: str = "", warmup: int = WARMUP_STEPS,
+               profiled: bool = True) -> Run:
+        """Warm-up steps, the timed ones, and in round 1 one more profiled (not the ablations': they are compared
+        with each other, not split by kernel)."""
+        last = warmup + steps + profiled
+        overrides = (f"engine={engine}", f"gpu={gpu}", f"model={model}", f"model.num_layers={layers}", "data=mock",
+                     "trainer.micro_batch_size=1", "trainer.global_batch_size=8", f"trainer.max_steps={last}",
+                     "trainer.log_interval=1", *((f"trainer.profile_step={last}",) if profiled else ()),
                      f"precision={precision}", *extra)
-        return Run(name, part, engine, precision, overrides, profile_step=steps + 1)
+        return Run(name, part, engine, precision, overrides, switch=switch, warmup=warmup, rounds=rounds,
+                   profile_step=last if profiled else None)
 
-    runs = [profiled(f"{engine}-{p}", part, engine, p, "llama3_8b", 8)
-            for engine, part in (("megatron", "precisions"), ("torch", "torch")) for p in ("bf16", *FP8_RECIPES)]
+    runs = [column(f"{engine}-{p}", part, engine, p) for p in ("bf16", *FP8_RECIPES)
+            for engine, part in (("megatron", "precisions"), ("torch", "torch"))]
+    runs += [column(f"{engine}-nemotron4_15b-fp8_current", "nemotron", engine, "fp8_current", "nemotron4_15b", 4)
+             for engine in ("megatron", "torch")]
+    runs += [column(f"megatron-fsdp-{p}", "fsdp", "megatron", p, extra=("parallel.fsdp=true",)) for p in FSDP_TIMED]
     # Side-by-side runs each keep megatron-core's sample index in their own folder (relative to the run dir, where
     # the engine runs): two building one file at once would race.
     own_cache = ("data.cache_dir=cache",)
@@ -148,18 +210,15 @@ def speed_runs(gpu: str, steps: int) -> list[Run]:
         runs += [Run(f"resume-llama3_100m-{p}{optimizer}", "functional", "megatron", p,
                      (*resume, f"precision={p}", *switch), side_by_side=True, resume=True)
                  for p in precisions]
-    runs += [profiled(f"{engine}-nemotron4_15b-fp8_current", "nemotron", engine, "fp8_current", "nemotron4_15b", 4)
-             for engine in ("megatron", "torch")]
-    runs += [profiled(f"megatron-fsdp-{p}", "fsdp", "megatron", p, "llama3_8b", 8, "parallel.fsdp=true")
-             for p in FSDP_TIMED]
     for recipe in FP8_RECIPES:
+        runs.append(column(f"megatron-{recipe}--tuned", "ablations", "megatron", recipe, profiled=False))
         for switch, overrides in ABLATIONS:
             if switch == "fp8_param_gather=false" and not load_option("precision", recipe).fp8_param_gather:
                 continue  # already off in this recipe's preset
-            graphs = switch == "cuda_graphs=true"  # capture happens in the first steps: time more of them
-            runs.append(Run(f"megatron-{recipe}--{switch.split('=')[0]}", "ablations", "megatron", recipe,
-                            (*proxy("llama3_8b", 8, max_steps=steps + 4 if graphs else steps), f"precision={recipe}",
-                             *overrides), switch=switch, warmup=6 if graphs else 2))
+            graphs = switch == "cuda_graphs=true"
+            runs.append(column(f"megatron-{recipe}--{switch.split('=')[0]}", "ablations", "megatron", recipe,
+                               extra=overrides, switch=switch, profiled=False,
+                               warmup=GRAPHS_WARMUP_STEPS if graphs else WARMUP_STEPS))
     return runs
 
 
@@ -173,12 +232,30 @@ def loss_runs(gpu: str, steps: int) -> list[Run]:
             for engine in ("megatron", "torch") for p in ("bf16", *FP8_RECIPES)]
 
 
+def study_groups(runs: list[Run]) -> list[list[Run]]:
+    """The runs measured together, in the study's order: consecutive timed columns round-robin, each recipe's
+    ablations among themselves (the recipe may be the fastest of a group before), consecutive side-by-side runs all
+    at once."""
+    return [list(group) for _, group in itertools.groupby(
+        runs, lambda run: (run.side_by_side, run.precision if run.part == "ablations" else None))]
+
+
+def round_robin(columns: list[Run]) -> list[tuple[Run, int]]:
+    """(column, round) in the order the processes run: round 1 in the columns' order, each later round in the
+    reverse of the round before, so that no column always goes first and twins listed together stay together."""
+    order = []
+    for round_ in range(1, max((run.rounds for run in columns), default=0) + 1):
+        ordered = columns if round_ % 2 else columns[::-1]
+        order += [(run, round_) for run in ordered if round_ <= run.rounds]
+    return order
+
+
 # ---- prepare (here, with Hydra) ----
 
 
 def prepare(study: str, runs: list[Run], directory: Path) -> None:
-    """Each run's config.yaml and plan.txt, composed and checked as launch/run.py does with dryrun=true, and
-    DIR/study.json listing the runs in order."""
+    """Each round's config.yaml and plan.txt, composed and checked as launch/run.py does with dryrun=true, and
+    DIR/study.json listing the runs in order, and their processes in the order they run."""
     from hydra import compose, initialize_config_dir
 
     from recipes.config import CONF_DIR
@@ -192,19 +269,24 @@ def prepare(study: str, runs: list[Run], directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for run in runs:
-            run_dir = (directory / run.name).resolve()
-            overrides = [*run.overrides, "dryrun=true", f"run.dir={run_dir}"]
-            check_override_keys(overrides)
-            cfg = resolve(to_config(compose("config", overrides=overrides)))
-            plan = make_plan(cfg, run_dir / CONFIG)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "plan.txt").write_text(describe(plan) + "\n")
-            save_config(dataclasses.replace(cfg, dryrun=False), run_dir / CONFIG)
-    record = {"study": study, "commit": git_commit(), "runs": [dataclasses.asdict(run) for run in runs]}
+            for round_ in range(1, run.rounds + 1):
+                run_dir = round_dir(directory, run, round_).resolve()
+                overrides = [*round_overrides(run, round_), "dryrun=true", f"run.dir={run_dir}"]
+                check_override_keys(overrides)
+                cfg = resolve(to_config(compose("config", overrides=overrides)))
+                plan = make_plan(cfg, run_dir / CONFIG)
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / "plan.txt").write_text(describe(plan) + "\n")
+                save_config(dataclasses.replace(cfg, dryrun=False), run_dir / CONFIG)
+    order = [[round_dir(directory, run, k).name for run, k in round_robin(group)]
+             for group in study_groups(runs) if not group[0].side_by_side]
+    record = {"study": study, "commit": git_commit(), "runs": [dataclasses.asdict(run) for run in runs],
+              "order": order}  # the run dirs of each timed group in the order `run` starts them (all parts)
     (directory / "study.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
 def load_study(directory: Path) -> tuple[str, str, list[Run]]:
+    """The study, the commit its configs were prepared at, its runs."""
     record = json.loads((directory / "study.json").read_text())
     runs = [Run(**{**fields, "overrides": tuple(fields["overrides"])}) for fields in record["runs"]]
     return record["study"], record["commit"], runs
@@ -215,9 +297,13 @@ def load_study(directory: Path) -> tuple[str, str, list[Run]]:
 
 @dataclass
 class Outcome:
+    """One process of a column (a resume run: its two starts)."""
+
     status: str  # ok, failed (exit status), timeout, not run (why)
     wall_s: float = 0.0
     error: str = ""
+    steps_seen: dict[int, float] = field(default_factory=dict)  # step -> time.time() its line appeared; 0: the start
+    gpu: dict = field(default_factory=dict)  # gpu_telemetry's record of a timed process: its samples, or why none
 
 
 def last_error(log: Path) -> str:
@@ -229,40 +315,78 @@ def last_error(log: Path) -> str:
     return (flagged or lines or [""])[-1][:300]
 
 
-def launch(run_dir: Path, log_name: str, timeout_s: float, commit: str) -> tuple[str, str]:
-    """The engine on run_dir/config.yaml, the command the plan prints, in run_dir (its relative cache folder)."""
+def steps_written(metrics_file: Path) -> list[int]:
+    """The steps of metrics.jsonl's complete lines (one being written has no newline yet)."""
+    try:
+        lines = metrics_file.read_text().split("\n")[:-1]
+    except FileNotFoundError:
+        return []
+    steps = []
+    for line in lines:
+        try:
+            steps.append(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return steps
+
+
+def watch_steps(process: subprocess.Popen, metrics_file: Path, timeout_s: float) -> tuple[dict[int, float], bool]:
+    """Wait for `process`, noting when each step's line appears in its metrics.jsonl: {step: time.time()}, 0 for
+    the start (within POLL_S); and whether it finished (False: killed after `timeout_s`)."""
+    seen = {0: time.time()}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        finished = process.poll() is not None
+        now = time.time()
+        for step in steps_written(metrics_file):
+            seen.setdefault(step, now)
+        if finished:
+            return seen, True
+        if time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            return seen, False
+        time.sleep(POLL_S)
+
+
+def launch(run_dir: Path, log_name: str, timeout_s: float) -> tuple[str, str, dict[int, float]]:
+    """The engine on run_dir/config.yaml, the command the plan prints, in run_dir (its relative cache folder):
+    status, error and when each step ended (watch_steps). The engine finds its commit itself (recipes.provenance):
+    the one the configs were prepared at need not be the code's that runs."""
     config = run_dir / CONFIG
     command = launch_command(load_config(config), config)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FP8_RECIPES_COMMIT": os.environ.get("FP8_RECIPES_COMMIT", commit),
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     log = run_dir / log_name
     with open(log, "w") as out:
-        try:
-            status = subprocess.run(command, cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    timeout=max(timeout_s, 1)).returncode
-        except subprocess.TimeoutExpired:
-            return "timeout", f"killed after {timeout_s:.0f} s"
-    return ("ok", "") if status == 0 else (f"failed ({status})", last_error(log))
+        process = subprocess.Popen(command, cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT)
+        seen, finished = watch_steps(process, run_dir / METRICS, max(timeout_s, 1))
+    if not finished:
+        return "timeout", f"killed after {timeout_s:.0f} s", seen
+    status = process.returncode
+    return ("ok", "", seen) if status == 0 else (f"failed ({status})", last_error(log), seen)
 
 
-def execute(run: Run, run_dir: Path, timeout_s: float, commit: str) -> Outcome:
-    """One run; a resume run twice: to the end, then again from its next-to-last checkpoint."""
+def execute(run: Run, run_dir: Path, timeout_s: float) -> Outcome:
+    """One process of a column; a resume run twice: to the end, then again from its next-to-last checkpoint."""
     started = time.monotonic()
+    (run_dir / METRICS).unlink(missing_ok=True)  # an earlier call's steps would pass for this one's
+    shutil.rmtree(run_dir / PROFILE, ignore_errors=True)
     if run.resume:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # an earlier call's would be resumed from
-    status, error = launch(run_dir, TRAIN_LOG, timeout_s, commit)
+    status, error, seen = launch(run_dir, TRAIN_LOG, timeout_s)
     if status == "ok" and run.resume:
         checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
         shutil.copy(run_dir / METRICS, run_dir / "metrics_uninterrupted.jsonl")
         shutil.rmtree(checkpoints[-1])
-        status, error = launch(run_dir, "train_resumed.log", timeout_s - (time.monotonic() - started), commit)
-    return Outcome(status, time.monotonic() - started, error)
+        status, error, _ = launch(run_dir, "train_resumed.log", timeout_s - (time.monotonic() - started))
+    return Outcome(status, time.monotonic() - started, error, seen)
 
 
-def estimate_s(run: Run, runs: list[Run], outcomes: dict[str, Outcome]) -> float:
-    """The longest finished run of the same engine and model, or a first guess."""
-    alike = [outcomes[r.name].wall_s for r in runs if r.name in outcomes and outcomes[r.name].status == "ok"
-             and not r.side_by_side and (r.engine, r.model) == (run.engine, run.model)]
+def estimate_s(run: Run, finished: list[tuple[Run, Outcome]]) -> float:
+    """The longest finished process of a timed column of the same engine and model, or a first guess."""
+    alike = [outcome.wall_s for other, outcome in finished if outcome.status == "ok" and not other.side_by_side
+             and (other.engine, other.model) == (run.engine, run.model)]
     return max(alike, default=FIRST_GUESS_S[run.engine])
 
 
@@ -271,9 +395,27 @@ def metrics(run_dir: Path, name: str = METRICS) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def median_after_warmup(records: list[dict], warmup: int, field: str, profiled: Optional[int] = None) -> Optional[float]:
-    timed = [r[field] for r in records[warmup:] if r.get(field) is not None and r["step"] != profiled]
-    return statistics.median(timed) if timed else None
+def timed_steps(run: Run, records: list[dict]) -> list[dict]:
+    """A round's timed steps: those after the warm-up, the profiled one left out."""
+    return [r for r in records[run.warmup:] if r["step"] != run.profile_step]
+
+
+def timed_window(timed: list[dict], seen: dict[int, float]) -> Optional[tuple[float, float]]:
+    """When a round's timed steps ran (time.time()): from the moment the line of the step before them appeared in
+    metrics.jsonl (or the process started) to the moment the last one's did; None where either was not seen."""
+    if not timed:
+        return None
+    start, end = seen.get(timed[0]["step"] - 1), seen.get(timed[-1]["step"])
+    return (start, end) if start is not None and end is not None else None
+
+
+def clock_and_power(samples: list[tuple], windows: list[tuple[float, float]]) -> dict:
+    """The median SM clock (MHz) and power (W) of the GPU samples (gpu_telemetry's timeline) taken within any of
+    `windows`: a column's timed steps over its rounds; None without samples (no nvidia-smi, a CPU, no window)."""
+    inside = [sample for sample in samples if any(a <= sample[0] <= b for a, b in windows)]
+    medians = window_telemetry({"timeline": inside}, -math.inf, math.inf)  # the medians of those samples
+    return {"sm_clock_mhz": medians["sm_clock_mhz"] if medians else None,
+            "power_w": medians["power_w"] if medians else None, "gpu_samples": medians["samples"] if medians else 0}
 
 
 def profile_split(run_dir: Optional[Path]) -> dict[str, Optional[float]]:
@@ -284,35 +426,68 @@ def profile_split(run_dir: Optional[Path]) -> dict[str, Optional[float]]:
         {"kernels_ms": split["total_ms"] if split else None}
 
 
+def engine_settings(run: Run, run_dir: Path) -> dict:
+    """engine=megatron's settings in which the engines may differ, from the config it ran: its gradient buffer (the
+    torch engine keeps FP32 main gradients) and its FP8 weights."""
+    if run.engine != "megatron" or not (run_dir / CONFIG).is_file():
+        return {"grad_reduce_in_fp32": None, "fp8_param_gather": None}
+    cfg = load_config(run_dir / CONFIG)
+    return {"grad_reduce_in_fp32": cfg.megatron.grad_reduce_in_fp32,
+            "fp8_param_gather": cfg.precision.fp8_param_gather}
+
+
 def fastest_fp8(runs: list[Run], rows: dict[str, dict]) -> Optional[str]:
     timed = [(rows[r.name]["step_s"], r.precision) for r in runs
              if r.part == "precisions" and r.precision in FP8_RECIPES and rows.get(r.name, {}).get("step_s")]
     return min(timed)[1] if timed else None
 
 
-def row(run: Run, run_dir: Path, outcome: Outcome) -> dict:
-    """One line of results.csv: the run's identity, outcome and steady-state numbers (timings only of a timed run
-    that finished)."""
-    records = [] if outcome.status.startswith("not run") else metrics(run_dir)  # not an earlier call's
-    timed = not run.side_by_side and outcome.status == "ok"
+def column_status(rounds: list[tuple[Path, Outcome]]) -> tuple[str, str]:
+    """ok where every round finished; else the first round that did not (named where one of several)."""
+    bad = [(k, outcome) for k, (_, outcome) in enumerate(rounds, 1) if outcome.status != "ok"]
+    if not bad:
+        return "ok", ""
+    k, outcome = bad[0]
+    if len(bad) == len(rounds):
+        return outcome.status, outcome.error
+    return f"{outcome.status} in round {k} of {len(rounds)}", outcome.error
 
-    def median(field: str) -> Optional[float]:
-        return median_after_warmup(records, run.warmup, field, run.profile_step) if timed else None
 
-    timed_steps = [r for r in records[run.warmup:] if r["step"] != run.profile_step]
+def row(run: Run, rounds: list[tuple[Path, Outcome]]) -> dict:
+    """One line of results.csv: a column's identity, outcome and steady-state numbers over the timed steps of its
+    rounds that finished (a timed column's only), its rounds (one at least) given as (run dir, outcome)."""
+    records = [[] if outcome.status.startswith("not run") else metrics(run_dir)  # not an earlier call's
+               for run_dir, outcome in rounds]
+    finished = [(timed_steps(run, found), outcome) for found, (_, outcome) in zip(records, rounds)
+                if outcome.status == "ok" and not run.side_by_side]
+    timed = [step for steps, _ in finished for step in steps]
+    windows = [window for steps, outcome in finished if (window := timed_window(steps, outcome.steps_seen))]
+    first_dir, first = rounds[0][0], records[0]  # round 1: the losses and the profiled step
+
+    def median(field_name: str, steps: list[dict] = timed) -> Optional[float]:
+        values = [r[field_name] for r in steps if r.get(field_name) is not None]
+        return statistics.median(values) if values else None
+
+    status, error = column_status(rounds)
+    every = [r for found in records for r in found]
+    times = [r["step_time_s"] for r in timed]
     result = {
         "name": run.name, "part": run.part, "engine": run.engine, "model": run.model, "precision": run.precision,
-        "switch": run.switch, "status": outcome.status, "error": outcome.error, "steps": len(records),
-        "timed_steps": len(timed_steps) if timed else 0, "step_s": median("step_time_s"),
+        "switch": run.switch, "status": status, "error": error, "rounds": len(finished), "steps": len(every),
+        "timed_steps": len(timed), "step_s": median("step_time_s"), "step_min_s": min(times, default=None),
+        "step_max_s": max(times, default=None),
+        "round_step_s": " ".join(f"{median('step_time_s', steps):.4f}" for steps, _ in finished if steps),
         "tokens_per_s_per_gpu": median("tokens_per_s_per_gpu"), "tflops_per_gpu": median("model_tflops_per_gpu"),
-        "mfu": median("mfu"), "peak_gib": max((r["peak_memory_gib"] for r in records), default=None),
-        "final_loss": records[-1]["loss"] if records else None,
-        "mean_loss_last_100": statistics.fmean(r["loss"] for r in records[-LOSS_WINDOW:]) if records else None,
-        "wall_s": round(outcome.wall_s, 1), "note": "",
-        **profile_split(run_dir if run.profile_step and records else None),
+        "mfu": median("mfu"), "peak_gib": max((r["peak_memory_gib"] for r in every), default=None),
+        **clock_and_power([sample for _, outcome in finished for sample in outcome.gpu.get("timeline", ())], windows),
+        "final_loss": first[-1]["loss"] if first else None,
+        "mean_loss_last_100": statistics.fmean(r["loss"] for r in first[-LOSS_WINDOW:]) if first else None,
+        "wall_s": round(sum(outcome.wall_s for _, outcome in rounds), 1), "note": "",
+        **engine_settings(run, first_dir),
+        **profile_split(first_dir if run.profile_step and first else None),
     }
-    if run.resume and outcome.status == "ok":
-        result["note"], exact = resume_check(run_dir)
+    if run.resume and status == "ok":
+        result["note"], exact = resume_check(first_dir)
         if not exact:
             result["status"] = "failed (resume not exact)"
     return result
@@ -342,59 +517,94 @@ def resume_check(run_dir: Path) -> tuple[str, bool]:
             f"max rel. diff: loss {loss:.2e}, grad norm {grad_norm:.2e}"), loss == 0 and grad_norm == 0
 
 
-def run_study(directory: Path, out: Path, parts: tuple[str, ...], budget_s: float, best: Optional[str]) -> int:
-    """The study's runs of `parts`, in its order: a timed run alone, consecutive side-by-side runs together; each
-    only if its estimated cost fits in what is left of the budget."""
+def run_study(directory: Path, out: Path, parts: tuple[str, ...], budget_s: float, best: Optional[str],
+              only: tuple[str, ...] = ()) -> int:
+    """The study's runs of `parts` (those whose names match an `only` pattern, where given), group by group
+    (study_groups): timed columns round-robin, each process alone on the GPU; side-by-side runs together; only
+    what fits in what is left of the budget. The GPU's clock and power are sampled during each timed process."""
     directory = directory.resolve()  # each engine runs in its run dir, given its config by absolute path
-    study, commit, runs = load_study(directory)
+    study, prepared_at, runs = load_study(directory)
     started = time.monotonic()
-    outcomes: dict[str, Outcome] = {}
-    rows: dict[str, dict] = {}
+    outcomes: dict[str, list[Outcome]] = {}  # a column's rounds, in order
+    finished: list[tuple[Run, Outcome]] = []
+
+    def left_s() -> float:
+        return budget_s - (time.monotonic() - started)
+
+    def rows() -> dict[str, dict]:
+        return {run.name: row(run, [(round_dir(directory, run, k), outcome)
+                                    for k, outcome in enumerate(outcomes[run.name], 1)])
+                for run in runs if run.name in outcomes}
 
     def record(run: Run, outcome: Outcome) -> None:
-        outcomes[run.name] = outcome
-        rows[run.name] = row(run, directory / run.name, outcome)
-        print(f"[{time.monotonic() - started:4.0f} s] {run.name}: {outcome.status} in {outcome.wall_s:.0f} s "
-              f"{outcome.error}", flush=True)
+        outcomes.setdefault(run.name, []).append(outcome)
+        finished.append((run, outcome))
+        print(f"[{time.monotonic() - started:4.0f} s] {run.name} round {len(outcomes[run.name])}/{run.rounds}: "
+              f"{outcome.status} in {outcome.wall_s:.0f} s {outcome.error}", flush=True)
+        write_results(study, [r for r in runs if r.name in outcomes], rows(), out, directory, best, prepared_at,
+                      clock_note(finished), archives=False)  # a call cut short keeps what it measured
 
-    def wanted(run: Run) -> bool:
-        nonlocal best
-        if run.part == "ablations" and run.part in parts:
-            best = best or fastest_fp8(runs, rows)
-            return run.precision == best
-        if run.part == "precisions" and run.part not in parts:
-            return "ablations" in parts and run.precision == best  # the tuned run the ablations are measured against
-        return run.part in parts
+    def not_run(needed: float) -> Outcome:
+        return Outcome(f"not run (budget: ~{needed:.0f} s needed, {max(left_s(), 0):.0f} s left)")
 
-    def start(group: list[Run]) -> None:
-        left = budget_s - (time.monotonic() - started)
-        needed = max(estimate_s(run, runs, outcomes) for run in group)
-        if left < needed:
+    def side_by_side(group: list[Run]) -> None:
+        needed = max(estimate_s(run, finished) for run in group)
+        if left_s() < needed:
             for run in group:
-                record(run, Outcome(f"not run (budget: ~{needed:.0f} s needed, {max(left, 0):.0f} s left)"))
+                record(run, not_run(needed))
             return
         with ThreadPoolExecutor(len(group)) as pool:
-            futures = [(run, pool.submit(execute, run, directory / run.name, min(run.timeout_s, left), commit))
+            futures = [(run, pool.submit(execute, run, round_dir(directory, run, 1), min(run.timeout_s, left_s())))
                        for run in group]
         for run, future in futures:
             record(run, future.result())
 
-    group: list[Run] = []
-    for run in runs:
-        if group and not (run.side_by_side and group[-1].side_by_side):
-            start(group)
-            group = []
-        if wanted(run):
-            group.append(run)
-    if group:
-        start(group)
+    def interleaved(group: list[Run]) -> None:
+        """The configurations whose rounds all fit, from the first on (a configuration's engines together), then
+        their processes round-robin; one that no longer fits is not run."""
+        chosen: list[Run] = []
+        fits = True
+        for _, same in itertools.groupby(group, lambda run: run.configuration):
+            same = list(same)
+            needed = sum(run.rounds * estimate_s(run, finished) for run in chosen + same)
+            fits = fits and needed <= left_s()
+            if fits:
+                chosen += same
+            else:
+                for run in same:
+                    for _ in range(run.rounds):
+                        record(run, not_run(needed))
+        for run, round_ in round_robin(chosen):
+            needed = estimate_s(run, finished)
+            record(run, not_run(needed) if left_s() < needed else sampled(run, round_))
 
-    done = [r for r in runs if r.name in rows]
+    def sampled(run: Run, round_: int) -> Outcome:
+        """A timed process, with nvidia-smi sampling the GPU meanwhile (a sampler per process: TELEMETRY_MS)."""
+        with gpu_telemetry(device, interval_ms=TELEMETRY_MS) as gpu:
+            outcome = execute(run, round_dir(directory, run, round_), min(run.timeout_s, left_s()))
+        return dataclasses.replace(outcome, gpu=gpu)
+
+    def wanted(run: Run) -> bool:
+        return run.part in parts and (run.part != "ablations" or run.precision == best)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for group in study_groups(runs):
+        if group[0].part == "ablations" and "ablations" in parts:
+            best = best or fastest_fp8(runs, rows())
+        chosen = [run for run in group if wanted(run) and (
+            not only or any(fnmatch.fnmatchcase(run.name, pattern) for pattern in only))]
+        if any(run.switch for run in chosen):  # ablations are measured beside their tuned run, whatever `only` says
+            chosen = [run for run in group if run in chosen or (wanted(run) and not run.switch)]
+        if chosen:
+            (side_by_side if chosen[0].side_by_side else interleaved)(chosen)
+
+    done = [run for run in runs if run.name in outcomes]
+    final = rows()
     if study == "loss":
-        judge_losses(done, rows)
-    write_results(study, done, rows, out, directory, best, commit)
+        judge_losses(done, final)
+    write_results(study, done, final, out, directory, best, prepared_at, clock_note(finished))
     print((out / "results.md").read_text())
-    return 0 if all(rows[r.name]["status"] == "ok" for r in done) else 1
+    return 0 if all(final[run.name]["status"] == "ok" for run in done) else 1
 
 
 # ---- tables ----
@@ -415,28 +625,40 @@ def engine_pair(name: str) -> str:
     return f"{'torch' if engine == 'megatron' else 'megatron'}-{rest}"
 
 
+def timing(r: dict) -> str:
+    """The cells s/step | spread | timed steps (rounds) | SM MHz | W of a timed column's row."""
+    spread = f"{r['step_min_s']:.3f}-{r['step_max_s']:.3f}" if r.get("step_min_s") is not None else "-"
+    return (f"{number(r.get('step_s'), '.3f')} | {spread} | {r.get('timed_steps', 0)} ({r.get('rounds', 0)}) | "
+            f"{number(r.get('sm_clock_mhz'), '.0f')} | {number(r.get('power_w'), '.0f')}")
+
+
 def speed_tables(runs: list[Run], rows: dict[str, dict], best: Optional[str]) -> list[str]:
     def step(name: str) -> Optional[float]:
         return rows.get(name, {}).get("step_s")
 
     compared = [r for r in runs if r.part in ("precisions", "torch", "nemotron") and r.name in rows]
     lines = ["## Precisions (llama3_8b, 8 layers, full vocabulary, mock data, seq 8192, micro-batch 1 x 8 per step)",
-             "", "| engine | precision | s/step | tokens/s/GPU | TFLOP/s/GPU | MFU | peak GiB | vs own bf16 "
-             "| torch vs megatron | status |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| engine | precision | s/step | spread | timed steps (rounds) | SM MHz | W | tokens/s/GPU | "
+             "TFLOP/s/GPU | MFU | peak GiB | vs own bf16 | torch vs megatron | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in compared:
         r = rows[run.name]
         bf16 = step(f"{run.engine}-bf16") if run.part != "nemotron" else None
         lines.append(
             f"| {run.engine}{' (' + run.model + ', 4 layers)' if run.part == 'nemotron' else ''} | {run.precision} | "
-            f"{number(r['step_s'], '.3f')} | {number(r['tokens_per_s_per_gpu'], ',.0f')} | "
-            f"{number(r['tflops_per_gpu'], '.0f')} | {number(r['mfu'], '.1%')} | {number(r['peak_gib'], '.1f')} | "
+            f"{timing(r)} | {number(r['tokens_per_s_per_gpu'], ',.0f')} | {number(r['tflops_per_gpu'], '.0f')} | "
+            f"{number(r['mfu'], '.1%')} | {number(r['peak_gib'], '.1f')} | "
             f"{ratio(bf16, r['step_s']) if run.precision != 'bf16' else '-'} | "
             f"{ratio(step(engine_pair(run.name)), r['step_s']) if run.engine == 'torch' else '-'} | "
             f"{r['status']} {r['error']} |")
-    lines += ["", "\"torch vs megatron\": engine=megatron's s/step over the torch engine's, same recipe and model "
-              "(above 1: the torch engine is faster).", "",
-              "## Where the profiled step's GPU time goes (ms of kernels, recipes.profiling)", "",
-              "| run | " + " | ".join(CATEGORY_NAMES) + " | all kernels |", "|---|" + "---|" * (len(CATEGORY_NAMES) + 1)]
+    lines += ["", "s/step: the median of the timed steps of all rounds (each round its own process; the columns "
+              "round-robin, the order reversed every round), spread: their min-max; SM clock and power: medians of "
+              "nvidia-smi's samples during those steps. \"torch vs megatron\": engine=megatron's s/step over the "
+              "torch engine's, same recipe and model (above 1: the torch engine is faster).",
+              *engine_differences(compared, rows), "",
+              "## Where the profiled step's GPU time goes (ms of kernels, recipes.profiling; round 1)", "",
+              "| run | " + " | ".join(CATEGORY_NAMES) + " | all kernels |",
+              "|---|" + "---|" * (len(CATEGORY_NAMES) + 1)]
     for run in compared:
         r = rows[run.name]
         lines.append(f"| {run.name} | " + " | ".join(number(r.get(f"{c}_ms"), '.1f') for c in CATEGORY_NAMES)
@@ -444,13 +666,7 @@ def speed_tables(runs: list[Run], rows: dict[str, dict], best: Optional[str]) ->
     lines += ["", *target_table(compared, rows)]
     ablations = [r for r in runs if r.part == "ablations" and r.name in rows]
     if ablations:
-        tuned = step(f"megatron-{best}")
-        lines += ["", f"## Tuning switches, one at a time on megatron {best} (tuned: {number(tuned, '.3f')} s/step)",
-                  "", "| switch | s/step | change vs tuned | status |", "|---|---|---|---|"]
-        for run in ablations:
-            r = rows[run.name]
-            change = f"{r['step_s'] / tuned - 1:+.1%}" if r["step_s"] and tuned else "-"
-            lines.append(f"| {run.switch} | {number(r['step_s'], '.3f')} | {change} | {r['status']} {r['error']} |")
+        lines += ["", *ablation_table(ablations, rows, best)]
     fsdp = [r for r in runs if r.part == "fsdp" and r.name in rows]
     if fsdp:
         lines += ["", "## Megatron-FSDP beside DDP with the distributed optimizer (same model and batch, one GPU)", "",
@@ -469,6 +685,45 @@ def speed_tables(runs: list[Run], rows: dict[str, dict], best: Optional[str]) ->
             r = rows[run.name]
             lines.append(f"| {run.name} | {r['steps']} | {number(r['final_loss'], '.4f')} | {r['note'] or '-'} | "
                          f"{r['status']} {r['error']} |")
+    return lines
+
+
+def engine_differences(compared: list[Run], rows: dict[str, dict]) -> list[str]:
+    """The settings in which engine=megatron's columns differ from the torch engine's, from the configs they ran."""
+    megatron = [rows[r.name] for r in compared if r.engine == "megatron"]
+    buffers = sorted({"FP32" if r.get("grad_reduce_in_fp32") else "BF16" for r in megatron
+                      if r.get("grad_reduce_in_fp32") is not None})
+    fp8_weights = [r["precision"] for r in megatron if r.get("fp8_param_gather")]
+    if not buffers:
+        return []
+    like = "" if buffers == ["FP32"] else " (like-for-like with it: the ablation grad_reduce_in_fp32=true)"
+    return ["", "Where the engines differ here: engine=megatron sums and reduces gradients in a "
+            f"{' or '.join(buffers)} buffer (megatron.grad_reduce_in_fp32; BF16 is NVIDIA's performance recipes' "
+            f"setting), the torch engine in FP32 main gradients{like}; "
+            "engine=megatron holds its weights as FP8 tensors between steps (precision.fp8_param_gather) in "
+            f"{', '.join(sorted(set(fp8_weights))) or 'none of these'} (ablation fp8_param_gather=false); "
+            "engine=megatron runs Transformer Engine's layers eagerly (TE's attention, fused RoPE and "
+            "cross-entropy), the torch engine compiles each block (torch.compile; SDPA's cuDNN attention, its own "
+            "fused output layer and loss)."]
+
+
+def ablation_table(ablations: list[Run], rows: dict[str, dict], best: Optional[str]) -> list[str]:
+    """Each switch beside the tuned run measured in the same round-robin, and which gradient buffer is the torch
+    engine's like-for-like."""
+    tuned = next((rows[r.name] for r in ablations if not r.switch), {})
+    lines = [f"## Tuning switches, one at a time on megatron {best}, round-robin with the tuned run", "",
+             "| switch | s/step | spread | timed steps (rounds) | SM MHz | W | vs tuned | status |",
+             "|---|---|---|---|---|---|---|---|"]
+    for run in ablations:
+        r = rows[run.name]
+        change = f"{r['step_s'] / tuned['step_s'] - 1:+.1%}" if r.get("step_s") and tuned.get("step_s") and run.switch \
+            else "-"
+        lines.append(f"| {run.switch or '(tuned)'} | {timing(r)} | {change} | {r['status']} {r['error']} |")
+    if tuned.get("grad_reduce_in_fp32") is not None:
+        fp32 = tuned["grad_reduce_in_fp32"]
+        lines += ["", f"The tuned run reduces gradients in {'FP32' if fp32 else 'BF16'} "
+                  f"(megatron.grad_reduce_in_fp32={str(fp32).lower()}); the torch engine keeps FP32 main gradients, "
+                  f"so {'the tuned run' if fp32 else 'grad_reduce_in_fp32=true'} is the like-for-like one."]
     return lines
 
 
@@ -541,34 +796,58 @@ def loss_tables(runs: list[Run], rows: dict[str, dict]) -> list[str]:
     return lines
 
 
+def clock_note(finished: list[tuple[Run, Outcome]]) -> str:
+    """results.md's line on the GPU's clock and power: how they were sampled, or why they were not."""
+    gpus = [outcome.gpu for _, outcome in finished if outcome.gpu]
+    if any("timeline" in gpu for gpu in gpus):
+        return (f"GPU clock and power: nvidia-smi every {TELEMETRY_MS} ms (recipes.profiling.gpu_telemetry), "
+                "medians over each column's timed steps")
+    why = sorted({gpu["unavailable"] for gpu in gpus if "unavailable" in gpu})
+    return f"GPU clock and power not recorded: {'; '.join(why)}" if why else ""
+
+
 def write_results(study: str, runs: list[Run], rows: dict[str, dict], out: Path, directory: Path,
-                  best: Optional[str], commit: str) -> None:
-    """results.md and results.csv, provenance.json (command, commit, date, versions, device), and runs.tar.gz of the
-    runs' small files (a checkpoint is gigabytes)."""
+                  best: Optional[str], prepared_at: str, clock: str = "", archives: bool = True) -> None:
+    """results.md and results.csv, provenance.json (command, commit, date, versions, device); with `archives`,
+    runs.tar.gz of the rounds' small files (a checkpoint is gigabytes) and traces.tar.gz of engine=megatron's
+    profiled steps (Transformer Engine's kernels one by one, for Perfetto; apart, as they can be large)."""
     out.mkdir(parents=True, exist_ok=True)
     tables = speed_tables(runs, rows, best) if study == "speed" else loss_tables(runs, rows)
-    info = provenance()
+    info = provenance()  # the commit of the code that runs here, or unknown: not the one prepare ran at
     te = info["versions"].get("transformer_engine") or (
         "(version unknown)" if importlib.util.find_spec("transformer_engine") else None)
-    footer = ["", f"commit {os.environ.get('FP8_RECIPES_COMMIT', commit)}; {info['device']}; "
-                  f"versions {info['versions']}",
+    commit = ("The project's commit is unknown: this tree is not its own git checkout and FP8_RECIPES_COMMIT is "
+              f"not set. The configs were prepared at commit {prepared_at}." if info["commit"] == "unknown" else
+              f"The configs were prepared at commit {prepared_at}.")
+    footer = ["", f"commit {info['commit']}; {info['device']}; versions {info['versions']}", commit,
+              *([clock] if clock else []),
               f"Transformer Engine {te + ' importable by every run' if te else 'not installed'} (the torch engine's "
               "runs import it through megatron-core, as in a NeMo container)", f"command: {' '.join(sys.argv)}"]
     title = f"# scripts/megatron_bench.py: {study} study"
     (out / "results.md").write_text("\n".join([title, "", *tables, *footer]) + "\n")
     record = {"command": "python scripts/megatron_bench.py " + " ".join(sys.argv[1:]),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              **info, "commit": os.environ.get("FP8_RECIPES_COMMIT", commit), "transformer_engine_importable": bool(te)}
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **info,
+              "prepared_at_commit": prepared_at, "transformer_engine_importable": bool(te)}
     (out / "provenance.json").write_text(json.dumps(record, indent=2) + "\n")
     with open(out / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[runs[0].name]) if runs else ["name"])
         writer.writeheader()
         writer.writerows(rows[r.name] for r in runs)
+    if not archives:
+        return
     with tarfile.open(out / "runs.tar.gz", "w:gz") as tar:
         for run in runs:
-            for name in KEPT_FILES:
-                if (directory / run.name / name).is_file():
-                    tar.add(directory / run.name / name, arcname=f"runs/{run.name}/{name}")
+            for folder in (round_dir(directory, run, k) for k in range(1, run.rounds + 1)):
+                for name in KEPT_FILES:
+                    if (folder / name).is_file():
+                        tar.add(folder / name, arcname=f"runs/{folder.name}/{name}")
+    traces = [(run.name, directory / run.name / PROFILE_TRACE) for run in runs
+              if run.engine == "megatron" and rows[run.name].get("kernels_ms") is not None]  # profiled in this call
+    if traces:
+        with tarfile.open(out / "traces.tar.gz", "w:gz", compresslevel=6) as tar:
+            for name, trace in traces:
+                if trace.is_file():
+                    tar.add(trace, arcname=f"runs/{name}/{PROFILE_TRACE}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -578,19 +857,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     prep.add_argument("--dir", type=Path, required=True)
     prep.add_argument("--study", choices=("speed", "loss"), default="speed")
     prep.add_argument("--gpu", default="h200", help="conf/gpu option of the GPU machine (peaks for MFU)")
-    prep.add_argument("--steps", type=int, help="steps per run (default: speed 6, loss 500)")
+    prep.add_argument("--steps", type=int,
+                      help=f"speed: timed steps per round (default {TIMED_STEPS}); loss: steps (default 500)")
+    prep.add_argument("--rounds", type=int, default=ROUNDS, help="speed: processes per timed column")
     go = commands.add_parser("run", help="run the prepared configurations on this machine's GPU")
     go.add_argument("--dir", type=Path, required=True, help="the folder `prepare` wrote")
-    go.add_argument("--out", type=Path, required=True, help="results.md, results.csv, runs.tar.gz")
+    go.add_argument("--out", type=Path, required=True, help="results.md, results.csv, runs.tar.gz, traces.tar.gz")
     go.add_argument("--parts", default=",".join(SPEED_PARTS), help=f"speed study: some of {','.join(SPEED_PARTS)}")
+    go.add_argument("--only", default="",
+                    help="of those, only the runs whose names match one of these comma-separated patterns "
+                         "('*-bf16,*-fp8_current'; an ablation brings its tuned run)")
     go.add_argument("--budget-s", type=float, default=480.0, help="no run starts that would not finish within this")
     go.add_argument("--best", choices=FP8_RECIPES,
                     help="the FP8 recipe of the ablations (default: the fastest one measured in this call)")
     args = parser.parse_args(argv)
 
     if args.command == "prepare":
-        builder = speed_runs if args.study == "speed" else loss_runs
-        prepare(args.study, builder(args.gpu, args.steps or (6 if args.study == "speed" else 500)), args.dir)
+        runs = speed_runs(args.gpu, args.steps or TIMED_STEPS, args.rounds) if args.study == "speed" else \
+            loss_runs(args.gpu, args.steps or 500)
+        prepare(args.study, runs, args.dir)
         print(f"prepared {args.dir}/study.json; on the GPU machine: "
               f"python scripts/megatron_bench.py run --dir {args.dir} --out OUT")
         return 0
@@ -608,7 +893,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if fp8_megatron and importlib.util.find_spec("transformer_engine") is None:
         parser.error("engine=megatron's FP8 runs need Transformer Engine, which this Python cannot import: install "
                      "it (docs/engines.md, engine=megatron outside a container), or leave those parts out (--parts)")
-    return run_study(args.dir, args.out, parts, args.budget_s, args.best)
+    only = tuple(pattern for pattern in args.only.split(",") if pattern)
+    return run_study(args.dir, args.out, parts, args.budget_s, args.best, only)
 
 
 if __name__ == "__main__":

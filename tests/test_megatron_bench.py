@@ -1,20 +1,26 @@
 """scripts/megatron_bench.py on the CPU: the studies it plans, the configs `prepare` composes, and `run` starting
-each config as its own engine process (the torch engine on tiny_llama; engine=megatron, which needs CUDA, fails
-there and is reported as failed), the resume check, the loss study's verdict, the budget, and the tables. No
-megatron training on the CPU; on a GPU with Transformer Engine (`pytest -m gpu`), the resume check of every recipe.
+each config as its own engine process (the torch engine on tiny_llama, in two rounds; engine=megatron, which needs
+CUDA, fails there and is reported as failed), the round-robin order, the median and spread over rounds, the window
+of the timed steps for the GPU's clock and power, the resume check, the loss study's verdict, the budget, and the
+tables. No megatron training on the CPU; on a GPU with Transformer Engine (`pytest -m gpu`), the resume check of
+every recipe.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import importlib.util
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,7 +39,7 @@ def overrides_of(run) -> dict:
 
 
 def test_speed_study_is_the_issues_list():
-    runs = bench.speed_runs("h200", steps=6)
+    runs = bench.speed_runs("h200", steps=5, rounds=2)
     assert len({r.name for r in runs}) == len(runs)
     by_part = {part: [r for r in runs if r.part == part] for part in bench.SPEED_PARTS}
     assert [(r.engine, r.precision) for r in by_part["precisions"]] == \
@@ -46,9 +52,15 @@ def test_speed_study_is_the_issues_list():
         assert "model.vocab_size" not in o and "model.seq_length" not in o  # full vocabulary, seq 8192
     assert [(r.engine, overrides_of(r)["model"], r.side_by_side) for r in by_part["nemotron"]] == \
         [("megatron", "nemotron4_15b", False), ("torch", "nemotron4_15b", False)]
-    for run in by_part["precisions"] + by_part["torch"] + by_part["nemotron"]:  # 6 timed steps, then one profiled
-        o = overrides_of(run)
-        assert (o["trainer.max_steps"], o["trainer.profile_step"], run.profile_step) == ("7", "7", 7)
+    for run in by_part["precisions"] + by_part["torch"] + by_part["nemotron"] + by_part["fsdp"]:
+        # 2 warm-up and 5 timed steps in each of 2 rounds; round 1 profiles one more, round 2 stops before it
+        o, later = overrides_of(run), dict(x.split("=", 1) for x in bench.round_overrides(run, 2))
+        assert (run.warmup, run.rounds, o["trainer.max_steps"], o["trainer.profile_step"], run.profile_step) == \
+            (2, 2, "8", "8", 8)
+        assert later["trainer.max_steps"] == "7" and "trainer.profile_step" not in later
+        assert set(later.items()) ^ set(o.items()) == {("trainer.max_steps", "8"), ("trainer.max_steps", "7"),
+                                                       ("trainer.profile_step", "8")}
+    for run in by_part["precisions"] + by_part["torch"] + by_part["nemotron"]:
         assert bench.engine_pair(run.name) in {r.name for r in runs}
     for run in by_part["fsdp"]:  # timed as its DDP twin of `precisions`, with Megatron-FSDP its only difference
         ddp = next(r for r in by_part["precisions"] if r.precision == run.precision)
@@ -56,7 +68,7 @@ def test_speed_study_is_the_issues_list():
         assert set(ddp.overrides) <= set(run.overrides)
     assert [r.precision for r in by_part["fsdp"]] == ["bf16", "fp8_current"]
     functional = by_part["functional"]
-    assert all(r.side_by_side and r.resume for r in functional)
+    assert all(r.side_by_side and r.resume and r.rounds == 1 for r in functional)
     assert {(r.precision, overrides_of(r).get("parallel.distributed_optimizer", "true"),
              overrides_of(r).get("parallel.fsdp", "false")) for r in functional} == \
         {(p, optimizer, "false") for p in ("bf16", *bench.FP8_RECIPES) for optimizer in ("true", "false")} | \
@@ -64,20 +76,52 @@ def test_speed_study_is_the_issues_list():
     for resume in functional:
         o = overrides_of(resume)
         assert (o["trainer.checkpoint.interval"], o["trainer.max_steps"], o["model"]) == ("3", "6", "llama3_100m")
-    for recipe in bench.FP8_RECIPES:  # each ablation is its tuned run with exactly its own switch changed
-        tuned = set(next(r for r in by_part["precisions"] if r.precision == recipe).overrides)
-        ablations = [r for r in by_part["ablations"] if r.precision == recipe]
-        assert [r.switch for r in ablations][:2] == ["gradient_accumulation_fusion=false",
-                                                     "cross_entropy_loss_fusion=false"]
+    for recipe in bench.FP8_RECIPES:  # each ablation is its recipe's tuned run with exactly its own switch changed
+        timed = set(next(r for r in by_part["precisions"] if r.precision == recipe).overrides)
+        tuned, *ablations = [r for r in by_part["ablations"] if r.precision == recipe]
+        assert (tuned.name, tuned.switch, tuned.profile_step, tuned.rounds) == \
+            (f"megatron-{recipe}--tuned", "", None, 2)
+        assert timed - set(tuned.overrides) == {"trainer.max_steps=8", "trainer.profile_step=8"}  # not profiled
+        assert set(tuned.overrides) - timed == {"trainer.max_steps=7"}
+        assert [r.switch for r in ablations][:3] == ["grad_reduce_in_fp32=true", "cuda_graphs=true",
+                                                     "gradient_accumulation_fusion=false"]
         for run in ablations:
-            changed, dropped = set(run.overrides) - tuned, tuned - set(run.overrides)
-            steps = {"trainer.max_steps=10" if run.warmup > 2 else "trainer.max_steps=6"}  # graphs: 4 more
-            assert changed - steps == set(dict(bench.ABLATIONS)[run.switch]), run.name
-            assert dropped == {"trainer.max_steps=7", "trainer.profile_step=7"}, run.name  # not profiled
-        assert ("fp8_param_gather=false" in [r.switch for r in ablations]) == (recipe != "fp8_blockwise")
+            changed, dropped = set(run.overrides) - set(tuned.overrides), set(tuned.overrides) - set(run.overrides)
+            graphs = run.switch == "cuda_graphs=true"  # 6 warm-up steps, in which the graphs are captured
+            assert (run.warmup, run.rounds) == (6 if graphs else 2, 2)
+            assert changed - {"trainer.max_steps=11"} == set(dict(bench.ABLATIONS)[run.switch]), run.name
+            assert dropped == ({"trainer.max_steps=7"} if graphs else set()), run.name
+        switches = [r.switch for r in ablations]
+        assert ("fp8_param_gather=false" in switches) == (recipe != "fp8_blockwise")  # on in the others' presets
+        assert {"cuda_graphs=true", "gradient_accumulation_fusion=false", "grad_reduce_in_fp32=true"} <= set(switches)
+        assert "grad_reduce_in_fp32=false" not in switches  # the default now: BF16, NVIDIA's
     register_schema()
     for run in runs + bench.loss_runs("h200", steps=500):
         check_override_keys(list(run.overrides))
+
+
+def test_the_timed_columns_go_round_robin_the_engines_of_a_recipe_together():
+    """The columns of precisions, torch, nemotron and fsdp are one group: round 1 in the study's order with each
+    recipe's two engines one after the other, round 2 reversed; each recipe's ablations are a group of their own."""
+    runs = bench.speed_runs("h200", steps=5, rounds=2)
+    groups = bench.study_groups(runs)
+    assert [{r.part for r in g} for g in groups] == [{"precisions", "torch", "nemotron", "fsdp"}, {"functional"},
+                                                    {"ablations"}, {"ablations"}, {"ablations"}]
+    first = ["megatron-bf16", "torch-bf16", "megatron-fp8_current", "torch-fp8_current", "megatron-fp8_delayed",
+             "torch-fp8_delayed", "megatron-fp8_blockwise", "torch-fp8_blockwise",
+             "megatron-nemotron4_15b-fp8_current", "torch-nemotron4_15b-fp8_current", "megatron-fsdp-bf16",
+             "megatron-fsdp-fp8_current"]
+    order = [(run.name, k) for run, k in bench.round_robin(groups[0])]
+    assert order == [(name, 1) for name in first] + [(name, 2) for name in reversed(first)]
+    three = [r for r in runs if r.name in ("megatron-bf16", "torch-bf16", "megatron-fp8_current")]
+    three[2] = dataclasses.replace(three[2], rounds=3)
+    assert [(r.name, k) for r, k in bench.round_robin(three)] == [
+        ("megatron-bf16", 1), ("torch-bf16", 1), ("megatron-fp8_current", 1), ("megatron-fp8_current", 2),
+        ("torch-bf16", 2), ("megatron-bf16", 2), ("megatron-fp8_current", 3)]
+    assert [r.name for r in groups[2]][:2] == ["megatron-fp8_current--tuned",
+                                               "megatron-fp8_current--grad_reduce_in_fp32"]
+    assert bench.round_dir(Path("d"), runs[0], 1) == Path("d/megatron-bf16")
+    assert bench.round_dir(Path("d"), runs[0], 2) == Path("d/megatron-bf16.round2")
 
 
 def test_loss_study_pairs_every_recipe_on_both_engines():
@@ -102,14 +146,16 @@ sys.meta_path.insert(0, NotInstalled())
 
 
 def cpu_study(tmp_path):
-    """Three configurations the CPU can judge: the torch engine timed and resumed, engine=megatron (no CUDA)."""
+    """Three configurations the CPU can judge: the torch engine timed in two rounds and resumed, engine=megatron
+    (no CUDA)."""
     tiny = ("gpu=cpu", "model=tiny_llama", "model.seq_length=64", "data=mock", "precision=bf16",
             "trainer.micro_batch_size=2", "trainer.global_batch_size=4", "trainer.log_interval=1")
     return [
         bench.Run("resume-torch", "functional", "torch", "bf16", ("engine=torch", *tiny, "trainer.max_steps=2",
                   "trainer.checkpoint.interval=1", "data.cache_dir=cache"), side_by_side=True, resume=True),
         bench.Run("megatron-bf16", "precisions", "megatron", "bf16", ("engine=megatron", *tiny, "trainer.max_steps=3")),
-        bench.Run("torch-bf16", "torch", "torch", "bf16", ("engine=torch", *tiny, "trainer.max_steps=4"), warmup=1),
+        bench.Run("torch-bf16", "torch", "torch", "bf16", ("engine=torch", *tiny, "trainer.max_steps=5",
+                  "trainer.profile_step=5"), warmup=1, rounds=2, profile_step=5),
     ]
 
 
@@ -118,8 +164,12 @@ def test_prepare_then_run_each_config_in_its_own_process(tmp_path):
     bench.prepare("speed", cpu_study(tmp_path), study)
     assert [r.name for r in bench.load_study(study)[2]] == [r.name for r in cpu_study(tmp_path)]
     cfg = load_config(study / "torch-bf16" / "config.yaml")
-    assert (cfg.engine, cfg.model.seq_length, cfg.trainer.max_steps, cfg.dryrun) == ("torch", 64, 4, False)
+    assert (cfg.engine, cfg.model.seq_length, cfg.trainer.max_steps, cfg.dryrun) == ("torch", 64, 5, False)
+    later = load_config(study / "torch-bf16.round2" / "config.yaml")  # round 2: the timed steps, none profiled
+    assert (later.trainer.max_steps, later.trainer.profile_step, cfg.trainer.profile_step) == (4, None, 5)
     assert "tuning      " in (study / "megatron-bf16" / "plan.txt").read_text()  # the megatron plan's line
+    assert json.loads((study / "study.json").read_text())["order"] == [["megatron-bf16", "torch-bf16",
+                                                                         "torch-bf16.round2"]]
 
     # As on the GPU machine: no Hydra, omegaconf or nemo-run, for `run` and the engines it starts (PYTHONPATH).
     blocker = tmp_path / "gpu_machine"
@@ -130,24 +180,187 @@ def test_prepare_then_run_each_config_in_its_own_process(tmp_path):
                              "--out", "out", "--parts", "functional,precisions,torch"], cwd=tmp_path,
                             env={**os.environ, "PYTHONPATH": str(blocker)}, capture_output=True, text=True, timeout=600)
     assert result.returncode == 1, result.stdout + result.stderr  # engine=megatron cannot run on a CPU
+    started = re.findall(r"^\[ *\d+ s\] (\S+ round \d/\d):", result.stdout, re.M)  # the progress lines
+    assert started == ["resume-torch round 1/1", "megatron-bf16 round 1/1", "torch-bf16 round 1/2",
+                       "torch-bf16 round 2/2"]  # the study's order, the timed pair round-robin
     rows = {r["name"]: r for r in csv.DictReader(open(out / "results.csv"))}
     assert rows["megatron-bf16"]["status"] == "failed (1)"
     assert "engine=megatron needs CUDA GPUs" in rows["megatron-bf16"]["error"]
     timed = rows["torch-bf16"]
-    assert (timed["status"], timed["steps"], timed["timed_steps"]) == ("ok", "4", "3")
-    steps = [json.loads(line) for line in (study / "torch-bf16" / "metrics.jsonl").read_text().splitlines()]
-    assert float(timed["step_s"]) == sorted(m["step_time_s"] for m in steps[1:])[1]  # the median of three
+    assert (timed["status"], timed["rounds"], timed["steps"], timed["timed_steps"]) == ("ok", "2", "9", "6")
+    steps = [json.loads(line)["step_time_s"] for run_dir in ("torch-bf16", "torch-bf16.round2")
+             for line in (study / run_dir / "metrics.jsonl").read_text().splitlines()[1:4]]  # steps 2-4 of each
+    assert float(timed["step_s"]) == pytest.approx(sum(sorted(steps)[2:4]) / 2)  # the median of six
+    assert (float(timed["step_min_s"]), float(timed["step_max_s"])) == (min(steps), max(steps))
+    assert timed["sm_clock_mhz"] == "" and float(timed["gemm_ms"]) >= 0  # no GPU; round 1's profiled step
     resumed = rows["resume-torch"]
     assert resumed["status"] == "ok" and resumed["step_s"] == "", resumed["note"]  # side by side: no timing
     assert resumed["note"] == "resumed from step 1; steps 2-2 repeated, max rel. diff: loss 0.00e+00, grad norm 0.00e+00"
     table = (out / "results.md").read_text()
     assert "| torch | bf16 | " in table and "| resume-torch | 2 | " in table
     assert "failed (1) error: engine=megatron needs CUDA GPUs" in table
+    assert "GPU clock and power not recorded: not a CUDA device" in table
+    assert "engine=megatron sums and reduces gradients in a BF16 buffer" in table  # from the config it ran
     with tarfile.open(out / "runs.tar.gz") as tar:
         names = set(tar.getnames())
-    assert {"runs/torch-bf16/metrics.jsonl", "runs/resume-torch/train_resumed.log",
-            "runs/megatron-bf16/plan.txt"} <= names
-    assert not any("checkpoints" in name or "cache" in name for name in names)
+    assert {"runs/torch-bf16/metrics.jsonl", "runs/torch-bf16.round2/metrics.jsonl", "runs/torch-bf16/profile/"
+            "time_rank0.json", "runs/resume-torch/train_resumed.log", "runs/megatron-bf16/plan.txt"} <= names
+    assert not any("checkpoints" in name or "cache" in name or "trace" in name for name in names)
+    assert not (out / "traces.tar.gz").exists()  # engine=megatron's traces only
+
+
+def engine_free_run(monkeypatch, tmp_path, runs, wall_s=None, parts=("precisions", "torch", "nemotron"),
+                    budget_s=10_000.0, best=None, only=()):
+    """run_study over `runs` with each process replaced by what an engine would leave: metrics.jsonl (warm-up steps
+    9 s, then 1.0, 1.1, ... s, round 2 from 1.5 s; a profiled step 5 s) and, profiled, the profile; process i
+    starts at time 1000 i and writes step s's line at 1000 i + s. Its GPU samples, every 0.25 s, are at 1500 + i
+    MHz and 600 W during its timed steps, at 1000 MHz and 100 W otherwise. Returns the processes in the order they
+    ran and results.csv's rows."""
+    monkeypatch.setattr(bench, "load_study", lambda directory: ("speed", "prepared1", runs))
+    monkeypatch.setattr(bench, "provenance", lambda: {"commit": "unknown", "versions": {"torch": "2"}, "device": "X"})
+    started, windows = [], []
+
+    def execute(run, run_dir, timeout_s):
+        round_ = int(run_dir.name.rsplit(".round", 1)[1]) if ".round" in run_dir.name else 1
+        o = dict(x.split("=", 1) for x in bench.round_overrides(run, round_))
+        last, profiled, base = int(o["trainer.max_steps"]), o.get("trainer.profile_step"), 1000.0 * len(started)
+        started.append((run.name, round_))
+        windows.append((base + run.warmup, base + last - bool(profiled), 1500 + len(started) - 1))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        times = [9.0] * run.warmup + [1.0 + 0.1 * i + 0.5 * (round_ - 1) for i in range(last - run.warmup)]
+        if profiled:
+            times[-1] = 5.0
+            (run_dir / "profile").mkdir(exist_ok=True)
+            (run_dir / "profile" / "time_rank0.json").write_text(json.dumps({"ms": {"gemm": 1.0}, "total_ms": 2.0}))
+            (run_dir / "profile" / "trace_rank0.json").write_text("{}")
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(
+            {"step": s, "loss": 3.0, "grad_norm": 1.0, "step_time_s": t, "tokens_per_s_per_gpu": 8.0 / t,
+             "model_tflops_per_gpu": 1.0 / t, "mfu": 0.1 / t, "peak_memory_gib": 10.0 + round_}) + "\n"
+            for s, t in enumerate(times, 1)))
+        return bench.Outcome("ok", (wall_s or {}).get(run.engine, 1.0), "",
+                             {s: base + s for s in range(0, last + 1)})
+
+    @contextlib.contextmanager
+    def telemetry(device, interval_ms):
+        found = {}
+        yield found  # the process runs
+        (a, b, clock), base = windows[-1], 1000.0 * (len(started) - 1)
+        found["timeline"] = [(t, *((clock, 600.0) if a <= t <= b else (1000.0, 100.0)), 700.0, 60.0, False)
+                             for t in (base + j * 0.25 for j in range(4000))]
+
+    monkeypatch.setattr(bench, "execute", execute)
+    monkeypatch.setattr(bench, "gpu_telemetry", telemetry)
+    bench.run_study(tmp_path, tmp_path / "out", parts, budget_s, best, only)
+    return started, {r["name"]: r for r in csv.DictReader(open(tmp_path / "out" / "results.csv"))}
+
+
+def test_precisions_torch_and_nemotron_interleave_and_report_each_columns_rounds(monkeypatch, tmp_path):
+    """--parts precisions,torch,nemotron: all ten columns round-robin in one call, the two engines of each recipe
+    together, round 2 reversed; a column's s/step is the median of the timed steps of both rounds, beside it their
+    spread, and its clock and power are the medians of the samples taken during those steps only."""
+    runs = bench.speed_runs("h200", steps=5, rounds=2)
+    started, rows = engine_free_run(monkeypatch, tmp_path, runs)
+    columns = [r.name for r in runs if r.part in ("precisions", "torch", "nemotron")]
+    assert started == [(name, 1) for name in columns] + [(name, 2) for name in reversed(columns)]
+    bf16 = rows["megatron-bf16"]
+    # timed: round 1's steps 3-7 (1.0-1.4 s), round 2's (1.5-1.9 s); neither the warm-up steps nor the profiled one
+    assert (bf16["status"], bf16["rounds"], bf16["steps"], bf16["timed_steps"]) == ("ok", "2", "15", "10")
+    assert (float(bf16["step_s"]), float(bf16["step_min_s"]), float(bf16["step_max_s"])) == \
+        pytest.approx((1.45, 1.0, 1.9))
+    assert bf16["round_step_s"] == "1.2000 1.7000" and float(bf16["peak_gib"]) == 12.0
+    assert float(bf16["tokens_per_s_per_gpu"]) == pytest.approx(statistics.median(8.0 / (1.0 + 0.1 * i)
+                                                                                  for i in range(10)))
+    # its processes were the first (1500 MHz) and the last (1519 MHz): as many samples in each window (reversed,
+    # round 2 gives every column the same sum)
+    assert (float(bf16["sm_clock_mhz"]), float(bf16["power_w"])) == (1509.5, 600.0)
+    assert float(rows["torch-nemotron4_15b-fp8_current"]["sm_clock_mhz"]) == 1509.5  # processes 9 and 10
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "| megatron | bf16 | 1.450 | 1.000-1.900 | 10 (2) | 1510 | 600 | " in table
+    assert "| torch (nemotron4_15b, 4 layers) | fp8_current | 1.450 | 1.000-1.900 | 10 (2) | 1510 | 600 | " in table
+    assert "commit unknown; X; versions" in table and "The project's commit is unknown" in table
+    assert "prepared at commit prepared1" in table and "GPU clock and power: nvidia-smi every 200 ms" in table
+    with tarfile.open(tmp_path / "out" / "traces.tar.gz") as tar:  # engine=megatron's profiled steps' traces
+        assert set(tar.getnames()) == {f"runs/{name}/profile/trace_rank0.json" for name in columns
+                                       if name.startswith("megatron-")}
+    assert json.loads((tmp_path / "out" / "provenance.json").read_text())["prepared_at_commit"] == "prepared1"
+
+
+def test_the_budget_takes_a_recipes_two_engines_together_and_says_what_it_left_out(monkeypatch, tmp_path):
+    runs = [r for r in bench.speed_runs("h200", steps=5, rounds=2) if r.part in ("precisions", "torch")]
+    guess = 2 * (bench.FIRST_GUESS_S["megatron"] + bench.FIRST_GUESS_S["torch"])  # a recipe's four processes
+    started, rows = engine_free_run(monkeypatch, tmp_path, runs, budget_s=guess + 5)
+    assert started == [("megatron-bf16", 1), ("torch-bf16", 1), ("torch-bf16", 2), ("megatron-bf16", 2)]
+    for name in ("megatron-fp8_current", "torch-fp8_current", "torch-fp8_blockwise"):
+        assert rows[name]["status"].startswith("not run (budget: ~") and rows[name]["timed_steps"] == "0"
+    # a process found slower than guessed: the rounds that no longer fit are not run, and the column says so
+    started, rows = engine_free_run(monkeypatch, tmp_path, runs, wall_s={"megatron": 300.0}, budget_s=guess + 5)
+    assert started == [("megatron-bf16", 1), ("torch-bf16", 1), ("torch-bf16", 2)]
+    assert rows["megatron-bf16"]["status"].startswith("not run (budget: ~300 s needed")
+    assert rows["megatron-bf16"]["status"].endswith("in round 2 of 2")
+    assert (rows["megatron-bf16"]["rounds"], rows["megatron-bf16"]["timed_steps"]) == ("1", "5")
+    assert rows["torch-bf16"]["status"] == "ok"
+
+
+def test_only_picks_columns_and_an_ablation_brings_its_tuned_run(monkeypatch, tmp_path):
+    runs = bench.speed_runs("h200", steps=5, rounds=2)
+    started, _ = engine_free_run(monkeypatch, tmp_path, runs, parts=("precisions", "torch", "ablations"),
+                                 best="fp8_delayed", only=("*-bf16", "*--cuda_graphs"))
+    assert started == [("megatron-bf16", 1), ("torch-bf16", 1), ("torch-bf16", 2), ("megatron-bf16", 2),
+                       ("megatron-fp8_delayed--tuned", 1), ("megatron-fp8_delayed--cuda_graphs", 1),
+                       ("megatron-fp8_delayed--cuda_graphs", 2), ("megatron-fp8_delayed--tuned", 2)]
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "| (tuned) | 1.450 | 1.000-1.900 | 10 (2) |" in table
+    assert "| cuda_graphs=true | 1.450 | 1.000-1.900 | 10 (2) |" in table
+
+
+def test_the_tables_say_which_gradient_buffer_is_like_for_like_with_the_torch_engine():
+    runs = bench.speed_runs("h200", steps=5, rounds=2)
+    ablations = [r for r in runs if r.part == "ablations" and r.precision == "fp8_current"][:2]
+    timing = {"status": "ok", "error": "", "step_min_s": 1.0, "step_max_s": 1.2, "timed_steps": 10, "rounds": 2}
+    rows = {ablations[0].name: {**timing, "step_s": 1.40, "grad_reduce_in_fp32": False},
+            ablations[1].name: {**timing, "step_s": 1.47, "grad_reduce_in_fp32": True}}
+    table = "\n".join(bench.ablation_table(ablations, rows, "fp8_current"))
+    assert "| (tuned) | 1.400 | 1.000-1.200 | 10 (2) | - | - | - | ok  |" in table
+    assert "| grad_reduce_in_fp32=true | 1.470 | 1.000-1.200 | 10 (2) | - | - | +5.0% | ok  |" in table
+    assert "the torch engine keeps FP32 main gradients, so grad_reduce_in_fp32=true is the like-for-like one" in table
+    compared = [r for r in runs if r.name in ("megatron-bf16", "megatron-fp8_current", "torch-fp8_current")]
+    settings = {"megatron-bf16": (False, False), "megatron-fp8_current": (False, True),
+                "torch-fp8_current": (None, None)}
+    note = bench.engine_differences(compared, {name: {"grad_reduce_in_fp32": fp32, "fp8_param_gather": gather,
+                                                      "precision": name.split("-")[1]}
+                                               for name, (fp32, gather) in settings.items()})[1]
+    assert "engine=megatron sums and reduces gradients in a BF16 buffer" in note
+    assert "between steps (precision.fp8_param_gather) in fp8_current (" in note
+
+
+def test_the_timed_window_runs_from_the_step_before_the_first_timed_to_the_last():
+    seen = {0: 100.0, 1: 130.0, 2: 131.5, 3: 133.0, 4: 134.5}
+    steps = [{"step": s} for s in (1, 2, 3, 4)]
+    run = bench.Run("x", "torch", "torch", "bf16", ("model=m",), warmup=2, profile_step=4)
+    timed = bench.timed_steps(run, steps)
+    assert [r["step"] for r in timed] == [3] and bench.timed_window(timed, seen) == (131.5, 133.0)
+    assert bench.timed_window(bench.timed_steps(dataclasses.replace(run, warmup=0, profile_step=None), steps),
+                              seen) == (100.0, 134.5)  # no warm-up: from the process's start
+    assert bench.timed_window(timed, {0: 100.0, 3: 133.0}) is None  # step 2's line never seen
+    timeline = [(t, clock, 500.0, 700.0, 60.0, False) for t, clock in ((131.0, 900.0), (131.6, 1800.0),
+                                                                        (132.5, 1900.0), (133.1, 700.0))]
+    assert bench.clock_and_power(timeline, [(131.5, 133.0)]) == \
+        {"sm_clock_mhz": 1850.0, "power_w": 500.0, "gpu_samples": 2}
+    assert bench.clock_and_power(timeline, [(131.5, 131.55), (133.05, 133.2)]) == \
+        {"sm_clock_mhz": 700.0, "power_w": 500.0, "gpu_samples": 1}
+    assert bench.clock_and_power([], [(131.5, 133.0)])["sm_clock_mhz"] is None  # no nvidia-smi: no samples
+
+
+def test_watch_steps_notes_when_each_step_ends_and_kills_a_hung_process(tmp_path):
+    writer = ("import json, sys, time\nf = open(sys.argv[1], 'w')\nfor s in (1, 2, 3):\n    time.sleep(0.3)\n"
+              "    f.write(json.dumps({'step': s}) + '\\n'); f.flush()\n")
+    process = subprocess.Popen([sys.executable, "-c", writer, str(tmp_path / "metrics.jsonl")])
+    seen, finished = bench.watch_steps(process, tmp_path / "metrics.jsonl", timeout_s=30)
+    assert finished and sorted(seen) == [0, 1, 2, 3]
+    assert seen[0] < seen[1] < seen[2] < seen[3] and seen[3] - seen[1] > 0.4
+    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    seen, finished = bench.watch_steps(hung, tmp_path / "none.jsonl", timeout_s=0.5)
+    assert not finished and hung.returncode is not None and list(seen) == [0]
 
 
 def test_a_run_that_would_overrun_the_budget_is_not_started(tmp_path):
@@ -155,11 +368,11 @@ def test_a_run_that_would_overrun_the_budget_is_not_started(tmp_path):
     bench.prepare("speed", runs, tmp_path / "study")
     assert bench.run_study(tmp_path / "study", tmp_path / "out", ("precisions", "torch"), budget_s=30, best=None) == 1
     rows = {r["name"]: r for r in csv.DictReader(open(tmp_path / "out" / "results.csv"))}
-    for run in runs:  # first guesses: 90 s for engine=megatron, 150 s for the torch engine
+    for run in runs:  # first guesses: 55 s for engine=megatron, 65 s for the torch engine
         assert rows[run.name]["status"].startswith("not run (budget: ~")
         assert not (tmp_path / "study" / run.name / "train.log").exists()
-    done = {"megatron-bf16": bench.Outcome("ok", wall_s=42.0)}
-    assert bench.estimate_s(runs[0], runs, done) == 42.0 and bench.estimate_s(runs[1], runs, done) == 150.0
+    done = [(runs[0], bench.Outcome("ok", wall_s=42.0)), (runs[0], bench.Outcome("ok", wall_s=47.0))]
+    assert bench.estimate_s(runs[0], done) == 47.0 and bench.estimate_s(runs[1], done) == 65.0
 
 
 def test_ablations_follow_the_fastest_fp8_recipe_and_name_their_switch():
@@ -217,7 +430,7 @@ def test_a_resume_that_does_not_repeat_its_steps_is_failed(tmp_path):
         (tmp_path / "train_resumed.log").write_text(f"plan ...\n{log}")
         for name, rows in (("metrics_uninterrupted.jsonl", uninterrupted), ("metrics.jsonl", records)):
             (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return bench.row(run, tmp_path, bench.Outcome("ok", 1.0))
+        return bench.row(run, [(tmp_path, bench.Outcome("ok", 1.0))])
 
     exact = resumed_run(uninterrupted)
     assert exact["status"] == "ok"
@@ -266,7 +479,7 @@ def test_megatron_resume_repeats_the_uninterrupted_steps_in_every_recipe_on_gpu(
         (tmp_path / run.name).mkdir()
         save_config(dataclasses.replace(cfg, dryrun=False), tmp_path / run.name / "config.yaml")
     with ThreadPoolExecutor(len(runs)) as pool:
-        outcomes = list(pool.map(lambda run: bench.execute(run, tmp_path / run.name, run.timeout_s, "test"), runs))
+        outcomes = list(pool.map(lambda run: bench.execute(run, tmp_path / run.name, run.timeout_s), runs))
     not_ok = {run.name: f"{outcome.status} {outcome.error}" for run, outcome in zip(runs, outcomes)
               if outcome.status != "ok"}
     assert not not_ok, "\n".join(f"{name}: {why}" for name, why in not_ok.items())

@@ -102,3 +102,18 @@ def test_telemetry_says_why_it_recorded_nothing_without_a_gpu():
         pass
     assert telemetry == {"unavailable": "not a CUDA device"}
     assert describe_telemetry(telemetry) == "GPU clock and power not recorded: not a CUDA device"
+
+
+def test_a_sampler_printing_past_a_pipes_capacity_keeps_sampling_until_the_body_ends():
+    """nvidia-smi's samples go to a file: in a pipe nobody reads, 64 KiB of them would block it mid-run."""
+    import sys
+    import time
+
+    from recipes.profiling import sampler_output
+
+    line = "2026/12/05 03:00:00.000, 1980, 650.0, 700.0, 50, Not Active"
+    prints = f"import sys, time\nfor i in range(4000):\n    print(i, {line!r}, flush=True)\ntime.sleep(60)"
+    with sampler_output([sys.executable, "-c", prints]) as output:
+        time.sleep(3)  # the 4000 lines take a fraction of that
+    lines = output["text"].splitlines()
+    assert len(lines) == 4000 and lines[-1].startswith("3999 ")  # ~270 KiB, past any pipe's buffer

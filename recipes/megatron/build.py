@@ -86,18 +86,28 @@ def initialize_tp_comm_overlap(cfg: Config, config: TransformerConfig) -> None:
                        bootstrap_backend="nccl")
 
 
-def build(cfg: Config, device: torch.device, compute: torch.dtype = torch.bfloat16
-          ) -> tuple[TransformerConfig, list[GPTModel]]:
-    """The TransformerConfig and this rank's model chunks on `device` (parallel state must be initialized),
-    computing in `compute` (recipes.compute)."""
+def configure(cfg: Config, device: torch.device, compute: torch.dtype = torch.bfloat16
+              ) -> tuple[TransformerConfig, ModuleSpec]:
+    """The TransformerConfig and layer spec of cfg for a model on `device` computing in `compute`
+    (recipes.compute), with the kernels megatron-core's layers then call made ready: the wgrad accumulation of its
+    own linears (recipes.megatron.wgrad) and the row-wise cast of FP8 weights' master shards
+    (recipes.megatron.master_cast)."""
     kernels = available_kernels()
     spec = layer_spec(cfg, kernels.transformer_engine)
     config = transformer_config(cfg, kernels, use_cpu_initialization=device.type == "cpu", compute=compute)
-    if config.tp_comm_overlap:
-        initialize_tp_comm_overlap(cfg, config)
     if config.gradient_accumulation_fusion:
         wgrad.install()  # megatron-core's own linears (the output layer) need it built in, unless Apex is there
     if config.fp8_param:
         master_cast.install()
+    return config, spec
+
+
+def build(cfg: Config, device: torch.device, compute: torch.dtype = torch.bfloat16
+          ) -> tuple[TransformerConfig, list[GPTModel]]:
+    """The TransformerConfig and this rank's model chunks on `device` (parallel state must be initialized),
+    computing in `compute` (recipes.compute)."""
+    config, spec = configure(cfg, device, compute)
+    if config.tp_comm_overlap:
+        initialize_tp_comm_overlap(cfg, config)
     chunks = build_model_chunks(cfg, config, spec)
     return config, [chunk.to(device) for chunk in chunks]
