@@ -799,7 +799,7 @@ def tables() -> dict[str, tuple[str, Callable[[Path], str]]]:
         "te-megatron": ("results", lambda base: against_te_table(lb, base, "te_megatron", tuple(RECIPES))),
         "te": ("results", lambda base: against_te_table(lb, base, "te", tuple(RECIPES))),
         "megatron-speed": ("results", lambda base: megatron_speed_table(index["megatron_speed"], base)),
-        "megatron-fsdp": ("results", lambda base: megatron_fsdp_table(index["megatron_speed"], base)),
+        "megatron-fsdp": ("results", lambda base: megatron_fsdp_table(index["megatron_fsdp"], base)),
         "megatron-loss": ("results", lambda base: loss_study_table(index["megatron_loss"],
                                                                    index["megatron_loss_seeds"], base)),
         "megatron-resume": ("results", lambda base: resume_table(index["megatron_resume"], base)),

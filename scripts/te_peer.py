@@ -279,5 +279,7 @@ def cast_masters_to_fp8(weights: list[torch.Tensor], masters: list[torch.Tensor]
     from recipes.megatron.master_cast import rowwise_master_casts
 
     with rowwise_master_casts(weights):
-        cast_master_weights_to_fp8(weights, masters, [0] * len(weights), group, manual_post_all_gather_processing=True)
+        # flat, as megatron-core hands over its shards (TE casts each into a flat view of its weight)
+        cast_master_weights_to_fp8(weights, [m.view(-1) for m in masters], [0] * len(weights), group,
+                                   manual_post_all_gather_processing=True)
     post_all_gather_processing(weights)

@@ -397,7 +397,8 @@ def test_a_megatron_fp8_step_runs_no_fallback_cast(tmp_path, precision):
     save_config(cfg, tmp_path / "run" / "config.yaml")
     done = subprocess.run([sys.executable, "-m", "recipes.megatron.engine", str(tmp_path / "run" / "config.yaml")],
                           cwd=tmp_path / "run", capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     trace = json.loads((tmp_path / "run" / "profile" / "trace_rank0.json").read_text())
     kernels = [e["name"] for e in trace["traceEvents"] if e.get("cat") == "kernel"]

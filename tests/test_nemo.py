@@ -200,9 +200,12 @@ def test_plan_names_the_recipe_the_plugin_and_the_image(hydra_compose, tmp_path)
 def test_memory_estimate_counts_nemos_bf16_gradient_buffer(hydra_compose):
     nemo = hydra_compose(*NEMO, "model=llama3_70b", "layout=published")
     parameters = count_parameters(nemo.model)
-    megatron = estimate_memory(dataclasses.replace(nemo, engine=Engine.megatron), parameters)
-    assert estimate_memory(nemo, parameters).gradients == pytest.approx(megatron.gradients / 2)  # 2 bytes, not 4
-    assert estimate_memory(nemo, parameters).optimizer == megatron.optimizer
+    megatron = dataclasses.replace(nemo, engine=Engine.megatron)
+    fp32_buffer = estimate_memory(dataclasses.replace(
+        megatron, megatron=dataclasses.replace(megatron.megatron, grad_reduce_in_fp32=True)), parameters)
+    assert estimate_memory(nemo, parameters).gradients == pytest.approx(fp32_buffer.gradients / 2)  # 2 bytes, not 4
+    assert estimate_memory(nemo, parameters).gradients == estimate_memory(megatron, parameters).gradients  # both BF16
+    assert estimate_memory(nemo, parameters).optimizer == fp32_buffer.optimizer
 
 
 def run_without_nemo(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
