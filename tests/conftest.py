@@ -11,9 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from recipes.config import CONF_DIR, Config
+# The CPU tests compare runs bit for bit (a resume against an uninterrupted run). MKL, torch's CPU BLAS, may by
+# default run a GEMM on fewer threads while the machine is busy, which sums in another order: once, with the CPUs
+# shared, two identical runs' step-1 losses differed in the 7th digit. Set before torch loads MKL.
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
+
+import torch  # noqa: E402
+
+from recipes.config import CONF_DIR, Config  # noqa: E402
 
 # Without a GPU, recipes.fp8.kernels' Triton kernels run under Triton's CPU interpreter (tests/test_fused_linears.py),
 # which must be chosen before anything (torch.compile among others) imports Triton.
