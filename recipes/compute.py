@@ -6,6 +6,10 @@ AVX2-only CPUs such as AMD EPYC Rome/Milan, most laptops and CI runners) PyTorch
 20-40x slower than its FP32 GEMMs, so `auto` computes in FP32 there and in BF16 everywhere else. The FP8 GEMMs are
 the same either way: their FP8 operands are multiplied in FP32 on a CPU (recipes.fp8.gemm), and a BF16 input
 quantizes to the same bytes and scale whether it arrives in BF16 or FP32 (tests/test_compute.py).
+
+`mm_into` is the BF16 weight-gradient GEMM that writes into, or adds to, an FP32 main gradient: the torch engine's
+(recipes.fp8.linear, the output layer in recipes.models.loss) and megatron-core's own linears' without Apex
+(recipes.megatron.wgrad).
 """
 
 from __future__ import annotations
@@ -62,3 +66,18 @@ def describe_compute(cfg: Config) -> str:
         return "bf16 (this CPU has native BF16; trainer.compute_dtype=fp32 computes in FP32)"
     return ("fp32 in place of BF16 (this CPU has no native BF16, where PyTorch's BF16 GEMMs are 20-40x slower; "
             "FP8 GEMMs unchanged; trainer.compute_dtype=bf16 forces BF16)")
+
+
+@torch.library.custom_op("fp8_recipes::mm_into", mutates_args=("out",))
+def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    """BF16 `a @ b^T` into FP32 `out`: on CUDA one cuBLAS GEMM with FP32 output (beta = 1 to accumulate); on a CPU
+    the BF16 values multiplied in FP32 (exact products, FP32 sums, as the GPU's GEMM)."""
+    if a.is_cuda:
+        if accumulate:
+            torch.ops.aten.addmm.dtype_out(out, a, b.t(), torch.float32, out=out)
+        else:
+            torch.ops.aten.mm.dtype_out(a, b.t(), torch.float32, out=out)
+    elif accumulate:
+        out.add_(a.float() @ b.float().t())
+    else:
+        out.copy_(a.float() @ b.float().t())

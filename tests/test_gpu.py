@@ -419,7 +419,7 @@ def test_cublaslt_blockwise_gemm_into_fp32_equals_scaled_mm(accumulate):
 
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_bf16_gemm_into_fp32_main_grad(accumulate):
-    from recipes.fp8.gemm import mm_into
+    from recipes.compute import mm_into
 
     a = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(384, 4096, device="cuda", dtype=torch.bfloat16)

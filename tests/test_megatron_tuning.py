@@ -64,7 +64,7 @@ def test_gradient_accumulation_fusion_is_on_wherever_cuda_builds_the_model(hydra
     assert translate.wgrad_fusion(hydra_compose(*BASE, "megatron.gradient_accumulation_fusion=false"), WITH_TE) is False
 
 
-def test_apex_extension_is_found_and_kept(hydra_compose, apex_importable, monkeypatch):
+def test_apex_extension_is_found_and_kept(apex_importable, monkeypatch):
     from megatron.core.tensor_parallel import layers
     from recipes.megatron import wgrad
 

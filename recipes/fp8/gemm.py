@@ -20,7 +20,8 @@ generates: a compiled emulated-MXFP8 model on an H200 computed other gradients t
 
 There is no silent fallback: a block-scaled GEMM without a native kernel and without emulation raises.
 
-The weight-gradient GEMM can also write into, or add to, an FP32 main gradient (`fp8_gemm_into`, `mm_into`):
+The weight-gradient GEMM can also write into, or add to, an FP32 main gradient (`fp8_gemm_into`; BF16:
+recipes.compute.mm_into):
 inside the GEMM on CUDA (cuBLASLt with beta = 1 for per-tensor FP8 and for 1x128 blocks, recipes.fp8.cublaslt;
 cuBLAS's FP32-output BF16 GEMM), so that summing a weight's gradient over micro-batches costs no pass of its own;
 elsewhere the GEMM's result is written or added in a second step, with the same numbers.
@@ -95,19 +96,6 @@ def block_scaled_mm_into(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Te
                            scale_mode=cublaslt.SCALE_VEC128)
     else:
         _write_or_add(out, _blockwise_gemm(a_operand, b_operand, torch.float32), accumulate)
-
-
-@torch.library.custom_op("fp8_recipes::mm_into", mutates_args=("out",))
-def mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
-    """BF16 `a @ b^T` into FP32 `out`: on CUDA one cuBLAS GEMM with FP32 output (beta = 1 to accumulate); on a CPU
-    the BF16 values multiplied in FP32 (exact products, FP32 sums, as the GPU's GEMM)."""
-    if a.is_cuda:
-        if accumulate:
-            torch.ops.aten.addmm.dtype_out(out, a, b.t(), torch.float32, out=out)
-        else:
-            torch.ops.aten.mm.dtype_out(a, b.t(), torch.float32, out=out)
-    else:
-        _write_or_add(out, a.float() @ b.float().t(), accumulate)
 
 
 @torch.library.custom_op("fp8_recipes::block_scaled_mm", mutates_args=())

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from recipes.compute import mm_into
 from recipes.config import AmaxComputeAlgo, ConfigError, PrecisionConfig, Recipe
 from recipes.fp8.all_gather import Fp8GatheredWeight
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise
@@ -31,7 +32,7 @@ from recipes.fp8.current_scaling import quantize_tensorwise
 from recipes.fp8.delayed_scaling import GRAD, INPUT, WEIGHT, DelayedScalingState, open_slot, quantize_delayed
 from recipes.fp8.formats import forward_and_backward_dtypes
 from recipes.fp8.activation_ops import reference_output
-from recipes.fp8.gemm import fp8_gemm, fp8_gemm_into, mm_into
+from recipes.fp8.gemm import fp8_gemm, fp8_gemm_into
 from recipes.fp8.mxfp8 import quantize_mx
 from recipes.fp8.tensor import Float8Tensor
 

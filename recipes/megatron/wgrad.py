@@ -8,7 +8,7 @@ Unfused, the output layer's gradient is written in BF16 and added into main_grad
 35 ms per step on the 8-layer llama3_8b proxy, 103 ms on nemotron4_15b (256k vocabulary).
 
 `install()` gives megatron-core this module in place of Apex's extension: its two calls on cuBLAS's GEMM with beta =
-1, reading BF16 and writing the FP32 gradient (the GEMM the torch engine's own wgrad accumulation runs). Apex's
+1, reading BF16 and writing the FP32 gradient (recipes.compute.mm_into, the torch engine's own). Apex's
 extension, where it is importable, stays. The wgrad runs only where megatron-core's backward can: on CUDA (it
 allocates its dummy gradient on the current CUDA device).
 """
@@ -19,14 +19,13 @@ import sys
 
 import torch
 
+from recipes.compute import mm_into
+
 
 def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
     """main_grad (out, in; FP32) += grad_output (tokens, out)^T @ total_input (tokens, in): BF16 products summed in
     FP32 and added into main_grad in one GEMM, as Apex's kernel does."""
-    if main_grad.is_cuda:
-        torch.ops.aten.addmm.dtype_out(main_grad, grad_output.t(), total_input, torch.float32, out=main_grad)
-    else:  # the same sums without a mixed-dtype GEMM: BF16 values are exact in FP32
-        main_grad.add_(grad_output.float().t() @ total_input.float())
+    mm_into(grad_output.t(), total_input.t(), main_grad, True)
 
 
 def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:

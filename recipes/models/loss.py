@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from recipes.fp8.gemm import mm_into
+from recipes.compute import mm_into
 
 CHUNK_ELEMENTS = 2**28  # logits per chunk: 512 MiB in BF16 (2048 rows of a 128K vocabulary)
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default
