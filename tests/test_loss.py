@@ -45,6 +45,10 @@ def gradients(loss_fn, dtype, **kwargs):
 def test_chunks_are_equal_and_hold_at_most_the_budget():
     assert chunk_rows(8192, 128256, 2**28) == 2048
     assert chunk_rows(4096, 256000, 2**28) == 1024
+    # The default: one chunk (one weight-gradient GEMM) per micro-batch of the Llama 3 and Nemotron-4 proxies.
+    assert chunk_rows(8192, 128256, loss_module.CHUNK_ELEMENTS) == 8192
+    assert chunk_rows(4096, 256000, loss_module.CHUNK_ELEMENTS) == 4096
+    assert chunk_rows(16384, 128256, loss_module.CHUNK_ELEMENTS) == 8192
     assert chunk_rows(45, 1037, 16 * 1037) == 15  # three chunks of 15 rather than 16 + 16 + 13
     assert chunk_rows(3, 10, 10**9) == 3
 
