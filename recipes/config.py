@@ -130,6 +130,18 @@ class ModelConfig:
     init_std: float = 0.02
 
 
+DEFAULT_BLOCK_DIMS = (1, 2, 1)  # blockwise scaling's (input, weight, gradient) blocks: TE's Float8BlockScaling default
+
+
+def gemms_of_two_2d_operands(block_dims: tuple[int, int, int]) -> list[str]:
+    """The GEMMs of a linear whose two operands would both be in 128 x 128 blocks, for (input, weight, gradient)
+    block dims (2: 128 x 128): no kernel takes that pair (cuBLAS on Hopper; Transformer Engine refuses it)."""
+    x, w, grad = block_dims
+    pairs = {"fprop (input x weight)": (x, w), "dgrad (gradient x weight)": (grad, w),
+             "wgrad (gradient x input)": (grad, x)}
+    return [gemm for gemm, dims in pairs.items() if dims == (2, 2)]
+
+
 @dataclass
 class PrecisionConfig:
     name: str
@@ -141,12 +153,22 @@ class PrecisionConfig:
     margin: int = 0  # delayed scaling only: scale = (fp8_max * 2**-margin) / amax
     num_layers_at_start_in_bf16: int = 0
     num_layers_at_end_in_bf16: int = 0
+    # Blockwise scaling only, Transformer Engine's Float8BlockScaling knobs under their names: each operand's blocks,
+    # 1 (1 x 128 along K) or 2 (128 x 128). The default (1, 2, 1) is TE's and DeepSeek-V3's.
+    x_block_scaling_dim: int = 1  # a linear's input
+    w_block_scaling_dim: int = 2  # its weight
+    grad_block_scaling_dim: int = 1  # its output gradient
     fp8_param_gather: bool = False  # all-gather FP8 weights (sharded engines only)
     emulate: bool = False  # allow a recipe without native kernels on this GPU to run emulated (labelled as such)
     # On CUDA: Triton kernels for FP8 transposes and blockwise quantization, and for one process BF16 weights cast
     # once per optimizer step and weight gradients accumulated in FP32 inside the GEMM. false: PyTorch ops and
     # autograd's own accumulation, as before (same recipe; for comparisons).
     fused_kernels: bool = True
+
+    @property
+    def block_dims(self) -> tuple[int, int, int]:
+        """(input, weight, gradient) block dimensions of blockwise scaling (x/w/grad_block_scaling_dim)."""
+        return self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim
 
 
 @dataclass
@@ -366,6 +388,7 @@ NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
 POSITIVE = (lambda v: v > 0, "> 0")
 BETA = (lambda v: 0 <= v < 1, "in [0, 1)")
 SEED = (lambda v: 0 <= v < 2**32, "in [0, 2**32)")  # numpy's generators take no other
+BLOCK_DIM = (lambda v: v in (1, 2), "1 (1 x 128 blocks) or 2 (128 x 128 blocks)")
 DEFAULTS = {"trainer": TrainerConfig(), "executor": ExecutorConfig()}  # the groups whose fields have defaults
 VALUE_RANGES = {
     **{f"model.{name}": AT_LEAST_1 for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -374,6 +397,7 @@ VALUE_RANGES = {
     "model.rotary_percent": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "precision.amax_history_len": AT_LEAST_1,
     "precision.num_layers_at_start_in_bf16": NON_NEGATIVE, "precision.num_layers_at_end_in_bf16": NON_NEGATIVE,
+    **{f"precision.{role}_block_scaling_dim": BLOCK_DIM for role in ("x", "w", "grad")},
     "trainer.max_steps": AT_LEAST_1, "trainer.micro_batch_size": AT_LEAST_1, "trainer.global_batch_size": AT_LEAST_1,
     "trainer.lr": NON_NEGATIVE, "trainer.min_lr": NON_NEGATIVE, "trainer.warmup_steps": NON_NEGATIVE,
     "trainer.weight_decay": NON_NEGATIVE, "trainer.adam_beta1": BETA, "trainer.adam_beta2": BETA,

@@ -77,9 +77,12 @@ def test_file_name_tokens():
         ("x-fp8mx", "mxfp8"),
         ("x.fp8", "fp8"),
         ("llama3_70b-fp8_blockwise", "fp8_blockwise"),
+        ("llama3_8b-fp8_blockwise_1d1d", "fp8_blockwise_1d1d"),
         ("bf16", "bf16"),
     ]:
         assert metadata.from_file_name(name)[0]["precision"] == precision
+    # A log naming only megatron-core's fp8_recipe ran the recipe's preset with TE's default blocks.
+    assert metadata.RECIPE_TO_PRECISION["blockwise"] == "fp8_blockwise"
     meta, notes = metadata.from_file_name("llama3_8b_bf16_vs_fp8cs")
     assert "precision" not in meta and "several precisions" in notes[0]
 

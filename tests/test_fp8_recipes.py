@@ -701,14 +701,24 @@ def test_swizzle_32_4_4_layout(rows, cols):
 M, K, N = 256, 384, 256  # tokens, in_features, out_features: all divisible by 128
 
 
+# Blockwise scaling's block dimensions (input, weight, gradient; 1: 1x128, 2: 128x128): TE's default, then every
+# other combination TE and cuBLAS take, then the study's 2D2D (emulated only).
+BLOCK_DIMS = {"blockwise": (1, 2, 1), "blockwise_111": (1, 1, 1), "blockwise_211": (2, 1, 1),
+              "blockwise_112": (1, 1, 2), "blockwise_222": (2, 2, 2)}
+
+
 def precision_for(name: str, **kw) -> PrecisionConfig:
-    recipe = {"delayed": Recipe.delayed, "blockwise": Recipe.blockwise, "mxfp8": Recipe.mxfp8}[name]
-    emulate = name != "delayed"
-    return PrecisionConfig(name=f"fp8_{name}", recipe=recipe, fp8_format=Fp8Format.hybrid, emulate=emulate, **kw)
+    family = name.split("_")[0]
+    recipe = {"delayed": Recipe.delayed, "blockwise": Recipe.blockwise, "mxfp8": Recipe.mxfp8}[family]
+    emulate = family != "delayed"
+    dims = dict(zip(("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"), BLOCK_DIMS[name])) \
+        if family == "blockwise" else {}
+    return PrecisionConfig(name=f"fp8_{family}", recipe=recipe, fp8_format=Fp8Format.hybrid, emulate=emulate,
+                           **dims, **kw)
 
 
 RECIPE_CLASSES = {"delayed": DelayedScaling, "blockwise": BlockwiseScaling, "mxfp8": MXFP8Scaling}
-RECIPES = ["delayed", "blockwise", "mxfp8"]
+RECIPES = ["delayed", *BLOCK_DIMS, "mxfp8"]
 
 
 @pytest.fixture(scope="module")
@@ -733,7 +743,7 @@ def run_recipe(name: str, operands, **kw):
     """(y, dx, dW, state) of one forward + backward of fp8_linear; delayed: after one warm-up use."""
     x, w, dy = operands
     recipe = recipe_from_config(precision_for(name, **kw))
-    assert type(recipe) is RECIPE_CLASSES[name]
+    assert type(recipe) is RECIPE_CLASSES[name.split("_")[0]]
     extra = ()
     if name == "delayed":
         state = DelayedScalingState(16)
@@ -765,13 +775,18 @@ def reference_operands(name: str, operands):
         xw, ww, dyw = warmup_tensors(operands)
         xq, wq, dyq = q(x, xw, E4M3), q(w, ww, E4M3), q(dy, dyw, E5M2)
         return (xq, wq), (dyq, wq.T), (dyq.T, xq.T)
-    if name == "blockwise":
-        qb = lambda t, dtype, block: deq64(quantize_blockwise(t.contiguous(), dtype, block, True))
-        wq = qb(w, E4M3, (128, 128))  # 128x128 is symmetric: W^T is the same quantization, transposed
-        fprop = (qb(x, E4M3, (1, 128)), wq)
-        dgrad = (qb(dy, E5M2, (1, 128)), wq.T)
-        wgrad = (qb(dy.t(), E5M2, (1, 128)), qb(x.t(), E4M3, (1, 128)))  # 1x128 along the token dimension
-        return fprop, dgrad, wgrad
+    if name in BLOCK_DIMS:
+        def both_ways(t, dtype, dim):
+            """t quantized along its last dimension and along its first: a 128x128 quantization is symmetric (the
+            transpose is the same one, transposed); 1x128 blocks are quantized again along the other dimension."""
+            block = {1: (1, 128), 2: (128, 128)}[dim]
+            q = deq64(quantize_blockwise(t.contiguous(), dtype, block, True))
+            return q, (q.T if dim == 2 else deq64(quantize_blockwise(t.t().contiguous(), dtype, block, True)))
+
+        x_dim, w_dim, grad_dim = BLOCK_DIMS[name]
+        (xq, xq_t), (wq, wq_t), (dyq, dyq_t) = both_ways(x, E4M3, x_dim), both_ways(w, E4M3, w_dim), \
+            both_ways(dy, E5M2, grad_dim)
+        return (xq, wq), (dyq, wq_t), (dyq_t, xq_t)
     qm = lambda t, dtype: deq64(quantize_mx(t.contiguous(), dtype))
     return (qm(x, E4M3), qm(w, E4M3)), (qm(dy, E5M2), qm(w.t(), E4M3)), (qm(dy.t(), E5M2), qm(x.t(), E4M3))
 
@@ -786,6 +801,37 @@ def test_gemms_exact_given_quantization(name, operands, runs):
     assert_gemm_exact(y, fa, fb.T, U_BF16)  # fprop  y  = x  @ W^T   (BF16 out)
     assert_gemm_exact(dx, da, db.T, U_BF16)  # dgrad  dx = dy @ W     (BF16 out)
     assert_gemm_exact(dw, wa, wb.T, U)  # wgrad  dW = dy^T @ x   (FP32 out, tight)
+
+
+def wide_range_operands():
+    """x, W, dy whose rows and columns each span 2**-10 .. 2**10 (a random power of two per row and per column):
+    with power-of-two scales two block layouts give the same FP8 values wherever no element falls below the normal
+    range, so operands of one magnitude cannot tell 1x128 from 128x128 blocks; these can (a 128x128 block's scale
+    follows its largest row and column, flushing the smallest ones)."""
+    g = torch.Generator().manual_seed(99)
+
+    def spread(rows, cols, unit, dtype):
+        row = 2.0 ** torch.randint(-10, 11, (rows, 1), generator=g)
+        col = 2.0 ** torch.randint(-10, 11, (1, cols), generator=g)
+        return (torch.randn(rows, cols, generator=g) * row * col * unit).to(dtype)
+
+    return spread(M, K, 1.0, torch.bfloat16), spread(N, K, 0.02, torch.float32), spread(M, N, 1e-3, torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", list(BLOCK_DIMS))
+def test_each_block_layout_quantizes_each_operand_in_its_blocks(name):
+    # Every GEMM against operands quantized here in the layout's blocks; and each layout's result differs from every
+    # other's, so a layout that quantized in other blocks could not pass.
+    operands = wide_range_operands()
+    y, dx, dw = run_recipe(name, operands)
+    (fa, fb), (da, db), (wa, wb) = reference_operands(name, operands)
+    assert_gemm_exact(y, fa, fb.T, U_BF16)
+    assert_gemm_exact(dx, da, db.T, U_BF16)
+    assert_gemm_exact(dw, wa, wb.T, U)
+    for other in BLOCK_DIMS:
+        if other != name:
+            theirs = run_recipe(other, operands)
+            assert any(not torch.equal(a, b) for a, b in zip((y, dx, dw), theirs)), (name, other)
 
 
 def rho_band(*mantissa_bits: int, out_unit_roundoff: float = 0.0) -> tuple[float, float]:
@@ -907,7 +953,7 @@ def e2e():
         model = copy.deepcopy(base)
         assert convert_to_fp8(model.layers, precision_for(name)) == 2 * 4
         kinds = {type(m.recipe) for m in model.modules() if isinstance(m, Fp8Linear)}
-        assert kinds == {RECIPE_CLASSES[name]}
+        assert kinds == {RECIPE_CLASSES[name.split("_")[0]]}
         results[name] = train_losses(model, tokens, targets)
     return cfg, results
 

@@ -58,7 +58,7 @@ BANDS = {(E4M3, E4M3): (0.0204, 0.0638), (E5M2, E4M3): (0.0323, 0.1009)}
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("precision", ["fp8_current", "fp8_delayed", "fp8_blockwise", "mxfp8"])
+@pytest.mark.parametrize("precision", ["fp8_current", "fp8_delayed", "fp8_blockwise", "fp8_blockwise_1d1d", "mxfp8"])
 def test_every_recipe_gemms_on_cuda_against_float64(precision, compiled):
     """Each recipe as its preset configures it (blockwise on cuBLAS block scaling, MXFP8 emulated: the H200 has no
     native MX kernel), eager and compiled: fprop, dgrad and wgrad against float64. Delayed scaling is measured on
@@ -109,8 +109,9 @@ def test_engine_trains_on_gpu(tmp_path):
     assert (summary["attention"], summary["fused_loss"]) == ("cudnn", True)
 
 
+@pytest.mark.parametrize("block_dims", [(1, 2, 1), (1, 1, 1), (2, 1, 1), (1, 1, 2)])  # every pair cuBLAS takes
 @pytest.mark.parametrize("fp8_wgrad", [True, False])
-def test_native_blockwise_gemms_equal_their_emulation(fp8_wgrad):
+def test_native_blockwise_gemms_equal_their_emulation(fp8_wgrad, block_dims):
     from recipes.fp8.linear import BlockwiseScaling, fp8_linear
 
     torch.manual_seed(0)
@@ -121,7 +122,8 @@ def test_native_blockwise_gemms_equal_their_emulation(fp8_wgrad):
     results = []
     for emulate in (False, True):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        recipe = BlockwiseScaling(E4M3, E4M3, fp8_wgrad=fp8_wgrad, emulate=emulate)  # cuBLAS: E4M3 only
+        recipe = BlockwiseScaling(E4M3, E4M3, fp8_wgrad=fp8_wgrad, emulate=emulate,  # cuBLAS: E4M3 only
+                                  block_dims=block_dims)
         y = fp8_linear(xi, wi, recipe)
         y.backward(dy)
         results.append((y.float(), xi.grad.float(), wi.grad.float()))
@@ -319,7 +321,7 @@ def autotuned_over(autotuners, tiles):
 
 
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_nemotron"])
-@pytest.mark.parametrize("precision", ["bf16", "fp8_current", "fp8_delayed", "fp8_blockwise"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8_current", "fp8_delayed", "fp8_blockwise", "fp8_blockwise_1d1d"])
 def test_fused_mlp_on_cuda_equals_the_unfused_one_and_compiles(model, precision):
     """recipes.fp8.mlp with the kernels on CUDA, eager, against the unfused MLP (FP8 linears, or Bf16Linears and
     autograd's activation), eager: identical outputs, gradients (main gradients over three micro-batches) and amax

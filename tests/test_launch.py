@@ -237,6 +237,18 @@ def only_run_dir(result: Launch) -> Path:
 # ---- a default launch ----
 
 
+@pytest.mark.parametrize("precision, blocks", [
+    ("fp8_blockwise", "blocks input 1x128, weight 128x128, grad 1x128)"),
+    ("fp8_blockwise_1d1d", "blocks input 1x128, weight 1x128, grad 1x128)"),
+    ("fp8_blockwise_2d2d", "blocks input 128x128, weight 128x128, grad 128x128, emulated)"),
+])
+def test_the_plan_names_each_operands_blocks(tmp_path, precision, blocks):
+    result = launch(tmp_path, f"precision={precision}", "gpu=h100", "dryrun=true")
+    assert result.returncode == 0, str(result)
+    (line,) = result.lines("precision")
+    assert line == f"precision   {precision} (recipe blockwise, format e4m3, {blocks}", line
+
+
 def test_default_compose_plans_tiny_llama_fp8_current(tmp_path):
     result = launch(tmp_path, "dryrun=true")
     assert result.returncode == 0, str(result)
@@ -462,6 +474,13 @@ ERROR_CASES = {
                       ("precision=fp8_blockwise", "Hopper", "gpu=cpu", "precision.emulate=true")),
     "blockwise_dims": (("precision=fp8_blockwise", "precision.emulate=true", "model.kv_channels=32", "dryrun=true"),
                        ("divisible by 128", "num_query_groups * kv_channels = 64")),
+    "block_dim_range": (("precision=fp8_blockwise", "gpu=h100", "precision.w_block_scaling_dim=3", "dryrun=true"),
+                        ("precision.w_block_scaling_dim=3 is out of range", "1 (1 x 128 blocks) or 2")),
+    "block_dims_two_2d": (("precision=fp8_blockwise", "gpu=h100", "precision.x_block_scaling_dim=2", "dryrun=true"),
+                          ("fprop (input x weight) would multiply two 128x128-block operands",
+                           "precision.emulate=true")),
+    "block_dims_per_tensor": (("precision=fp8_current", "precision.w_block_scaling_dim=1", "dryrun=true"),
+                              ("[1, 1, 1] are blockwise scaling's", "precision=fp8_current has no such blocks")),
     "mxfp8_hopper": (("model=llama3_70b", "precision=mxfp8", "gpu=h100", "dryrun=true"),
                      ("precision=mxfp8", "Blackwell", "gpu=h100", "fp8_current", "precision.emulate=true")),
     # values out of range, refused at plan time naming the field (issue 19's "Bad input" table)

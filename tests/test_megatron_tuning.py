@@ -404,3 +404,94 @@ def test_a_megatron_fp8_step_runs_no_fallback_cast(tmp_path, precision):
     kernels = [e["name"] for e in trace["traceEvents"] if e.get("cat") == "kernel"]
     assert any("fp8" in name.lower() or "quantize" in name.lower() for name in kernels)
     assert not [name for name in kernels if FALLBACK_CAST in name]
+
+
+# ---- blockwise scaling's block dimensions (recipes.megatron.block_dims) ----
+
+
+@dataclasses.dataclass
+class BlockScalingStandIn:
+    """What recipes.megatron.block_dims reads of Transformer Engine's Float8BlockScaling (not importable without a
+    GPU): a dataclass with TE's three fields and defaults, which says it is block scaling as TE's recipes do."""
+
+    fp8_format: str = "e4m3"
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+
+    @classmethod
+    def float8_block_scaling(cls):
+        return True
+
+
+@dataclasses.dataclass
+class CurrentScalingStandIn:
+    fp8_format: str = "e4m3"
+
+    @classmethod
+    def float8_block_scaling(cls):
+        return False
+
+
+def test_megatron_core_builds_the_block_scaling_recipe_with_the_runs_block_dims(monkeypatch):
+    """get_fp8_recipe, as megatron-core's FP8 contexts look it up, returns the run's blocks; other recipes and None
+    (no TE) pass through; TE's defaults put megatron-core's own function back."""
+    from megatron.core import fp8_utils
+
+    from recipes.megatron import block_dims
+
+    made = {"blockwise": BlockScalingStandIn(), "tensorwise": CurrentScalingStandIn(), None: None}
+    megatron_core = lambda config: made[config]  # noqa: E731
+    monkeypatch.setattr(fp8_utils, "get_fp8_recipe", megatron_core)
+    block_dims.install((1, 1, 2))
+    recipe = fp8_utils.get_fp8_recipe("blockwise")
+    assert (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim, recipe.grad_block_scaling_dim) == (1, 1, 2)
+    assert recipe.fp8_format == "e4m3" and made["blockwise"].w_block_scaling_dim == 2  # a new recipe, same format
+    assert fp8_utils.get_fp8_recipe("tensorwise") is made["tensorwise"]
+    assert fp8_utils.get_fp8_recipe(None) is None
+    block_dims.install((2, 1, 1))  # a second model in the process: its own dims, not wrapped twice
+    assert fp8_utils.get_fp8_recipe("blockwise").x_block_scaling_dim == 2
+    assert fp8_utils.get_fp8_recipe.megatron_core is megatron_core
+    block_dims.install((1, 2, 1))
+    assert fp8_utils.get_fp8_recipe is megatron_core
+
+
+@pytest.mark.parametrize("precision", ["fp8_blockwise_2d2d"])
+def test_two_128x128_operands_are_refused_on_megatron_in_one_line(hydra_compose, precision):
+    cfg = hydra_compose(*BASE[:-2], f"precision={precision}", "dryrun=true")
+    with pytest.raises(ConfigError, match=r"fprop \(input x weight\) would multiply two 128x128-block operands"):
+        validate(cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_megatron_step_trains_with_every_operand_in_1x128_blocks(tmp_path):
+    """precision=fp8_blockwise_1d1d on engine=megatron: TE's own Float8BlockScaling, as megatron-core builds it in
+    the step, has 1x128 weight blocks, and the step runs."""
+    pytest.importorskip("transformer_engine")
+    import os
+    import subprocess
+    import sys
+
+    from megatron.core import fp8_utils
+    from transformer_engine.common import recipe as te_recipes
+
+    from recipes.config import REPO_ROOT
+    from recipes.folders import save_config
+    from recipes.megatron import block_dims, translate
+
+    cfg = megatron_config(tmp_path, "fp8_blockwise_1d1d")
+    block_dims.install(cfg.precision.block_dims)
+    try:
+        recipe = fp8_utils.get_fp8_recipe(translate.transformer_config(cfg, WITH_TE))
+        assert isinstance(recipe, te_recipes.Float8BlockScaling) and recipe.w_block_scaling_dim == 1
+    finally:
+        block_dims.install((1, 2, 1))
+    cfg.run.dir = str(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    save_config(cfg, tmp_path / "run" / "config.yaml")
+    done = subprocess.run([sys.executable, "-m", "recipes.megatron.engine", str(tmp_path / "run" / "config.yaml")],
+                          cwd=tmp_path / "run", capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

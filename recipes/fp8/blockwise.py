@@ -1,8 +1,10 @@
 """Sub-channel (blockwise) scaling, as Transformer Engine's Float8BlockScaling and DeepSeek-V3 define it.
 
-Activations and gradients: one scale per 1 x 128 block along K. Weights: one per 128 x 128 block, so the
-transposed weight that dgrad needs reuses the same quantization. Each scale is fp8_max / amax of its block,
-rounded down to a power of two by default (then scaling is exact in binary and never overflows), as TE's
+Each operand of a linear in blocks of 1 x 128 along K or of 128 x 128, TE's x/w/grad_block_scaling_dim (1 or 2;
+recipes.config). The default, TE's and DeepSeek-V3's: activations and gradients in 1 x 128 blocks, weights in
+128 x 128, so the transposed weight that dgrad needs reuses the same quantization (as does any 128 x 128 operand).
+Each scale is fp8_max / amax of its block, rounded down to a power of two by default (then scaling is exact in
+binary and never overflows), as TE's
 compute_scale_from_types (common/recipe/recipe_common.cuh) computes it: a block amax so tiny that the FP32
 quotient overflows gets the input dtype's largest value as its scale (then its power-of-two floor).
 """
@@ -16,6 +18,7 @@ from recipes.fp8.tensor import Float8Tensor
 
 ACTIVATION_BLOCK = (1, 128)
 WEIGHT_BLOCK = (128, 128)
+BLOCKS = {1: ACTIVATION_BLOCK, 2: WEIGHT_BLOCK}  # a block_scaling_dim's blocks
 
 
 def power_of_two_floor(scale: torch.Tensor) -> torch.Tensor:

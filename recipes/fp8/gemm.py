@@ -59,7 +59,9 @@ def tensorwise_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale
 
 
 def fp8_gemm_into(a: Float8Tensor, b: Float8Tensor, out: torch.Tensor, accumulate: bool, emulate: bool) -> None:
-    """out (FP32) = a @ b^T, or out += a @ b^T when `accumulate`: a weight gradient into its main gradient."""
+    """out (FP32) = a @ b^T, or out += a @ b^T when `accumulate`: a weight gradient into its main gradient. Inside
+    the GEMM for per-tensor and 1x128 x 1x128 operands; other block pairs (a 128x128 input or gradient) write an
+    FP32 product that is then added."""
     if a.block is None and b.block is None:
         scaled_mm_into(a.data, b.data, a.scale_inv, b.scale_inv, out, accumulate)
     elif a.block == b.block == ACTIVATION_BLOCK and a.data.is_cuda and not emulate:
@@ -130,9 +132,11 @@ def _emulated_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> 
 
 
 def _blockwise_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """cuBLAS block scaling on sm90: a 1x128; b 1x128 or 128x128; E4M3 operands only. Scales are outer-dim-major
-    (column-major) for a 1x128 operand; a 128x128 operand's scale grid is K-block-major with rows padded to a
-    multiple of 4 (layouts checked against the emulation on an H200: tests/test_gpu.py)."""
+    """cuBLAS block scaling on sm90, E4M3 operands only: a and b each in 1x128 or 128x128 blocks, never both
+    128x128 (PyTorch's 1x128 x 128x128, 128x128 x 1x128 and 1x128 x 1x128; recipes.config.gemms_of_two_2d_operands
+    refuses the other before a run). Scales are outer-dim-major (column-major) for a 1x128 operand; a 128x128
+    operand's scale grid is K-block-major with rows padded to a multiple of 4 (tests/test_gpu.py checks each pair
+    against the emulation)."""
     recipe = {ACTIVATION_BLOCK: F.ScalingType.BlockWise1x128, WEIGHT_BLOCK: F.ScalingType.BlockWise128x128}
     return F.scaled_mm(
         a.data, b.data.t(),

@@ -25,9 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from recipes.compute import mm_into
-from recipes.config import AmaxComputeAlgo, ConfigError, PrecisionConfig, Recipe
+from recipes.config import (
+    DEFAULT_BLOCK_DIMS, AmaxComputeAlgo, ConfigError, PrecisionConfig, Recipe, gemms_of_two_2d_operands,
+)
 from recipes.fp8.all_gather import Fp8GatheredWeight
-from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise
+from recipes.fp8.blockwise import ACTIVATION_BLOCK, BLOCKS, WEIGHT_BLOCK, quantize_blockwise
 from recipes.fp8.current_scaling import quantize_tensorwise
 from recipes.fp8.delayed_scaling import GRAD, INPUT, WEIGHT, DelayedScalingState, open_slot, quantize_delayed
 from recipes.fp8.formats import forward_and_backward_dtypes
@@ -201,32 +203,41 @@ class DelayedScaling(PerTensorScaling):
 
 @dataclass(frozen=True)
 class BlockwiseScaling(Fp8Recipe):
-    """Sub-channel scaling (TE Float8BlockScaling): 1x128 activation/gradient blocks, 128x128 weight blocks. With the
-    fused kernels (power-of-two scales), an activation or gradient and its transpose are quantized in 1x128 blocks
-    from one read, by the kernel that computes it where it is an MLP activation (recipes.fp8.fused_quantize's
-    produce_fp8_1x128)."""
+    """Sub-channel scaling (TE Float8BlockScaling): each operand in 1x128 blocks along K or in 128x128 blocks,
+    `block_dims` (input, weight, gradient; TE's x/w/grad_block_scaling_dim, by default 1x128 activations and
+    gradients and 128x128 weights). A 128x128 operand's transpose reuses its bytes; a 1x128 one is quantized again
+    along its new K. With the fused kernels (power-of-two scales), an activation or gradient in 1x128 blocks and its
+    transpose are quantized from one read, by the kernel that computes it where it is an MLP activation
+    (recipes.fp8.fused_quantize's produce_fp8_1x128); in 128x128 blocks it is computed, then quantized."""
 
     power_of_2_scales: bool = True
+    block_dims: tuple[int, int, int] = DEFAULT_BLOCK_DIMS
     fast_accum_fprop = False  # cuBLAS block scaling has no fast-accumulation mode
 
+    def block(self, role: int) -> tuple[int, int]:
+        return BLOCKS[self.block_dims[(INPUT, WEIGHT, GRAD).index(role)]]
+
     def quantize(self, t, role, state):
-        block = WEIGHT_BLOCK if role == WEIGHT else ACTIVATION_BLOCK
-        return quantize_blockwise(t, self.dtype(role), block, self.power_of_2_scales)
+        return quantize_blockwise(t, self.dtype(role), self.block(role), self.power_of_2_scales)
 
     def transpose_reuses_quantization(self, role):
-        return role == WEIGHT
+        return self.block(role) == WEIGHT_BLOCK
 
     def quantize_with_transpose(self, t, role, state):
-        if role != WEIGHT and self._fused(t) is not None:
+        if self._produces(role) and self._fused(t) is not None:
             return self.quantize_produced("identity", t, None, role, state)
         return super().quantize_with_transpose(t, role, state)
 
     def quantize_produced(self, op, a, b, role, state):
-        kernels = self._fused(a)
+        kernels = self._fused(a) if self._produces(role) else None
         if kernels is None:
             return super().quantize_produced(op, a, b, role, state)
         data, scale_inv, data_t, scale_inv_t = kernels.produce_fp8_1x128(op, a, b, self.dtype(role))
         return Float8Tensor(data, scale_inv, ACTIVATION_BLOCK), Float8Tensor(data_t, scale_inv_t, ACTIVATION_BLOCK)
+
+    def _produces(self, role: int) -> bool:
+        """An activation or gradient in 1x128 blocks: what produce_fp8_1x128 writes, both ways."""
+        return role != WEIGHT and self.block(role) == ACTIVATION_BLOCK
 
     def _fused(self, t):
         return super()._fused(t) if self.power_of_2_scales else None  # the kernels' scales are powers of two
@@ -244,9 +255,25 @@ class MXFP8Scaling(Fp8Recipe):
         return False
 
 
+def check_block_dims(precision: PrecisionConfig) -> None:
+    """ConfigError for block dimensions no recipe or kernel takes: other than TE's default outside blockwise
+    scaling, and two 128x128 operands in one GEMM without emulation (no native kernel anywhere)."""
+    if precision.recipe != Recipe.blockwise and precision.block_dims != DEFAULT_BLOCK_DIMS:
+        raise ConfigError(f"precision.x/w/grad_block_scaling_dim = {list(precision.block_dims)} are blockwise "
+                          f"scaling's: precision={precision.name} has no such blocks; leave them at "
+                          f"{list(DEFAULT_BLOCK_DIMS)} or use precision=fp8_blockwise")
+    both_2d = gemms_of_two_2d_operands(precision.block_dims)
+    if precision.recipe == Recipe.blockwise and both_2d and not precision.emulate:
+        raise ConfigError(f"precision.x/w/grad_block_scaling_dim = {list(precision.block_dims)}: {both_2d[0]} would "
+                          "multiply two 128x128-block operands, which no GEMM kernel takes (cuBLAS; Transformer "
+                          "Engine refuses it); set precision.emulate=true to emulate it (engine=torch; slow, "
+                          "labelled), or make one of them 1")
+
+
 def recipe_from_config(precision: PrecisionConfig) -> Fp8Recipe:
     if precision.fp8_format is None:
         raise ConfigError(f"precision={precision.name}: set precision.fp8_format (hybrid or e4m3)")
+    check_block_dims(precision)
     shared = dict(zip(("forward_dtype", "backward_dtype"), forward_and_backward_dtypes(precision.fp8_format)))
     shared.update(fp8_wgrad=precision.fp8_wgrad, emulate=precision.emulate, fused_kernels=precision.fused_kernels)
     if precision.recipe == Recipe.delayed:
@@ -261,7 +288,7 @@ def recipe_from_config(precision: PrecisionConfig) -> Fp8Recipe:
     if precision.recipe == Recipe.tensorwise:
         return TensorwiseScaling(**shared)
     if precision.recipe == Recipe.blockwise:
-        return BlockwiseScaling(**shared)
+        return BlockwiseScaling(**shared, block_dims=precision.block_dims)
     if precision.recipe == Recipe.mxfp8:
         return MXFP8Scaling(**shared)
     raise ConfigError(f"precision={precision.name}: recipe '{precision.recipe.value}' is not an FP8 recipe")

@@ -41,7 +41,7 @@ from recipes.fp8.delayed_scaling import NUM_ROLES, ROLE_NAMES, update_delayed_sc
 from recipes.fp8.formats import E4M3
 from recipes.fp8.linear import (
     CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, GRAD, WEIGHT, Bf16Linear, CachedWeightLinear, DelayedScaling, Fp8Linear,
-    TensorwiseScaling, recipe_from_config,
+    TensorwiseScaling, check_block_dims, recipe_from_config,
 )
 
 FP8_ALL_GATHER_RECIPES = (Recipe.tensorwise, Recipe.delayed)
@@ -85,6 +85,7 @@ class Fp8Training:
             raise ConfigError(f"trainer.fsdp_fp8_all_gather needs a per-tensor FP8 recipe (fp8_current, "
                               f"fp8_delayed), not precision={cfg.precision.name}: block-scaled weights are quantized "
                               "after the gather")
+        check_block_dims(cfg.precision)
         if cfg.precision.recipe != Recipe.bf16:
             recipe_from_config(cfg.precision)
 

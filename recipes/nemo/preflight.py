@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from recipes.config import Config, ConfigError, ExecutorName, GradReduce, ModelConfig, load_option
+from recipes.config import (
+    DEFAULT_BLOCK_DIMS, Config, ConfigError, ExecutorName, GradReduce, ModelConfig, load_option,
+)
 from recipes.nemo.mapping import (
     ENGINE_NEMO, NEMO_WITHOUT_LLM, PLUGIN, PRESETS, RECIPE_MODULES, SHAPE_FIELDS, precision_fields, recipe_name,
 )
@@ -63,6 +65,10 @@ def _validate_options(cfg: Config) -> None:
                                                    "profile NeMo with nsys (NeMo's NsysPlugin)"),
         f"trainer.seed={t.seed}": (t.seed != NEMO_SEED, f"NeMo seeds the model's weights with {NEMO_SEED} whatever "
                                                         "the run says; use engine=megatron or engine=torch for seeds"),
+        f"precision.x/w/grad_block_scaling_dim = {list(cfg.precision.block_dims)}": (
+            cfg.precision.block_dims != DEFAULT_BLOCK_DIMS,
+            "NeMo's plugin builds Transformer Engine's Float8BlockScaling with its default blocks; use engine=megatron "
+            "or engine=torch"),
     }
     for setting, (given, fix) in unmapped.items():
         if given:

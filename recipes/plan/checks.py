@@ -14,7 +14,7 @@ import torch
 from recipes.compute import check_compute_dtype
 from recipes.config import (
     CONF_DIR, Config, ConfigError, DataKind, Engine, ExecutorName, Fp8Format, GradReduce, MegatronConfig, ModelConfig,
-    PrecisionConfig, Recipe, Tunnel, check_values, load_option,
+    PrecisionConfig, Recipe, Tunnel, check_values, gemms_of_two_2d_operands, load_option,
 )
 from recipes.folders import check_writable
 from recipes.data.index_check import check_one_sample, existing_prefix, token_count
@@ -173,10 +173,16 @@ def _validate_precision(cfg: Config) -> None:
     precision, gpu, megatron = cfg.precision, cfg.gpu, cfg.engine in MEGATRON_CORE_ENGINES
     _check_recipe_is_named(precision)
     Fp8Training.check(cfg)  # what no recipe computes (a margin outside delayed scaling), an FP8 all-gather it cannot
+    both_2d = gemms_of_two_2d_operands(precision.block_dims)
+    if megatron and both_2d:
+        raise ConfigError(f"precision={precision.name} on engine={cfg.engine.value}: {both_2d[0]} would multiply two "
+                          "128x128-block operands, which Transformer Engine refuses (no kernel takes them); "
+                          "engine=torch emulates it")
     if megatron and precision.emulate:
         raise ConfigError(f"precision.emulate=true is the torch engine's (engine=torch): engine={cfg.engine.value} "
                           "runs Transformer Engine's kernels, which are native or absent")
-    archs = native_archs(precision.recipe)
+    # Two 128x128-block operands in one GEMM have no kernel anywhere (check_block_dims): emulated everywhere.
+    archs = () if both_2d else native_archs(precision.recipe)
     if precision.emulate and (archs is None or gpu.arch in archs):
         raise ConfigError(f"precision.emulate=true, but precision={precision.name} runs natively on gpu={gpu.name}: "
                           "nothing would be emulated, and the run would be labelled so; leave precision.emulate "

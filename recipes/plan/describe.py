@@ -6,13 +6,19 @@ import shlex
 
 from recipes.compute import describe_compute
 from recipes.models.attention import describe_order
-from recipes.config import Config, Engine, ExecutorName, GradReduce
+from recipes.config import Config, Engine, ExecutorName, GradReduce, Recipe
 from recipes.fp8 import Fp8Training
 from recipes.plan import Plan
 from recipes.nemo import preflight as nemo_preflight
 from recipes.plan.checks import MEGATRON_CORE_ENGINES, megatron_tuning
 from recipes.plan.parallel import data_parallel_size
 from recipes.trainer.loop import learning_rate
+
+
+def describe_blocks(block_dims: tuple[int, int, int]) -> str:
+    """Blockwise scaling's blocks per operand, as the plan prints them: input 1x128, weight 128x128, grad 1x128."""
+    return ", ".join(f"{role} {'128x128' if dim == 2 else '1x128'}" for role, dim in zip(("input", "weight", "grad"),
+                                                                                    block_dims))
 
 
 def _torch_engine_weight_gather(cfg: Config, processes: int) -> str:
@@ -77,6 +83,7 @@ def describe(plan: Plan) -> str:
         f"hidden {cfg.model.hidden_size}, seq {cfg.model.seq_length}",
         f"precision   {cfg.precision.name} (recipe {cfg.precision.recipe.value}"
         + (f", format {cfg.precision.fp8_format.value}" if cfg.precision.fp8_format else "")
+        + (f", blocks {describe_blocks(cfg.precision.block_dims)}" if cfg.precision.recipe == Recipe.blockwise else "")
         + (", emulated" if cfg.precision.emulate else "")
         + ")"
         + (_torch_engine_weight_gather(cfg, plan.processes) if sharded else ""),

@@ -50,7 +50,11 @@ def _conf_names(group: str) -> list[str]:
 
 # Precision names (conf/precision) -> their scaling recipe (megatron-core's fp8_recipe names).
 PRECISIONS = {name: _conf("precision", name)["recipe"] for name in _conf_names("precision")}
-RECIPE_TO_PRECISION = {recipe: name for name, recipe in PRECISIONS.items()}
+# A log that names only its recipe (megatron-core's fp8_recipe) ran that recipe's preset with TE's default blocks,
+# not one of blockwise scaling's other block layouts (conf/precision/fp8_blockwise_1d1d, _2d2d), which no log names.
+BLOCK_DIM_KEYS = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")
+RECIPE_TO_PRECISION = {recipe: name for name, recipe in PRECISIONS.items()
+                       if not any(key in _conf("precision", name) for key in BLOCK_DIM_KEYS)}
 # Short forms of NeMo/Megatron-Bridge performance scripts (ds, cs, ss = delayed, current, sub-channel scaling).
 # A bare "fp8" names no recipe: it stays "fp8" and compares with BF16 like any FP8 run.
 SHORT_PRECISIONS = {
