@@ -644,7 +644,8 @@ def test_mxfp8_on_a_cpu_suggests_only_what_runs_there(error_launches, hydra_comp
 
 def test_every_value_range_refuses_its_bad_value(hydra_compose):
     """Each numeric setting of VALUE_RANGES refused just outside its range, in one line naming it; min_lr > lr."""
-    outside = {"at least 1": 0, ">= 0": -1, "> 0": 0, "in [0, 1)": 1, "in (0, 1]": 0, "in [0, 2**32)": 2**32}
+    outside = {"at least 1": 0, ">= 0": -1, "> 0": 0, "in [0, 1)": 1, "in (0, 1]": 0, "in [0, 2**32)": 2**32,
+               "1 (1 x 128 blocks) or 2 (128 x 128 blocks)": 3}
     cfg = hydra_compose()
     for name, (_, rule) in VALUE_RANGES.items():
         group, field = name.rsplit(".", 1)

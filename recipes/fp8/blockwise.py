@@ -4,9 +4,9 @@ Each operand of a linear in blocks of 1 x 128 along K or of 128 x 128, TE's x/w/
 recipes.config). The default, TE's and DeepSeek-V3's: activations and gradients in 1 x 128 blocks, weights in
 128 x 128, so the transposed weight that dgrad needs reuses the same quantization (as does any 128 x 128 operand).
 Each scale is fp8_max / amax of its block, rounded down to a power of two by default (then scaling is exact in
-binary and never overflows), as TE's
-compute_scale_from_types (common/recipe/recipe_common.cuh) computes it: a block amax so tiny that the FP32
-quotient overflows gets the input dtype's largest value as its scale (then its power-of-two floor).
+binary and never overflows), as TE's compute_scale_from_types (common/recipe/recipe_common.cuh) computes it: a
+block amax so tiny that the FP32 quotient overflows gets the input dtype's largest value as its scale (then its
+power-of-two floor).
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ class Fp8Training:
     @staticmethod
     def check(cfg: Config) -> None:
         """ConfigError, before launch, for FP8 that `cfg` asks for and no recipe computes (recipe_from_config: a
-        margin outside delayed scaling, no FP8 format), or an FP8 all-gather of weights that are not per-tensor."""
+        margin outside delayed scaling, no FP8 format; check_block_dims: block dimensions outside blockwise scaling
+        or that no kernel takes), or an FP8 all-gather of weights that are not per-tensor."""
         if cfg.trainer.fsdp_fp8_all_gather and cfg.precision.recipe not in FP8_ALL_GATHER_RECIPES:
             raise ConfigError(f"trainer.fsdp_fp8_all_gather needs a per-tensor FP8 recipe (fp8_current, "
                               f"fp8_delayed), not precision={cfg.precision.name}: block-scaled weights are quantized "
