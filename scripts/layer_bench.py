@@ -24,8 +24,9 @@ power limit.
 
 `--peer torchao` adds torchao's float8 tensorwise training (`convert_to_float8_training`, recipe "tensorwise") on
 the same blocks in the same process, as the outside reference for the per-tensor recipes. The other peers have a
-column in each of TE's recipes (or those `--te-recipes` names), with the same shapes, micro-batches, inputs, loss,
-optimizer hyper-parameters (TRAINER's; weight decay on matrices only) and timing:
+column in each of TE's recipes (or those `--te-recipes` names; blockwise_1d1d, TE's Float8BlockScaling with 1x128
+weight blocks as precision=fp8_blockwise_1d1d has them, only when named), with the same shapes, micro-batches,
+inputs, loss, optimizer hyper-parameters (TRAINER's; weight decay on matrices only) and timing:
 - `--peer te`: Transformer Engine's layers (scripts/te_peer.py) with BF16 parameters and BF16 gradients summed by
   autograd, torch's fused AdamW on the BF16 parameters (TE's examples);
 - `--peer te_megatron`: the same layers trained as Megatron-LM trains them: FP32 main gradients summed inside
@@ -89,8 +90,8 @@ from recipes.provenance import provenance
 # Sibling scripts: scripts/, this script's folder, is on sys.path.
 from gemm_bench import bench_shape, model_gemm_shapes
 from te_peer import (
-    TE_RECIPES, MegatronStyleTraining, TeDecoderStack, fp8_primary_weights, import_transformer_engine,
-    one_process_group, te_recipe,
+    DEFAULT_TE_RECIPES, TE_RECIPES, MegatronStyleTraining, TeDecoderStack, fp8_primary_weights,
+    import_transformer_engine, one_process_group, te_recipe,
 )
 
 TORCHAO_PEER = "torchao_tensorwise"
@@ -225,11 +226,11 @@ def megatron_layer_variant(recipe_name: str) -> Variant:
 
 
 def peer_columns(peer: str, recipes: list[str] | None = None) -> list[Variant]:
-    """A peer's column in each of `recipes` (default: TE_RECIPES, MXFP8 only where TE says it runs: Blackwell).
-    TE's own layers need TE here; megatron-core's, given BF16 alone, build without it (its local spec)."""
+    """A peer's column in each of `recipes` (default: DEFAULT_TE_RECIPES, MXFP8 only where TE says it runs:
+    Blackwell). TE's own layers need TE here; megatron-core's, given BF16 alone, build without it (its local spec)."""
     if recipes is None:
         te = import_transformer_engine()
-        recipes = [name for name in TE_RECIPES if name != "mxfp8" or te.is_mxfp8_available()]
+        recipes = [name for name in DEFAULT_TE_RECIPES if name != "mxfp8" or te.is_mxfp8_available()]
     elif peer != "megatron_layer":
         import_transformer_engine()
     if peer == "megatron_layer":
@@ -451,7 +452,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "megatron-core's own layers trained by megatron-core (megatron_layer_bf16, ...); "
                              "repeatable")
     parser.add_argument("--te-recipes", help=f"comma-separated TE recipes of the {', '.join(RECIPE_PEERS)} columns, "
-                                             f"of {','.join(TE_RECIPES)} (default: all that run on this GPU)")
+                                             f"of {','.join(TE_RECIPES)} (default: {','.join(DEFAULT_TE_RECIPES)}, "
+                                             "those that run on this GPU)")
     parser.add_argument("--micro-batches", type=int, default=8, help="gradient-accumulation micro-batches per step")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per column in each round")
     parser.add_argument("--rounds", type=int, default=2,

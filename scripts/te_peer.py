@@ -35,11 +35,13 @@ from recipes.models.transformer import rope_inverse_frequencies
 from recipes.profiling import OPTIMIZER
 from recipes.trainer.loop import NonFiniteError
 
-TE_RECIPES = ("bf16", "current", "delayed", "blockwise", "mxfp8")  # column name: f"{peer}_{recipe}"
+# Column name: f"{peer}_{recipe}". Block scaling's other block layouts are columns only when asked for (--te-recipes).
+TE_RECIPES = ("bf16", "current", "delayed", "blockwise", "mxfp8", "blockwise_1d1d")
+DEFAULT_TE_RECIPES = TE_RECIPES[:5]
 # Each TE recipe's conf/precision preset: Megatron's settings for it (the megatron_layer columns' whole precision;
-# here whether the weights are FP8).
+# here whether the weights are FP8, and block scaling's blocks).
 PRECISION_OPTIONS = {"bf16": "bf16", "current": "fp8_current", "delayed": "fp8_delayed",
-                     "blockwise": "fp8_blockwise", "mxfp8": "mxfp8"}
+                     "blockwise": "fp8_blockwise", "mxfp8": "mxfp8", "blockwise_1d1d": "fp8_blockwise_1d1d"}
 
 
 def import_transformer_engine():
@@ -63,14 +65,25 @@ def te_recipe(name: str, column: str):
         "current": (lambda: recipe.Float8CurrentScaling(fp8_format=recipe.Format.HYBRID), te.is_fp8_available),
         "delayed": (lambda: recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=1024,
                                                   amax_compute_algo="max"), te.is_fp8_available),
-        "blockwise": (lambda: recipe.Float8BlockScaling(fp8_format=recipe.Format.E4M3),
-                      te.is_fp8_block_scaling_available),
+        "blockwise": (lambda: block_scaling(recipe, name), te.is_fp8_block_scaling_available),
+        "blockwise_1d1d": (lambda: block_scaling(recipe, name), te.is_fp8_block_scaling_available),
         "mxfp8": (lambda: recipe.MXFP8BlockScaling(fp8_format=recipe.Format.E4M3), te.is_mxfp8_available),
     }[name]
     ok, reason = available(return_reason=True)
     if not ok:
         raise RuntimeError(f"{column}: Transformer Engine cannot run this recipe here: {reason}")
     return make()
+
+
+def block_scaling(recipe, name: str):
+    """TE's Float8BlockScaling with the blocks of the TE recipe's preset (x/w/grad_block_scaling_dim), E4M3."""
+    x, w, grad = block_dims(name)
+    return recipe.Float8BlockScaling(fp8_format=recipe.Format.E4M3, x_block_scaling_dim=x, w_block_scaling_dim=w,
+                                     grad_block_scaling_dim=grad)
+
+
+def block_dims(recipe_name: str) -> tuple[int, int, int]:
+    return load_option("precision", PRECISION_OPTIONS[recipe_name]).block_dims
 
 
 def fp8_primary_weights(recipe_name: str) -> bool:

@@ -184,12 +184,17 @@ def test_te_recipes_are_checked_in_one_line(scripts, capsys):
     assert (args.steps, args.rounds) == (5, 2)  # 10 timed steps per column by default
     columns = [v.name for v in layer_bench.peer_columns("megatron_layer", args.te_recipes)]
     assert columns == ["megatron_layer_bf16", "megatron_layer_delayed"]
+    # Block scaling's other layouts only when asked for; each column with its preset's blocks.
+    assert "blockwise_1d1d" in layer_bench.TE_RECIPES and "blockwise_1d1d" not in layer_bench.DEFAULT_TE_RECIPES
+    from te_peer import block_dims
+    assert (block_dims("blockwise"), block_dims("blockwise_1d1d")) == ((1, 2, 1), (1, 1, 1))
     for argv in (["--peer", "te", "--te-recipes", "bf16,fp8_delayed"], ["--te-recipes", "bf16"],
                  ["--peer", "torchao", "--te-recipes", "bf16"]):
         with pytest.raises(SystemExit) as exit_info:
             layer_bench.parse_args(argv)
         assert exit_info.value.code == 2
-        assert "give TE recipes of bf16, current, delayed, blockwise, mxfp8, with --peer te" in capsys.readouterr().err
+        assert ("give TE recipes of bf16, current, delayed, blockwise, mxfp8, blockwise_1d1d, with --peer te"
+                in capsys.readouterr().err)
 
 
 # ---- on a GPU with Transformer Engine (`pytest -m gpu`) ----
