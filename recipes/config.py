@@ -41,6 +41,7 @@ class Recipe(str, enum.Enum):
     tensorwise = "tensorwise"  # TensorwiseScaling, per-tensor current scaling (TE's Float8CurrentScaling): fp8_current
     blockwise = "blockwise"  # BlockwiseScaling: fp8_blockwise
     mxfp8 = "mxfp8"  # MXFP8Scaling: mxfp8
+    rowwise = "rowwise"  # RowwiseScaling, torchao's rowwise recipe (the torch engine only): fp8_rowwise(_gw_hp)
 
 
 class Fp8Format(str, enum.Enum):

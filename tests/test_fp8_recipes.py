@@ -35,10 +35,12 @@ from recipes.fp8.linear import (
     DelayedScaling,
     Fp8Linear,
     MXFP8Scaling,
+    RowwiseScaling,
     fp8_linear,
     recipe_from_config,
 )
 from recipes.fp8.mxfp8 import mx_scale_exponent, quantize_mx, swizzle_32_4_4, to_e8m0
+from recipes.fp8.rowwise import quantize_rowwise
 from recipes.fp8.tensor import Float8Tensor
 from recipes.fp8.training import (
     attach_weight_caches, fp8_amaxes_finite, non_finite_amaxes, set_weight_cache_mode, update_fp8_scaling,
@@ -134,7 +136,7 @@ def deq64(q: Float8Tensor) -> torch.Tensor:
     """Float64 dequantization, done here (not with Float8Tensor.dequantize): data * the block's scale_inv. Exact in
     float64 (a 4-bit times a 24-bit significand)."""
     data, s = q.data.double(), q.scale_inv.double()
-    if q.block is None:
+    if q.block is None or q.block == (1, -1):  # per tensor, or one scale per row (broadcast along the row)
         return data * s
     br, bc = q.block
     return data * s.repeat_interleave(br, 0).repeat_interleave(bc, 1)
@@ -695,6 +697,71 @@ def test_swizzle_32_4_4_layout(rows, cols):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 3b. Row-wise, against torchao's own functions (the reference implementation of the recipe)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def torchao_rowwise(t: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's FP8 values and scale of t scaled along `axis`, as its rowwise recipe casts each operand
+    (Float8LinearConfig.from_recipe_name("rowwise"): axiswise E4M3, power-of-two scales)."""
+    from torchao.float8.config import Float8LinearConfig, ScalingGranularity
+    from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+    from torchao.float8.float8_utils import tensor_to_scale
+
+    config = Float8LinearConfig.from_recipe_name("rowwise")
+    assert config.cast_config_input.scaling_granularity is ScalingGranularity.AXISWISE
+    assert config.cast_config_input.target_dtype == E4M3 and config.round_scales_to_power_of_2
+    scale = tensor_to_scale(t, E4M3, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=axis,
+                            round_scales_to_power_of_2=True)
+    return hp_tensor_and_scale_to_float8(t, scale, E4M3, axiswise_dim=axis)._data, scale
+
+
+def adversarial_rows(dtype: torch.dtype) -> torch.Tensor:
+    """Rows of every magnitude 2**-40 .. 2**40, an all-zero row, a row below torchao's amax floor (1e-12), rows
+    whose amax is fp8_max times a power of two (the scale exactly a power of two) and two just above, an odd
+    shape (37 x 208: no multiple of 16 or 32), and columns of mixed magnitude (for the scales along dim 0)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 208, generator=g) * 2.0 ** torch.randint(-40, 41, (37, 1), generator=g)
+    x[:, :13] *= 2.0 ** 12
+    x[3] = 0.0
+    x[4] = 1e-14 * torch.randn(208, generator=g)
+    x[5:9] = 2.0 ** -30 * torch.randn(4, 208, generator=g)
+    # Each its row's amax: a scale of exactly 2**20; one just below it (FP32 only), which torchao's float32 log2
+    # rounds up to 2**20, not down; one clearly below it (2**19).
+    x[5, 0], x[6, 0], x[8, 0] = (448.0 * 2.0 ** -20 * (1 + eps) for eps in (0.0, 2.0 ** -22, 2.0 ** -7))
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("axis", [-1, 0], ids=["rows", "columns"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rowwise_quantization_is_torchaos_bit_for_bit(dtype, axis):
+    # Along rows (the input, the weight in fprop, the gradient in dgrad) and along columns (torchao's axiswise_dim=0:
+    # the weight in dgrad, the input and gradient in wgrad), which this project quantizes as the transposed rows.
+    x = adversarial_rows(dtype)
+    data, scale = torchao_rowwise(x, axis)
+    ours = quantize_rowwise(x if axis == -1 else x.t().contiguous(), E4M3)
+    if axis == 0:
+        data, scale = data.t(), scale.t()
+    assert torch.equal(ours.data.view(torch.uint8), data.contiguous().view(torch.uint8))
+    assert torch.equal(ours.scale_inv, scale.reciprocal()) and ours.scale_inv.shape == (data.shape[0], 1)
+    if axis == -1:
+        assert torch.equal(ours.data[3].float(), torch.zeros(208))  # the zero row stays zero under its floored scale
+
+
+def test_rowwise_scales_each_row_alone():
+    # A row's scale is its own amax's: scaling one row by 2**k leaves every other row's bytes and scale alone.
+    x = adversarial_rows(torch.bfloat16)
+    y = x.clone()
+    y[7] *= 2.0 ** 9
+    a, b = quantize_rowwise(x, E4M3), quantize_rowwise(y, E4M3)
+    others = [r for r in range(37) if r != 7]
+    assert torch.equal(a.data[others].view(torch.uint8), b.data[others].view(torch.uint8))
+    assert torch.equal(a.scale_inv[others], b.scale_inv[others])
+    assert torch.equal(a.data[7].view(torch.uint8), b.data[7].view(torch.uint8))  # power-of-two rescale: same bytes
+    assert torch.equal(b.scale_inv[7], a.scale_inv[7] * 2.0 ** 9)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # 4. The three GEMMs of fp8_linear, per recipe
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -709,16 +776,18 @@ BLOCK_DIMS = {"blockwise": (1, 2, 1), "blockwise_111": (1, 1, 1), "blockwise_211
 
 def precision_for(name: str, **kw) -> PrecisionConfig:
     family = name.split("_")[0]
-    recipe = {"delayed": Recipe.delayed, "blockwise": Recipe.blockwise, "mxfp8": Recipe.mxfp8}[family]
+    recipe = {"delayed": Recipe.delayed, "blockwise": Recipe.blockwise, "mxfp8": Recipe.mxfp8,
+              "rowwise": Recipe.rowwise}[family]
     emulate = family != "delayed"
     dims = dict(zip(("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"), BLOCK_DIMS[name])) \
         if family == "blockwise" else {}
-    return PrecisionConfig(name=f"fp8_{family}", recipe=recipe, fp8_format=Fp8Format.hybrid, emulate=emulate,
-                           **dims, **kw)
+    fp8_format = Fp8Format.e4m3 if family == "rowwise" else Fp8Format.hybrid  # torchao's rowwise: E4M3 throughout
+    return PrecisionConfig(name=f"fp8_{family}", recipe=recipe, fp8_format=fp8_format, emulate=emulate, **dims, **kw)
 
 
-RECIPE_CLASSES = {"delayed": DelayedScaling, "blockwise": BlockwiseScaling, "mxfp8": MXFP8Scaling}
-RECIPES = ["delayed", *BLOCK_DIMS, "mxfp8"]
+RECIPE_CLASSES = {"delayed": DelayedScaling, "blockwise": BlockwiseScaling, "mxfp8": MXFP8Scaling,
+                  "rowwise": RowwiseScaling}
+RECIPES = ["delayed", *BLOCK_DIMS, "mxfp8", "rowwise"]
 
 
 @pytest.fixture(scope="module")
@@ -787,6 +856,13 @@ def reference_operands(name: str, operands):
         (xq, xq_t), (wq, wq_t), (dyq, dyq_t) = both_ways(x, E4M3, x_dim), both_ways(w, E4M3, w_dim), \
             both_ways(dy, E5M2, grad_dim)
         return (xq, wq), (dyq, wq_t), (dyq_t, xq_t)
+    if name == "rowwise":  # quantized by torchao: each GEMM's operands along that GEMM's K, E4M3 throughout
+        def qr(t, axis):
+            data, scale = torchao_rowwise(t, axis)
+            q = data.double() / scale.double()
+            return q if axis == -1 else q.T
+
+        return (qr(x, -1), qr(w, -1)), (qr(dy, -1), qr(w, 0)), (qr(dy, 0), qr(x, 0))
     qm = lambda t, dtype: deq64(quantize_mx(t.contiguous(), dtype))
     return (qm(x, E4M3), qm(w, E4M3)), (qm(dy, E5M2), qm(w.t(), E4M3)), (qm(dy.t(), E5M2), qm(x.t(), E4M3))
 
@@ -800,7 +876,8 @@ def test_gemms_exact_given_quantization(name, operands, runs):
     (fa, fb), (da, db), (wa, wb) = reference_operands(name, operands)
     assert_gemm_exact(y, fa, fb.T, U_BF16)  # fprop  y  = x  @ W^T   (BF16 out)
     assert_gemm_exact(dx, da, db.T, U_BF16)  # dgrad  dx = dy @ W     (BF16 out)
-    assert_gemm_exact(dw, wa, wb.T, U)  # wgrad  dW = dy^T @ x   (FP32 out, tight)
+    # wgrad  dW = dy^T @ x: FP32 out, tight; row-wise in BF16 (the row-wise kernels write BF16, as torchao's)
+    assert_gemm_exact(dw, wa, wb.T, U_BF16 if name == "rowwise" else U)
 
 
 def wide_range_operands():
@@ -853,10 +930,12 @@ def test_gemms_against_float64_reference(name, operands, runs):
     x, w, dy = operands
     y, dx, dw = runs[name]
     x64, w64, dy64 = x.double(), w.double(), dy.double()
+    grad_bits = 3 if name == "rowwise" else 2  # the gradient in E4M3 (row-wise) or E5M2 (HYBRID)
     e = {
         "fprop": (rel_fro(y, x64 @ w64.T), rho_band(3, 3, out_unit_roundoff=U_BF16)),
-        "dgrad": (rel_fro(dx, dy64 @ w64), rho_band(2, 3, out_unit_roundoff=U_BF16)),
-        "wgrad": (rel_fro(dw, dy64.T @ x64), rho_band(2, 3)),
+        "dgrad": (rel_fro(dx, dy64 @ w64), rho_band(grad_bits, 3, out_unit_roundoff=U_BF16)),
+        "wgrad": (rel_fro(dw, dy64.T @ x64), rho_band(grad_bits, 3, out_unit_roundoff=U_BF16 if name == "rowwise"
+                                                      else 0.0)),
     }
     for gemm, (err, (lo, hi)) in e.items():
         assert lo <= err <= hi, (name, gemm, lo, err, hi)
@@ -892,6 +971,7 @@ def test_block_gemms_on_cpu_need_emulate(operands):
         (quantize_blockwise(x, E4M3, (1, 128)), quantize_blockwise(w, E4M3, (128, 128))),
         (quantize_blockwise(x, E4M3, (1, 128)), quantize_blockwise(w, E4M3, (1, 128))),
         (quantize_mx(x, E4M3), quantize_mx(w, E4M3)),
+        (quantize_rowwise(x, E4M3), quantize_rowwise(w, E4M3)),
     ]
     for a, b in pairs:
         with pytest.raises(RuntimeError, match=r"precision\.emulate"):
@@ -899,7 +979,7 @@ def test_block_gemms_on_cpu_need_emulate(operands):
         out = fp8_gemm(a, b, torch.bfloat16, False, emulate=True)
         assert_gemm_exact(out, deq64(a), deq64(b).T, U_BF16)
     # And through the layer: a recipe without emulate raises rather than falling back.
-    for name in ["blockwise", "mxfp8"]:
+    for name in ["blockwise", "mxfp8", "rowwise"]:
         recipe = recipe_from_config(
             PrecisionConfig(name=f"fp8_{name}", recipe=Recipe(name), fp8_format=Fp8Format.hybrid, emulate=False)
         )

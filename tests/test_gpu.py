@@ -58,7 +58,8 @@ BANDS = {(E4M3, E4M3): (0.0204, 0.0638), (E5M2, E4M3): (0.0323, 0.1009)}
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("precision", ["fp8_current", "fp8_delayed", "fp8_blockwise", "fp8_blockwise_1d1d", "mxfp8"])
+@pytest.mark.parametrize("precision", ["fp8_current", "fp8_delayed", "fp8_blockwise", "fp8_blockwise_1d1d", "mxfp8",
+                                       "fp8_rowwise"])
 def test_every_recipe_gemms_on_cuda_against_float64(precision, compiled):
     """Each recipe as its preset configures it (blockwise on cuBLAS block scaling, MXFP8 emulated: the H200 has no
     native MX kernel), eager and compiled: fprop, dgrad and wgrad against float64. Delayed scaling is measured on
@@ -129,6 +130,39 @@ def test_native_blockwise_gemms_equal_their_emulation(fp8_wgrad, block_dims):
         results.append((y.float(), xi.grad.float(), wi.grad.float()))
     for native, emulated in zip(*results):
         # Same FP8 operands and scales; only the FP32 accumulation order and the BF16 output rounding differ.
+        assert relative_error(native, emulated.double()) < 4e-3
+
+
+@pytest.mark.parametrize("fp8_wgrad", [True, False])
+def test_native_rowwise_gemms_equal_their_emulation_and_quantize_as_torchao(fp8_wgrad):
+    """precision=fp8_rowwise (fp8_rowwise_gw_hp without FP8 wgrad) on torch._scaled_mm's row-wise kernels against its
+    emulation; each operand's bytes and scales on the GPU as torchao's own functions make them."""
+    from test_fp8_recipes import torchao_rowwise
+
+    from recipes.fp8.linear import RowwiseScaling, fp8_linear
+    from recipes.fp8.rowwise import quantize_rowwise
+
+    torch.manual_seed(0)
+    x = torch.randn(512, 384, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(256, 384, device="cuda")
+    dy = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    for t in (x, w, dy):
+        for axis in (-1, 0):
+            data, scale = torchao_rowwise(t, axis)
+            ours = quantize_rowwise(t if axis == -1 else t.t().contiguous(), E4M3)
+            if axis == 0:
+                data, scale = data.t(), scale.t()
+            assert torch.equal(ours.data.view(torch.uint8), data.contiguous().view(torch.uint8))
+            assert torch.equal(ours.scale_inv, scale.reciprocal())
+    results = []
+    for emulate in (False, True):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp8_linear(xi, wi, RowwiseScaling(E4M3, E4M3, fp8_wgrad=fp8_wgrad, emulate=emulate))
+        y.backward(dy)
+        results.append((y.float(), xi.grad.float(), wi.grad.float()))
+    for native, emulated in zip(*results):
+        # Same FP8 operands and scales; the FP32 accumulation order (fast accumulation in fprop) and the BF16
+        # rounding of each output differ.
         assert relative_error(native, emulated.double()) < 4e-3
 
 

@@ -481,6 +481,10 @@ ERROR_CASES = {
                            "precision.emulate=true")),
     "block_dims_per_tensor": (("precision=fp8_current", "precision.w_block_scaling_dim=1", "dryrun=true"),
                               ("[1, 1, 1] are blockwise scaling's", "precision=fp8_current has no such blocks")),
+    "rowwise_cpu": (("precision=fp8_rowwise", "gpu=cpu", "dryrun=true"),
+                    ("precision=fp8_rowwise runs natively on Hopper and Blackwell", "precision.emulate=true")),
+    "rowwise_hybrid": (("precision=fp8_rowwise", "precision.fp8_format=hybrid", "gpu=h100", "dryrun=true"),
+                       ("torchao's row-wise recipe casts every operand", "precision.fp8_format=e4m3")),
     "mxfp8_hopper": (("model=llama3_70b", "precision=mxfp8", "gpu=h100", "dryrun=true"),
                      ("precision=mxfp8", "Blackwell", "gpu=h100", "fp8_current", "precision.emulate=true")),
     # values out of range, refused at plan time naming the field (issue 19's "Bad input" table)

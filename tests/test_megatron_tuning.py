@@ -456,10 +456,13 @@ def test_megatron_core_builds_the_block_scaling_recipe_with_the_runs_block_dims(
     assert fp8_utils.get_fp8_recipe is megatron_core
 
 
-@pytest.mark.parametrize("precision", ["fp8_blockwise_2d2d"])
-def test_two_128x128_operands_are_refused_on_megatron_in_one_line(hydra_compose, precision):
+@pytest.mark.parametrize("precision, message", [
+    ("fp8_blockwise_2d2d", r"fprop \(input x weight\) would multiply two 128x128-block operands"),
+    ("fp8_rowwise", "is torchao's row-wise recipe, which Transformer Engine does not have"),
+])
+def test_what_transformer_engine_cannot_run_is_refused_on_megatron_in_one_line(hydra_compose, precision, message):
     cfg = hydra_compose(*BASE[:-2], f"precision={precision}", "dryrun=true")
-    with pytest.raises(ConfigError, match=r"fprop \(input x weight\) would multiply two 128x128-block operands"):
+    with pytest.raises(ConfigError, match=message):
         validate(cfg)
 
 

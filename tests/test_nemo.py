@@ -150,6 +150,7 @@ def test_data_modules_and_the_exact_vocabulary(hydra_compose, tmp_path):
                            "or fp8_blockwise (engine=nemo cannot emulate)"),
     (("precision=fp8_blockwise", "precision.emulate=true"), "engine=nemo runs Transformer Engine's kernels"),
     (("precision=fp8_blockwise_1d1d",), "precision.x/w/grad_block_scaling_dim = [1, 1, 1] has no counterpart"),
+    (("precision=fp8_rowwise",), "precision=fp8_rowwise is torchao's row-wise recipe, which Transformer Engine"),
     (("precision=fp8_delayed", "precision.num_layers_at_start_in_bf16=1"), "engine=nemo: delayed scaling cannot keep"),
     (("parallel.tp=3", "executor.gpus=6"), "model.num_attention_heads=32 is not divisible by parallel.tp=3"),
 ])

@@ -6,6 +6,8 @@ take), dispatched on the operands' scaling granularity:
   through a generic loop, 50-100x slower, which made every FP8 run on a CPU crawl);
 - 1x128 / 128x128 blocks: torch.nn.functional.scaled_mm on Hopper (cuBLAS block scaling, CUDA >= 12.9);
 - 1x32 MX blocks: torch.nn.functional.scaled_mm with E8M0 scales in the 32_4_4 layout on Blackwell;
+- one scale per row (row-wise scaling): torch._scaled_mm's row-wise scales (sm89 and later), whose kernels write
+  BF16 only: the result in BF16, then in the output's dtype (torchao's weight gradient is BF16 the same way);
 - emulated (only when the precision asks for it): the operands dequantized to FP32 and multiplied in FP32, the
   same numbers a native block-scaled GEMM computes up to the order of FP32 accumulation. MX operands, whose
   scales are powers of two, are exact in TF32 too, so on a GPU their emulation runs on tensor cores in TF32 (FP32
@@ -35,18 +37,28 @@ import torch.nn.functional as F
 from recipes.fp8 import cublaslt
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK
 from recipes.fp8.mxfp8 import MX_BLOCK, swizzle_32_4_4, to_e8m0
-from recipes.fp8.tensor import Float8Tensor
+from recipes.fp8.tensor import ROW_BLOCK, Float8Tensor
 
 
 def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, fast_accum: bool, emulate: bool) -> torch.Tensor:
     if a.block is None and b.block is None:
         return tensorwise_mm(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype, fast_accum)
+    if a.block == b.block == ROW_BLOCK and (a.data.is_cuda or emulate):
+        return rowwise_mm(a, b, fast_accum, emulate).to(out_dtype)
     if not emulate and not a.data.is_cuda:
         raise RuntimeError(
             f"no native {a.block} x {b.block} block-scaled FP8 GEMM on {a.data.device}; "
             "set precision.emulate=true to emulate it"
         )
     return block_scaled_mm(a.data, a.scale_inv, list(a.block), b.data, b.scale_inv, list(b.block), out_dtype, emulate)
+
+
+def rowwise_mm(a: Float8Tensor, b: Float8Tensor, fast_accum: bool, emulate: bool) -> torch.Tensor:
+    """a @ b^T in BF16 for operands with one scale per row: scale_a (M, 1) and scale_b (1, N) in the epilogue."""
+    if emulate:
+        return (a.dequantize() @ b.dequantize().t()).to(torch.bfloat16)
+    return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv.t(),
+                            out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
 
 
 def tensorwise_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,

@@ -36,6 +36,7 @@ from recipes.fp8.formats import forward_and_backward_dtypes
 from recipes.fp8.activation_ops import reference_output
 from recipes.fp8.gemm import fp8_gemm, fp8_gemm_into
 from recipes.fp8.mxfp8 import quantize_mx
+from recipes.fp8.rowwise import quantize_rowwise
 from recipes.fp8.tensor import Float8Tensor
 
 CACHE_OFF, CACHE_REFRESH, CACHE_REUSE = "off", "refresh", "reuse"  # quantize W each call / and store it / reuse it
@@ -255,6 +256,19 @@ class MXFP8Scaling(Fp8Recipe):
         return False
 
 
+class RowwiseScaling(Fp8Recipe):
+    """Row-wise scaling (torchao's "rowwise" recipe; with fp8_wgrad off its "rowwise_with_gw_hp"): one scale per row
+    of each operand along its GEMM's K (recipes.fp8.rowwise), every operand E4M3, fast accumulation in fprop only
+    as torchao configures its GEMMs. A transposed use has other rows: quantized again from the high-precision
+    tensor, as torchao does."""
+
+    def quantize(self, t, role, state):
+        return quantize_rowwise(t, self.dtype(role))
+
+    def transpose_reuses_quantization(self, role):
+        return False
+
+
 def check_block_dims(precision: PrecisionConfig) -> None:
     """ConfigError for block dimensions no recipe or kernel takes: other than TE's default outside blockwise
     scaling, and two 128x128 operands in one GEMM without emulation (no native kernel anywhere)."""
@@ -291,12 +305,14 @@ def recipe_from_config(precision: PrecisionConfig) -> Fp8Recipe:
         return BlockwiseScaling(**shared, block_dims=precision.block_dims)
     if precision.recipe == Recipe.mxfp8:
         return MXFP8Scaling(**shared)
+    if precision.recipe == Recipe.rowwise:
+        return RowwiseScaling(**shared)
     raise ConfigError(f"precision={precision.name}: recipe '{precision.recipe.value}' is not an FP8 recipe")
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, recipe: Fp8Recipe, cache_mode: str, cache_block, main_grad, *cache_and_state):
+    def forward(ctx, x, weight, recipe: Fp8Recipe, cache_mode: str, cache_blocks, main_grad, *cache_and_state):
         # Tensors are passed one by one (not as a module or tuple) so that Dynamo traces this function whole.
         cache, state = cache_and_state[:4], cache_and_state[4:] or None
         if recipe.fp8_wgrad:
@@ -304,7 +320,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             saved_x, ctx.x_block = (x_t.data, x_t.scale_inv), x_t.block
         else:
             x_fp8, saved_x = recipe.quantize(x, INPUT, state), (x, x.new_empty(()))
-        y, saved_w, ctx.w_is_transposed = fprop(recipe, x_fp8, weight, state, cache_mode, cache, cache_block,
+        y, saved_w, ctx.w_is_transposed = fprop(recipe, x_fp8, weight, state, cache_mode, cache, cache_blocks,
                                                 x.dtype)
         ctx.recipe, ctx.state, ctx.weight_dtype, ctx.w_block = recipe, state, weight.dtype, saved_w.block
         ctx.accumulate = cache_mode == CACHE_REUSE  # not the step's first micro-batch: add to main_grad
@@ -342,8 +358,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, state: 
                                     *state)
 
 
-def cache_arguments(cache: Optional["WeightCache"]) -> tuple[str, Optional[tuple]]:
-    return (CACHE_OFF, None) if cache is None else (cache.mode, cache.block)
+def cache_arguments(cache: Optional["WeightCache"]) -> tuple[str, tuple]:
+    return (CACHE_OFF, (None, None)) if cache is None else (cache.mode, cache.blocks)
 
 
 def cache_tensors(cache: Optional["WeightCache"]) -> tuple:
@@ -352,10 +368,11 @@ def cache_tensors(cache: Optional["WeightCache"]) -> tuple:
 
 
 def fprop(recipe: Fp8Recipe, x_fp8: Float8Tensor, weight: torch.Tensor, state, cache_mode: str, cache: tuple,
-          cache_block, out_dtype: torch.dtype) -> tuple[torch.Tensor, Float8Tensor, bool]:
-    """y = x @ W^T for a quantized x; `cache`: the weight cache's four buffers (cache_tensors). Returns y, the
-    weight operand to save for dgrad, and whether that is already W^T."""
-    cached = Float8Tensor(cache[0], cache[1], cache_block), Float8Tensor(cache[2], cache[3], cache_block)
+          cache_blocks: tuple, out_dtype: torch.dtype) -> tuple[torch.Tensor, Float8Tensor, bool]:
+    """y = x @ W^T for a quantized x; `cache`: the weight cache's four buffers (cache_tensors), `cache_blocks`
+    their scale blocks (cache_arguments). Returns y, the weight operand to save for dgrad, and whether that is
+    already W^T."""
+    cached = (Float8Tensor(cache[0], cache[1], cache_blocks[0]), Float8Tensor(cache[2], cache[3], cache_blocks[1]))
     w_fp8, w_t = _weight_operands(recipe, weight, state, cache_mode, cached)
     y = fp8_gemm(x_fp8, w_fp8, out_dtype, recipe.fast_accum_fprop, recipe.emulate)
     return y, (w_fp8 if w_t is None else w_t), w_t is not None
@@ -394,11 +411,11 @@ class WeightCache(nn.Module):
     of an optimizer step and read by the others. Fixed buffers (filled in place), so a compiled block keeps its
     graph; not saved in checkpoints."""
 
-    def __init__(self, like: dict[str, torch.Tensor], device: torch.device, block: Optional[tuple] = None):
+    def __init__(self, like: dict[str, torch.Tensor], device: torch.device, blocks: Optional[tuple] = None):
         super().__init__()
         for name, tensor in like.items():
             self.register_buffer(name, torch.empty_like(tensor, device=device), persistent=False)
-        self.block = block
+        self.blocks = blocks  # the FP8 weight's and its transpose's scale blocks (Float8Tensor.block)
         self.mode = CACHE_OFF
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -411,9 +428,8 @@ def fp8_weight_cache(weight: torch.Tensor, recipe: Fp8Recipe, state: Optional[tu
     meta_weight = torch.empty_like(weight, device="meta")
     w_fp8 = recipe.quantize(meta_weight, WEIGHT, meta_state)
     w_t = recipe.transposed(w_fp8, meta_weight, WEIGHT, meta_state)
-    assert w_fp8.block == w_t.block  # per tensor, 128x128 and 1x32 blocks alike: fprop's and dgrad's agree
     like = {"data": w_fp8.data, "scale_inv": w_fp8.scale_inv, "t_data": w_t.data, "t_scale_inv": w_t.scale_inv}
-    return WeightCache(like, weight.device, w_fp8.block)
+    return WeightCache(like, weight.device, (w_fp8.block, w_t.block))
 
 
 class CachedWeightLinear(nn.Linear):

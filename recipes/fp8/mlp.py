@@ -107,10 +107,10 @@ class Fp8Mlp(_FusedMlp):
         fc1, fc2 = self.fc1, self.fc2
         x2d = x.reshape(-1, x.shape[-1])
         states = (fc1.state_tensors(), fc2.state_tensors())
-        (mode1, block1), (mode2, block2) = cache_arguments(fc1.weight_cache), cache_arguments(fc2.weight_cache)
+        (mode1, blocks1), (mode2, blocks2) = cache_arguments(fc1.weight_cache), cache_arguments(fc2.weight_cache)
         y = _Fp8MlpFunction.apply(
             x2d, fc1.weight, fc2.weight, fc1.recipe, ACTIVATION_OPS[self.activation], (mode1, mode2),
-            (block1, block2), fc1.main_grad, fc2.main_grad, len(states[0]), *cache_tensors(fc1.weight_cache),
+            (blocks1, blocks2), fc1.main_grad, fc2.main_grad, len(states[0]), *cache_tensors(fc1.weight_cache),
             *cache_tensors(fc2.weight_cache), *states[0], *states[1],
         )
         return y.view(*x.shape[:-1], fc2.out_features)

@@ -5,6 +5,7 @@
     (rows, K / 128)           1 x 128 blocks along K (blockwise activations and gradients)
     (rows / 128, K / 128)     128 x 128 blocks (blockwise weights)
     (rows, K / 32)            1 x 32 blocks along K with power-of-two scales (MXFP8)
+    (rows, 1)                 one scale per row, all of K (row-wise scaling; block ROW_BLOCK, -1 as in reshape)
 Scales always run along K, the dimension the GEMM contracts: an operand quantized for one GEMM is valid for
 another only if its blocks still run along that GEMM's K (true for per-tensor and 128 x 128, false otherwise).
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+
+ROW_BLOCK = (1, -1)  # a row-wise scaled operand's block: one row, the whole of K
 
 
 class Float8Tensor(NamedTuple):
@@ -26,6 +29,7 @@ class Float8Tensor(NamedTuple):
         if self.block is None:
             return self.data.float() * self.scale_inv
         (block_rows, block_cols), (rows, cols) = self.block, self.data.shape
+        block_cols = cols if block_cols == -1 else block_cols
         blocks = self.data.float().view(rows // block_rows, block_rows, cols // block_cols, block_cols)
         return (blocks * self.scale_inv[:, None, :, None]).view(rows, cols)  # quantization made the blocks divide
 

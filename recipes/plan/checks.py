@@ -160,6 +160,8 @@ def native_archs(recipe: Recipe, megatron: bool = False) -> tuple[str, ...] | No
         return ("blackwell",)
     if recipe == Recipe.blockwise:
         return ("hopper", "blackwell") if megatron else ("hopper",)
+    if recipe == Recipe.rowwise:  # torch._scaled_mm's row-wise scales (sm89 and later)
+        return ("hopper", "blackwell")
     return None
 
 
@@ -173,6 +175,12 @@ def _validate_precision(cfg: Config) -> None:
     precision, gpu, megatron = cfg.precision, cfg.gpu, cfg.engine in MEGATRON_CORE_ENGINES
     _check_recipe_is_named(precision)
     Fp8Training.check(cfg)  # what no recipe computes (a margin outside delayed scaling), an FP8 all-gather it cannot
+    if megatron and precision.recipe == Recipe.rowwise:
+        raise ConfigError(f"precision={precision.name} is torchao's row-wise recipe, which Transformer Engine does not "
+                          f"have (engine={cfg.engine.value} trains with TE's recipes): use engine=torch")
+    if precision.recipe == Recipe.rowwise and precision.fp8_format != Fp8Format.e4m3:
+        raise ConfigError(f"precision={precision.name}: torchao's row-wise recipe casts every operand, gradients "
+                          "included, to E4M3; set precision.fp8_format=e4m3")
     both_2d = gemms_of_two_2d_operands(precision.block_dims)
     if megatron and both_2d:
         raise ConfigError(f"precision={precision.name} on engine={cfg.engine.value}: {both_2d[0]} would multiply two "
@@ -195,6 +203,10 @@ def _validate_precision(cfg: Config) -> None:
             f"Choose {' or '.join(_native_fp8_options(gpu.arch, megatron))}"
             + (f" (engine={cfg.engine.value} cannot emulate)." if megatron else ", or set precision.emulate=true to emulate it (slow; labelled).")
         )
+    if precision.recipe == Recipe.rowwise and gpu.arch not in native_archs(Recipe.rowwise) and not precision.emulate:
+        raise ConfigError(f"precision={precision.name} runs natively on Hopper and Blackwell GPUs (torch._scaled_mm's "
+                          f"row-wise scales); gpu={gpu.name} is {gpu.arch}. Set precision.emulate=true to emulate it "
+                          "(slow; labelled).")
     block_archs = native_archs(Recipe.blockwise, megatron)
     if precision.recipe == Recipe.blockwise and gpu.arch not in block_archs and not precision.emulate:
         raise ConfigError(
@@ -255,7 +267,7 @@ def _require_cuda(major: int, minor: int, what: str) -> None:
 
 # Every dimension an FP8 GEMM contracts or produces must be a multiple of the recipe's block (16 for cuBLAS's
 # per-tensor FP8 GEMMs); the token count is the K of wgrad.
-GEMM_MULTIPLE = {Recipe.tensorwise: 16, Recipe.delayed: 16, Recipe.blockwise: 128, Recipe.mxfp8: 32}
+GEMM_MULTIPLE = {Recipe.tensorwise: 16, Recipe.delayed: 16, Recipe.blockwise: 128, Recipe.mxfp8: 32, Recipe.rowwise: 16}
 
 
 def _validate_gemm_dims(cfg: Config) -> None:

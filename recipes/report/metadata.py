@@ -50,11 +50,12 @@ def _conf_names(group: str) -> list[str]:
 
 # Precision names (conf/precision) -> their scaling recipe (megatron-core's fp8_recipe names).
 PRECISIONS = {name: _conf("precision", name)["recipe"] for name in _conf_names("precision")}
-# A log that names only its recipe (megatron-core's fp8_recipe) ran that recipe's preset with TE's default blocks,
-# not one of blockwise scaling's other block layouts (conf/precision/fp8_blockwise_1d1d, _2d2d), which no log names.
-BLOCK_DIM_KEYS = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")
+# A log that names only its recipe (megatron-core's fp8_recipe, torchtitan's recipe_name) ran that recipe's own
+# preset, not a variant of it that no log names: blockwise scaling's other block layouts (fp8_blockwise_1d1d,
+# _2d2d), row-wise scaling with a BF16 weight gradient (fp8_rowwise_gw_hp).
+VARIANT_KEYS = ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim", "fp8_wgrad")
 RECIPE_TO_PRECISION = {recipe: name for name, recipe in PRECISIONS.items()
-                       if not any(key in _conf("precision", name) for key in BLOCK_DIM_KEYS)}
+                       if not any(key in _conf("precision", name) for key in VARIANT_KEYS)}
 # Short forms of NeMo/Megatron-Bridge performance scripts (ds, cs, ss = delayed, current, sub-channel scaling).
 # A bare "fp8" names no recipe: it stays "fp8" and compares with BF16 like any FP8 run.
 SHORT_PRECISIONS = {
@@ -65,8 +66,8 @@ SHORT_PRECISIONS = {
     "fp8": "fp8",
 }
 # FP8 precisions of other tools that are none of conf/precision's, each with its scaling recipe: compared with BF16
-# like any FP8 run (a bare "fp8" names no recipe; torchtitan's rowwise scales each row of a tensor).
-OTHER_FP8 = {"fp8": "fp8", "fp8_rowwise": "rowwise"}
+# like any FP8 run (a bare "fp8" names no recipe).
+OTHER_FP8 = {"fp8": "fp8"}
 PRECISION_ORDER = ["bf16", "fp8_delayed", "fp8_current", "fp8_blockwise", "mxfp8", "fp8_rowwise", "fp8"]
 
 
