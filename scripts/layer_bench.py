@@ -22,11 +22,13 @@ them during the timed steps (recipes.profiling.gpu_telemetry), and each step's t
 power it ran at, since the same kernels run a few percent slower while the GPU holds its clock down under its
 power limit.
 
-`--peer torchao` adds torchao's float8 tensorwise training (`convert_to_float8_training`, recipe "tensorwise") on
-the same blocks in the same process, as the outside reference for the per-tensor recipes. The other peers have a
-column in each of TE's recipes (or those `--te-recipes` names; blockwise_1d1d, TE's Float8BlockScaling with 1x128
-weight blocks as precision=fp8_blockwise_1d1d has them, only when named), with the same shapes, micro-batches,
-inputs, loss, optimizer hyper-parameters (TRAINER's; weight decay on matrices only) and timing:
+`--peer torchao` adds torchao's float8 training (`convert_to_float8_training`) on the same blocks in the same
+process, a column per recipe of `--torchao-recipes` (default all: "tensorwise", the outside reference for the
+per-tensor recipes; "rowwise" and "rowwise_with_gw_hp", for precision=fp8_rowwise and fp8_rowwise_gw_hp). The
+other peers have a column in each of TE's recipes (or those `--te-recipes` names; blockwise_1d1d, TE's
+Float8BlockScaling with 1x128 weight blocks as precision=fp8_blockwise_1d1d has them, only when named), with the
+same shapes, micro-batches, inputs, loss, optimizer hyper-parameters (TRAINER's; weight decay on matrices only)
+and timing:
 - `--peer te`: Transformer Engine's layers (scripts/te_peer.py) with BF16 parameters and BF16 gradients summed by
   autograd, torch's fused AdamW on the BF16 parameters (TE's examples);
 - `--peer te_megatron`: the same layers trained as Megatron-LM trains them: FP32 main gradients summed inside
@@ -94,7 +96,8 @@ from te_peer import (
     import_transformer_engine, one_process_group, te_recipe,
 )
 
-TORCHAO_PEER = "torchao_tensorwise"
+TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # Float8LinearConfig.from_recipe_name's; column
+# name: f"torchao_{recipe}"
 PEERS = ("torchao", "te", "te_megatron", "megatron_layer")
 RECIPE_PEERS = ("te", "te_megatron", "megatron_layer")  # a column per TE recipe
 # Every column's optimizer: AdamW's betas, epsilon, weight decay and clipping are TrainerConfig's defaults.
@@ -170,14 +173,14 @@ def precision_variant(spec: str) -> Variant:
     return ours(spec, convert)
 
 
-def torchao_variant() -> Variant:
+def torchao_variant(recipe: str) -> Variant:
     def convert(stack: nn.Module, micro_batches: int, device: torch.device) -> Fp8Training:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        convert_to_float8_training(stack.layers, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+        convert_to_float8_training(stack.layers, config=Float8LinearConfig.from_recipe_name(recipe))
         return Fp8Training(load_option("precision", "bf16"))  # torchao's FP8 needs no call from the step
 
-    return ours(TORCHAO_PEER, convert)
+    return ours(f"torchao_{recipe}", convert)
 
 
 def te_variant(peer: str, recipe_name: str) -> Variant:
@@ -446,7 +449,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated conf/precision options, each optionally with field overrides, e.g. "
                              "bf16:fused_kernels=false")
     parser.add_argument("--peer", choices=PEERS, action="append",
-                        help="add peer columns: torchao's float8 tensorwise training; Transformer Engine's layers "
+                        help="add peer columns: torchao's float8 training (torchao_tensorwise, torchao_rowwise, "
+                             "...); Transformer Engine's layers "
                              "with BF16 gradients (te_bf16, te_current, te_delayed, te_blockwise, te_mxfp8 on "
                              "Blackwell) or trained as Megatron-LM trains them (te_megatron_bf16, ...); "
                              "megatron-core's own layers trained by megatron-core (megatron_layer_bf16, ...); "
@@ -454,6 +458,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--te-recipes", help=f"comma-separated TE recipes of the {', '.join(RECIPE_PEERS)} columns, "
                                              f"of {','.join(TE_RECIPES)} (default: {','.join(DEFAULT_TE_RECIPES)}, "
                                              "those that run on this GPU)")
+    parser.add_argument("--torchao-recipes", help=f"comma-separated recipes of the torchao columns, of "
+                                                  f"{','.join(TORCHAO_RECIPES)} (default: all)")
     parser.add_argument("--micro-batches", type=int, default=8, help="gradient-accumulation micro-batches per step")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per column in each round")
     parser.add_argument("--rounds", type=int, default=2,
@@ -479,6 +485,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if unknown or not args.peer or not set(RECIPE_PEERS) & set(args.peer):
             parser.error(f"--te-recipes {','.join(args.te_recipes)}: give TE recipes of {', '.join(TE_RECIPES)}, "
                          f"with --peer {' or --peer '.join(RECIPE_PEERS)}")
+    args.torchao_recipes = (args.torchao_recipes or ",".join(TORCHAO_RECIPES)).split(",")
+    unknown = [name for name in args.torchao_recipes if name not in TORCHAO_RECIPES]
+    if unknown:
+        parser.error(f"--torchao-recipes {','.join(args.torchao_recipes)}: give torchao recipes of "
+                     f"{', '.join(TORCHAO_RECIPES)}")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         parser.error(f"--steps {args.steps} --warmup {args.warmup} --rounds {args.rounds}: time at least one step, "
                      "after 0 or more warm-up, in at least one round")
@@ -535,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     peers = args.peer or []
     if "torchao" in peers:
-        variants.append(torchao_variant())
+        variants += [torchao_variant(recipe) for recipe in args.torchao_recipes]
     for peer in RECIPE_PEERS:
         if peer in peers:
             try:

@@ -197,6 +197,27 @@ def test_te_recipes_are_checked_in_one_line(scripts, capsys):
                 in capsys.readouterr().err)
 
 
+def test_torchao_columns_are_its_recipes(scripts, capsys):
+    """--peer torchao: a column per torchao recipe (tensorwise for the per-tensor recipes, rowwise and
+    rowwise_with_gw_hp for precision=fp8_rowwise and _gw_hp), each converting the blocks with that recipe's own
+    config; --torchao-recipes picks them and refuses a recipe torchao does not name."""
+    layer_bench, _ = scripts
+    args = layer_bench.parse_args(["--peer", "torchao"])
+    assert args.torchao_recipes == ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+    assert layer_bench.parse_args(["--peer", "torchao", "--torchao-recipes", "rowwise"]).torchao_recipes == ["rowwise"]
+    with pytest.raises(SystemExit):
+        layer_bench.parse_args(["--peer", "torchao", "--torchao-recipes", "rowwise,fp8_rowwise"])
+    assert "give torchao recipes of tensorwise, rowwise, rowwise_with_gw_hp" in capsys.readouterr().err
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.config import ScalingGranularity
+
+    for recipe in layer_bench.TORCHAO_RECIPES:  # names torchao itself knows, with the granularity the column says
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        rowwise = config.cast_config_input.scaling_granularity is ScalingGranularity.AXISWISE
+        assert rowwise == recipe.startswith("rowwise")
+        assert layer_bench.torchao_variant(recipe).name == f"torchao_{recipe}"
+
+
 # ---- on a GPU with Transformer Engine (`pytest -m gpu`) ----
 
 
