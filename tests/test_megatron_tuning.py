@@ -316,6 +316,28 @@ def test_every_linear_accumulates_weight_gradients_in_place_as_the_unfused_path_
         assert (grads[True][name] - unfused).norm() <= 1e-2 * unfused.norm() + 1e-6, name
 
 
+def run_megatron_engine(cfg, tmp_path):
+    """Train `cfg` as the plan's command does (python -m recipes.megatron.engine config.yaml, in its run directory,
+    with this checkout importable); fails with the run's output unless it exits 0. Returns the run directory."""
+    import os
+    import subprocess
+    import sys
+
+    from recipes.config import REPO_ROOT
+    from recipes.folders import save_config
+
+    run_dir = tmp_path / "run"
+    cfg.run.dir = str(run_dir)
+    run_dir.mkdir()
+    save_config(cfg, run_dir / "config.yaml")
+    done = subprocess.run([sys.executable, "-m", "recipes.megatron.engine", str(run_dir / "config.yaml")],
+                          cwd=run_dir, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir
+
+
 def cuda_kernel_names(run) -> list[str]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -382,25 +404,12 @@ def test_a_megatron_fp8_step_runs_no_fallback_cast(tmp_path, precision):
     second step's trace has FP8 kernels and no cast_transpose_general_kernel."""
     pytest.importorskip("transformer_engine")
     import json
-    import os
-    import subprocess
-    import sys
-
-    from recipes.config import REPO_ROOT
-    from recipes.folders import save_config
 
     cfg = megatron_config(tmp_path, precision)
     assert cfg.precision.fp8_param_gather
     cfg.trainer.profile_step = 2
-    cfg.run.dir = str(tmp_path / "run")
-    (tmp_path / "run").mkdir()
-    save_config(cfg, tmp_path / "run" / "config.yaml")
-    done = subprocess.run([sys.executable, "-m", "recipes.megatron.engine", str(tmp_path / "run" / "config.yaml")],
-                          cwd=tmp_path / "run", capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    trace = json.loads((tmp_path / "run" / "profile" / "trace_rank0.json").read_text())
+    run_dir = run_megatron_engine(cfg, tmp_path)
+    trace = json.loads((run_dir / "profile" / "trace_rank0.json").read_text())
     kernels = [e["name"] for e in trace["traceEvents"] if e.get("cat") == "kernel"]
     assert any("fp8" in name.lower() or "quantize" in name.lower() for name in kernels)
     assert not [name for name in kernels if FALLBACK_CAST in name]
@@ -472,15 +481,10 @@ def test_a_megatron_step_trains_with_every_operand_in_1x128_blocks(tmp_path):
     """precision=fp8_blockwise_1d1d on engine=megatron: TE's own Float8BlockScaling, as megatron-core builds it in
     the step, has 1x128 weight blocks, and the step runs."""
     pytest.importorskip("transformer_engine")
-    import os
-    import subprocess
-    import sys
-
     from megatron.core import fp8_utils
     from transformer_engine.common import recipe as te_recipes
 
-    from recipes.config import REPO_ROOT
-    from recipes.folders import save_config
+    from recipes.config import DEFAULT_BLOCK_DIMS
     from recipes.megatron import block_dims, translate
 
     cfg = megatron_config(tmp_path, "fp8_blockwise_1d1d")
@@ -489,12 +493,5 @@ def test_a_megatron_step_trains_with_every_operand_in_1x128_blocks(tmp_path):
         recipe = fp8_utils.get_fp8_recipe(translate.transformer_config(cfg, WITH_TE))
         assert isinstance(recipe, te_recipes.Float8BlockScaling) and recipe.w_block_scaling_dim == 1
     finally:
-        block_dims.install((1, 2, 1))
-    cfg.run.dir = str(tmp_path / "run")
-    (tmp_path / "run").mkdir()
-    save_config(cfg, tmp_path / "run" / "config.yaml")
-    done = subprocess.run([sys.executable, "-m", "recipes.megatron.engine", str(tmp_path / "run" / "config.yaml")],
-                          cwd=tmp_path / "run", capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))})
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        block_dims.install(DEFAULT_BLOCK_DIMS)
+    run_megatron_engine(cfg, tmp_path)
