@@ -485,11 +485,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if unknown or not args.peer or not set(RECIPE_PEERS) & set(args.peer):
             parser.error(f"--te-recipes {','.join(args.te_recipes)}: give TE recipes of {', '.join(TE_RECIPES)}, "
                          f"with --peer {' or --peer '.join(RECIPE_PEERS)}")
+    if args.torchao_recipes is not None:
+        unknown = [name for name in args.torchao_recipes.split(",") if name not in TORCHAO_RECIPES]
+        if unknown or "torchao" not in (args.peer or []):
+            parser.error(f"--torchao-recipes {args.torchao_recipes}: give torchao recipes of "
+                         f"{', '.join(TORCHAO_RECIPES)}, with --peer torchao")
     args.torchao_recipes = (args.torchao_recipes or ",".join(TORCHAO_RECIPES)).split(",")
-    unknown = [name for name in args.torchao_recipes if name not in TORCHAO_RECIPES]
-    if unknown:
-        parser.error(f"--torchao-recipes {','.join(args.torchao_recipes)}: give torchao recipes of "
-                     f"{', '.join(TORCHAO_RECIPES)}")
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         parser.error(f"--steps {args.steps} --warmup {args.warmup} --rounds {args.rounds}: time at least one step, "
                      "after 0 or more warm-up, in at least one round")

@@ -188,13 +188,18 @@ def test_te_recipes_are_checked_in_one_line(scripts, capsys):
     assert "blockwise_1d1d" in layer_bench.TE_RECIPES and "blockwise_1d1d" not in layer_bench.DEFAULT_TE_RECIPES
     from te_peer import block_dims
     assert (block_dims("blockwise"), block_dims("blockwise_1d1d")) == ((1, 2, 1), (1, 1, 1))
-    for argv in (["--peer", "te", "--te-recipes", "bf16,fp8_delayed"], ["--te-recipes", "bf16"],
-                 ["--peer", "torchao", "--te-recipes", "bf16"]):
+    assert_refused(layer_bench, capsys, "give TE recipes of bf16, current, delayed, blockwise, mxfp8, blockwise_1d1d, "
+                   "with --peer te", ["--peer", "te", "--te-recipes", "bf16,fp8_delayed"], ["--te-recipes", "bf16"],
+                   ["--peer", "torchao", "--te-recipes", "bf16"])
+
+
+def assert_refused(layer_bench, capsys, message: str, *argvs: list[str]) -> None:
+    """Each command line exits with status 2 (argparse's error) and `message` on stderr."""
+    for argv in argvs:
         with pytest.raises(SystemExit) as exit_info:
             layer_bench.parse_args(argv)
         assert exit_info.value.code == 2
-        assert ("give TE recipes of bf16, current, delayed, blockwise, mxfp8, blockwise_1d1d, with --peer te"
-                in capsys.readouterr().err)
+        assert message in capsys.readouterr().err, argv
 
 
 def test_torchao_columns_are_its_recipes(scripts, capsys):
@@ -205,9 +210,9 @@ def test_torchao_columns_are_its_recipes(scripts, capsys):
     args = layer_bench.parse_args(["--peer", "torchao"])
     assert args.torchao_recipes == ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
     assert layer_bench.parse_args(["--peer", "torchao", "--torchao-recipes", "rowwise"]).torchao_recipes == ["rowwise"]
-    with pytest.raises(SystemExit):
-        layer_bench.parse_args(["--peer", "torchao", "--torchao-recipes", "rowwise,fp8_rowwise"])
-    assert "give torchao recipes of tensorwise, rowwise, rowwise_with_gw_hp" in capsys.readouterr().err
+    assert_refused(layer_bench, capsys, "give torchao recipes of tensorwise, rowwise, rowwise_with_gw_hp, with --peer "
+                   "torchao", ["--peer", "torchao", "--torchao-recipes", "rowwise,fp8_rowwise"],
+                   ["--torchao-recipes", "rowwise"], ["--peer", "te", "--torchao-recipes", "rowwise"])
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.config import ScalingGranularity
 
