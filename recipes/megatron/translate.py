@@ -14,11 +14,13 @@ recipes.plan.checks.validate and still fails here is a gap in that preflight.
 from __future__ import annotations
 
 import importlib.util
+from importlib import metadata
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from packaging.version import Version
 
 from recipes.config import Activation, Config, ConfigError, Normalization, Recipe, Recompute, RopeScaling
 from megatron.core.activations import squared_relu
@@ -101,9 +103,15 @@ class Kernels:
     # Apex recipes.megatron.wgrad (megatron-core's fused backward allocates on the CUDA device: not on a CPU)
     wgrad_accumulation: bool
     apex_softmax: bool  # Apex's fused softmax kernels: megatron-core's local attention
+    # megatron-core's layer graphs replay with TE's FP8 weights: before 0.19.0 each replay copies every captured
+    # weight onto itself, which TE's Float8Tensor turns into a copy of its bytes onto themselves that CUDA refuses
+    # ("invalid argument"; fixed by Megatron-LM #5451, which skips inputs already in place)
+    graphs_take_fp8_weights: bool
 
 
-NO_KERNELS = Kernels(transformer_engine=False, wgrad_accumulation=False, apex_softmax=False)
+NO_KERNELS = Kernels(transformer_engine=False, wgrad_accumulation=False, apex_softmax=False,
+                     graphs_take_fp8_weights=False)
+GRAPHS_TAKE_FP8_WEIGHTS_FROM = Version("0.19.0")
 
 
 def available_kernels() -> Kernels:
@@ -114,7 +122,8 @@ def available_kernels() -> Kernels:
 
     return Kernels(transformer_engine=found("transformer_engine"),
                    wgrad_accumulation=found("fused_weight_gradient_mlp_cuda") or torch.cuda.is_available(),
-                   apex_softmax=found("scaled_upper_triang_masked_softmax_cuda"))
+                   apex_softmax=found("scaled_upper_triang_masked_softmax_cuda"),
+                   graphs_take_fp8_weights=Version(metadata.version("megatron-core")) >= GRAPHS_TAKE_FP8_WEIGHTS_FROM)
 
 
 @dataclass(frozen=True)
@@ -210,6 +219,13 @@ def check_overlaps(cfg: Config, kernels: Optional[Kernels]) -> None:
         if missing_te:
             raise ConfigError("megatron.cuda_graphs=true needs Transformer Engine's graph-safe RNG tracker, which "
                               "this Python lacks: set it false")
+        if (precision.recipe != Recipe.bf16 and precision.fp8_param_gather and kernels is not None
+                and not kernels.graphs_take_fp8_weights):
+            raise ConfigError(f"megatron.cuda_graphs=true with FP8 weights (precision={precision.name} keeps them: "
+                              f"fp8_param_gather): megatron-core {metadata.version('megatron-core')} copies each "
+                              f"weight onto itself at every graph replay, which TE's FP8 weights fail (fixed in "
+                              f"{GRAPHS_TAKE_FP8_WEIGHTS_FROM}); set precision.fp8_param_gather=false or "
+                              "megatron.cuda_graphs=false")
 
 
 FUSION_NAMES = {"gradient_accumulation_fusion": "wgrad accumulation", "cross_entropy_loss_fusion": "cross-entropy",
