@@ -42,6 +42,7 @@ class Recipe(str, enum.Enum):
     blockwise = "blockwise"  # BlockwiseScaling: fp8_blockwise
     mxfp8 = "mxfp8"  # MXFP8Scaling: mxfp8
     rowwise = "rowwise"  # RowwiseScaling, torchao's rowwise recipe (the torch engine only): fp8_rowwise(_gw_hp)
+    nvfp4 = "nvfp4"  # Nvfp4Scaling, TE's NVFP4BlockScaling (megatron-core's fp4_recipe): nvfp4
 
 
 class Fp8Format(str, enum.Enum):
@@ -131,6 +132,7 @@ class ModelConfig:
     init_std: float = 0.02
 
 
+NVFP4_KNOBS = ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization")
 DEFAULT_BLOCK_DIMS = (1, 2, 1)  # blockwise scaling's (input, weight, gradient) blocks: TE's Float8BlockScaling default
 
 
@@ -159,12 +161,22 @@ class PrecisionConfig:
     x_block_scaling_dim: int = 1  # a linear's input
     w_block_scaling_dim: int = 2  # its weight
     grad_block_scaling_dim: int = 1  # its output gradient
+    # NVFP4 only, Transformer Engine's NVFP4BlockScaling knobs under their names: each part of NVIDIA's recipe is on
+    # unless disabled (recipes.fp8.nvfp4).
+    disable_rht: bool = False  # the random Hadamard transform of the weight gradient's operands
+    disable_stochastic_rounding: bool = False  # stochastic rounding of output gradients
+    disable_2d_quantization: bool = False  # 16 x 16 weight blocks (1 x 16 when disabled)
     fp8_param_gather: bool = False  # all-gather FP8 weights (sharded engines only)
     emulate: bool = False  # allow a recipe without native kernels on this GPU to run emulated (labelled as such)
     # On CUDA: Triton kernels for FP8 transposes and blockwise quantization, and for one process BF16 weights cast
     # once per optimizer step and weight gradients accumulated in FP32 inside the GEMM. false: PyTorch ops and
     # autograd's own accumulation, as before (same recipe; for comparisons).
     fused_kernels: bool = True
+
+    @property
+    def nvfp4_parts_disabled(self) -> list[str]:
+        """The NVFP4 knobs (disable_*) this config sets."""
+        return [name for name in NVFP4_KNOBS if getattr(self, name)]
 
     @property
     def block_dims(self) -> tuple[int, int, int]:

@@ -657,6 +657,7 @@ def fp8_recipes_table(index: dict[str, list[Record]], base: Path) -> str:
                      f"({gemm_variant[precision].replace('_x_', ' x ')}) | "
                      f"{loss} | {span(te, fmt_ratio)} |")
     lines.append("| mxfp8 | no native kernel on Hopper; not measured on Blackwell | - | - | - |")
+    lines.append("| nvfp4 | no native kernel on Hopper (engine=torch emulates it); not measured on Blackwell | - | - | - |")
     return "\n".join([*lines, "", sources.note([*lb, *index["gemm"], *index["convergence"],
                                                 *index["convergence_rerun"]], base)])
 

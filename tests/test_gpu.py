@@ -232,11 +232,12 @@ def test_blockwise_linear_compiles_in_one_graph_and_matches_eager():
         assert relative_error(compiled, eager.double()) < 1e-2
 
 
-def test_compiled_emulated_mxfp8_model_matches_eager():
-    """Compiled blocks of an emulated-MXFP8 model give the eager gradients. History: compiled emulated-MXFP8
-    training on an H200 (torch 2.11) had gradient norms 14x below BF16's from the first step; this test failed at
-    commit 8e1c20b (MX quantization already opaque), after which the emulated GEMM (with its FP8 decoding) became
-    an opaque op too (recipes.fp8.gemm); passed on an H200 at 4079830."""
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+def test_compiled_emulated_model_matches_eager(name):
+    """Compiled blocks of an emulated-MXFP8 (or NVFP4) model give the eager gradients. History: compiled
+    emulated-MXFP8 training on an H200 (torch 2.11) had gradient norms 14x below BF16's from the first step; this
+    test failed at commit 8e1c20b (MX quantization already opaque), after which the emulated GEMM (with its FP8
+    decoding) became an opaque op too (recipes.fp8.gemm); passed on an H200 at 4079830."""
     import dataclasses
 
     from recipes.config import load_option
@@ -244,7 +245,7 @@ def test_compiled_emulated_mxfp8_model_matches_eager():
     from recipes.models.transformer import Transformer
 
     cfg = dataclasses.replace(load_option("model", "tiny_llama"), num_layers=2)
-    precision = dataclasses.replace(load_option("precision", "mxfp8"), emulate=True)
+    precision = dataclasses.replace(load_option("precision", name), emulate=True, num_layers_at_end_in_bf16=0)
     tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), device="cuda",
                            generator=torch.Generator("cuda").manual_seed(0))
     results = []
@@ -264,6 +265,36 @@ def test_compiled_emulated_mxfp8_model_matches_eager():
     (eager_loss, eager_norm), (compiled_loss, compiled_norm) = results
     assert abs(compiled_loss - eager_loss) < 1e-2 * eager_loss
     assert abs(compiled_norm - eager_norm) < 2e-2 * eager_norm
+
+
+@pytest.mark.parametrize("tile_rows", [1, 16])
+def test_nvfp4_quantizer_on_cuda_equals_cpu_and_transformer_engines_reference(tile_rows):
+    """recipes.fp8.nvfp4 on CUDA writes the CPU's bytes (the random numbers of stochastic rounding too), and with
+    TE importable, TE's own reference quantizer's: row-wise, and column-wise after its Hadamard transform."""
+    from recipes.fp8.nvfp4 import quantize_nvfp4, random_hadamard_transform, uniform
+
+    x = (torch.randn(256, 512, generator=torch.Generator().manual_seed(2)) * 3).bfloat16()
+    x[3, :16] = 0.0
+    seed = torch.tensor([1, 2, 3])
+    for rht in (False, True):
+        source = random_hadamard_transform(x.t().contiguous()) if rht else x
+        cpu = quantize_nvfp4(source, (tile_rows, 16), uniform(seed, 0, source.shape))
+        cuda = quantize_nvfp4(source.cuda(), (tile_rows, 16), uniform(seed.cuda(), 0, source.shape))
+        assert torch.equal(cpu.codes, cuda.codes.cpu()) and torch.equal(cpu.amax, cuda.amax.cpu())
+        assert torch.equal(cpu.block_scale.view(torch.uint8), cuda.block_scale.cpu().view(torch.uint8))
+    reference = pytest.importorskip("transformer_engine.pytorch.custom_recipes.reference_nvfp4")
+    from transformer_engine.pytorch.custom_recipes.reference_utils import Fp4Formats
+
+    te = reference.NVFP4QuantizerRef(dtype=Fp4Formats.E2M1, quant_tile_shape=(tile_rows, 16),
+                                     with_rht=tile_rows == 1).quantize(x.cuda())
+    for ours, data, scale, amax in ((quantize_nvfp4(x.cuda(), (tile_rows, 16)), te.data, te.scale, te.global_amax_row),
+                                    (quantize_nvfp4(random_hadamard_transform(x.t().contiguous().cuda())
+                                                    if tile_rows == 1 else x.t().contiguous().cuda(), (tile_rows, 16)),
+                                     te.data_t, te.scale_t, te.global_amax_col)):
+        assert torch.equal(ours.codes, data.view(torch.uint8))
+        scales = ours.block_scale.repeat_interleave(tile_rows, dim=0)
+        assert torch.equal(scales.view(torch.uint8), scale.view(torch.float8_e4m3fn).view(torch.uint8)[:, :scales.shape[1]])
+        assert torch.equal(ours.amax.view(1), amax.view(1))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

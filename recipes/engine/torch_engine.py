@@ -116,7 +116,7 @@ def train(cfg: Config, run_dir: Path) -> dict:
     def train_step(step: int, lr: float) -> tuple[float, float]:
         loss, grad_norm = optimizer_step(
             partial(micro_batch_loss, step), accumulation, model, fp8, optimizer, lr, cfg.trainer.grad_clip,
-            reduce_every_micro_batch=cfg.trainer.grad_reduce == GradReduce.per_micro_batch,
+            reduce_every_micro_batch=cfg.trainer.grad_reduce == GradReduce.per_micro_batch, step=step,
         )
         if world_size > 1:
             dist.all_reduce(loss)  # a sum: Gloo has no average

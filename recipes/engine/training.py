@@ -53,6 +53,7 @@ def optimizer_step(
     lr: float,
     grad_clip: float,
     reduce_every_micro_batch: bool = False,
+    step: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of each micro-batch (gradients accumulate), clip, one optimizer step.
     `micro_batch_loss(i)` is micro-batch i's share of the step's loss (its mean loss / num_micro_batches), whose
@@ -63,12 +64,12 @@ def optimizer_step(
     for the three). Under FSDP gradients are reduce-scattered in
     the last micro-batch's backward only, or in every one with `reduce_every_micro_batch` (FSDP then adds them
     into the sharded gradients). `fp8` is called before each micro-batch, after each backward, after the last
-    one and once the weights have changed (recipes.fp8.training).
+    one and once the weights have changed (recipes.fp8.training); `step` numbers its stochastic rounding's draws.
     """
     total = torch.zeros((), device=next(model.parameters()).device)
     for micro in range(num_micro_batches):
         set_gradient_sync(model, reduce_every_micro_batch or micro == num_micro_batches - 1)
-        fp8.micro_batch(model, micro)
+        fp8.micro_batch(model, micro, step)
         loss = micro_batch_loss(micro)
         loss.backward()
         fp8.after_backward(model)

@@ -8,6 +8,7 @@ take), dispatched on the operands' scaling granularity:
 - 1x32 MX blocks: torch.nn.functional.scaled_mm with E8M0 scales in the 32_4_4 layout on Blackwell;
 - one scale per row (row-wise scaling): torch._scaled_mm's row-wise scales (sm89 and later), whose kernels write
   BF16 only: the result in BF16, then in the output's dtype (torchao's weight gradient is BF16 the same way);
+- NVFP4's 1x16 and 16x16 blocks (E2M1 values in E4M3, FP32 scales: recipes.fp8.nvfp4): emulated only;
 - emulated (only when the precision asks for it): the operands dequantized to FP32 and multiplied in FP32, the
   same numbers a native block-scaled GEMM computes up to the order of FP32 accumulation. MX operands, whose
   scales are powers of two, are exact in TF32 too, so on a GPU their emulation runs on tensor cores in TF32 (FP32
@@ -37,10 +38,14 @@ import torch.nn.functional as F
 from recipes.fp8 import cublaslt
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK
 from recipes.fp8.mxfp8 import MX_BLOCK, swizzle_32_4_4, to_e8m0
+from recipes.fp8.nvfp4 import NVFP4_BLOCK, WEIGHT_2D_BLOCK
 from recipes.fp8.tensor import ROW_BLOCK, Float8Tensor
 
 
 def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, fast_accum: bool, emulate: bool) -> torch.Tensor:
+    if not emulate and {a.block, b.block} & NVFP4_BLOCKS:
+        raise RuntimeError(f"no native NVFP4 GEMM in the torch engine ({a.block} x {b.block} blocks on "
+                           f"{a.data.device}); set precision.emulate=true to emulate it")
     if a.block is None and b.block is None:
         return tensorwise_mm(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype, fast_accum)
     if a.block == b.block == ROW_BLOCK and (a.data.is_cuda or emulate):
@@ -51,6 +56,9 @@ def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, fast_accu
             "set precision.emulate=true to emulate it"
         )
     return block_scaled_mm(a.data, a.scale_inv, list(a.block), b.data, b.scale_inv, list(b.block), out_dtype, emulate)
+
+
+NVFP4_BLOCKS = {NVFP4_BLOCK, WEIGHT_2D_BLOCK}
 
 
 def rowwise_mm(a: Float8Tensor, b: Float8Tensor, fast_accum: bool, emulate: bool) -> torch.Tensor:

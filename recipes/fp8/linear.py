@@ -36,6 +36,7 @@ from recipes.fp8.formats import forward_and_backward_dtypes
 from recipes.fp8.activation_ops import reference_output
 from recipes.fp8.gemm import fp8_gemm, fp8_gemm_into
 from recipes.fp8.mxfp8 import quantize_mx
+from recipes.fp8.nvfp4 import NVFP4_BLOCK, WEIGHT_2D_BLOCK, quantize_nvfp4_op
 from recipes.fp8.rowwise import quantize_rowwise
 from recipes.fp8.tensor import Float8Tensor
 
@@ -269,6 +270,50 @@ class RowwiseScaling(Fp8Recipe):
         return False
 
 
+@dataclass(frozen=True)
+class Nvfp4Scaling(Fp8Recipe):
+    """NVFP4 (TE NVFP4BlockScaling; recipes.fp8.nvfp4): every operand in E2M1 with E4M3 scales of 1x16 blocks along
+    K and an FP32 scale per tensor; weights in 16x16 blocks (`weight_2d`), whose transpose reuses the bytes; the
+    input and the output gradient laid out for the weight gradient Hadamard-transformed first (`hadamard`); output
+    gradients rounded stochastically (`stochastic_rounding`) with random numbers from the layer's seed (`state`:
+    its rounding_seed). Each transposed use other than the weight's is quantized again from the high-precision
+    tensor, as TE does. GEMMs: emulated (no native NVFP4 GEMM in the torch engine)."""
+
+    hadamard: bool = True
+    stochastic_rounding: bool = True
+    weight_2d: bool = True
+    fast_accum_fprop = False
+
+    def block(self, role: int) -> tuple[int, int]:
+        return WEIGHT_2D_BLOCK if role == WEIGHT and self.weight_2d else NVFP4_BLOCK
+
+    def quantize(self, t, role, state):
+        return self._quantize(t, role, state, transposed=False)
+
+    def transpose_reuses_quantization(self, role):
+        return self.block(role) == WEIGHT_2D_BLOCK
+
+    def transposed(self, quantized, source, role, state):
+        if self.transpose_reuses_quantization(role):
+            return quantized.transpose()
+        return self._quantize(source.t(), role, state, transposed=True)
+
+    def _quantize(self, t: torch.Tensor, role: int, state, transposed: bool) -> Float8Tensor:
+        """t in NVFP4 for a GEMM contracting its last dimension; `transposed`: the layout the weight gradient takes
+        (the Hadamard transform's, and the second of a gradient's two random draws)."""
+        seed = state[0] if role == GRAD and self.stochastic_rounding else None
+        hadamard = transposed and self.hadamard and role != WEIGHT
+        data, scale_inv = quantize_nvfp4_op(t, self.block(role)[0], hadamard, seed, int(transposed))
+        return Float8Tensor(data, scale_inv, self.block(role))
+
+
+def check_nvfp4_knobs(precision: PrecisionConfig) -> None:
+    """ConfigError for NVFP4's disable_* knobs set outside NVFP4."""
+    if precision.recipe != Recipe.nvfp4 and precision.nvfp4_parts_disabled:
+        raise ConfigError(f"precision.{precision.nvfp4_parts_disabled[0]}=true is NVFP4's (TE's NVFP4BlockScaling): "
+                          f"precision={precision.name} has no such part; leave it false or use precision=nvfp4")
+
+
 def check_block_dims(precision: PrecisionConfig) -> None:
     """ConfigError for block dimensions no recipe or kernel takes: other than TE's default outside blockwise
     scaling, and two 128x128 operands in one GEMM without emulation (no native kernel anywhere)."""
@@ -288,6 +333,7 @@ def recipe_from_config(precision: PrecisionConfig) -> Fp8Recipe:
     if precision.fp8_format is None:
         raise ConfigError(f"precision={precision.name}: set precision.fp8_format (hybrid or e4m3)")
     check_block_dims(precision)
+    check_nvfp4_knobs(precision)
     shared = dict(zip(("forward_dtype", "backward_dtype"), forward_and_backward_dtypes(precision.fp8_format)))
     shared.update(fp8_wgrad=precision.fp8_wgrad, emulate=precision.emulate, fused_kernels=precision.fused_kernels)
     if precision.recipe == Recipe.delayed:
@@ -307,6 +353,10 @@ def recipe_from_config(precision: PrecisionConfig) -> Fp8Recipe:
         return MXFP8Scaling(**shared)
     if precision.recipe == Recipe.rowwise:
         return RowwiseScaling(**shared)
+    if precision.recipe == Recipe.nvfp4:
+        return Nvfp4Scaling(**shared, hadamard=not precision.disable_rht,
+                            stochastic_rounding=not precision.disable_stochastic_rounding,
+                            weight_2d=not precision.disable_2d_quantization)
     raise ConfigError(f"precision={precision.name}: recipe '{precision.recipe.value}' is not an FP8 recipe")
 
 
@@ -460,9 +510,16 @@ class Fp8Linear(CachedWeightLinear):
         self.fp8_state = (
             DelayedScalingState(recipe.amax_history_len).to(linear.weight.device) if recipe.stateful else None
         )
+        # Stochastic rounding's seed (recipes.fp8.nvfp4.uniform): run seed, this layer, draw; set by
+        # recipes.fp8.training (seed_rounding, and each micro-batch's draw), derived again on a resume.
+        rounds_stochastically = getattr(recipe, "stochastic_rounding", False)
+        self.register_buffer("rounding_seed", torch.zeros(3, dtype=torch.int64, device=linear.weight.device)
+                             if rounds_stochastically else None, persistent=False)
 
     def state_tensors(self) -> tuple:
-        return self.fp8_state.tensors() if self.fp8_state is not None else ()
+        if self.fp8_state is not None:
+            return self.fp8_state.tensors()
+        return () if self.rounding_seed is None else (self.rounding_seed,)
 
     def make_weight_cache(self) -> WeightCache:
         return fp8_weight_cache(self.weight, self.recipe, self.state_tensors() or None)

@@ -9,8 +9,9 @@ of FP8; the plan asks the same object what it will do.
                                       FP32 main gradients)
     fp8.prepare_for_sharding(model)   before fully_shard: FSDP2 will all-gather the FP8 linears' weights in FP8
     fp8.materialized(model)           after to_empty of a model sharded on the meta device
-    fp8.micro_batch(model, index)     before each micro-batch: the first quantizes each weight into its cache, the
-                                      others reuse it (weights do not change within an optimizer step)
+    fp8.micro_batch(model, index, step)  before each micro-batch: the first quantizes each weight into its cache,
+                                      the others reuse it (weights do not change within an optimizer step);
+                                      stochastic rounding's draw
     fp8.after_backward(model)         after each micro-batch's backward: delayed scaling folds its amaxes in
     fp8.after_micro_batches(model)    after the step's last backward: the main gradients become the weights' .grad
     fp8.amaxes_finite(model)          with the loss, before the optimizer step: no inf/NaN amax in delayed scaling
@@ -41,7 +42,7 @@ from recipes.fp8.delayed_scaling import NUM_ROLES, ROLE_NAMES, update_delayed_sc
 from recipes.fp8.formats import E4M3
 from recipes.fp8.linear import (
     CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, GRAD, WEIGHT, Bf16Linear, CachedWeightLinear, DelayedScaling, Fp8Linear,
-    TensorwiseScaling, check_block_dims, recipe_from_config,
+    TensorwiseScaling, check_block_dims, check_nvfp4_knobs, recipe_from_config,
 )
 
 FP8_ALL_GATHER_RECIPES = (Recipe.tensorwise, Recipe.delayed)
@@ -55,8 +56,9 @@ class Fp8Training:
     summed into an FP32 main gradient inside its GEMM."""
 
     def __init__(self, precision: PrecisionConfig, micro_batches: int = 1, fsdp_fp8_all_gather: bool = False,
-                 fused_linears: bool = False):
+                 fused_linears: bool = False, seed: int = 0):
         self.precision = precision
+        self.micro_batches, self.seed = micro_batches, seed  # stochastic rounding's draws (seed_rounding)
         self.enabled = precision.recipe != Recipe.bf16
         self.fused_linears = fused_linears
         self.gathers_weights_in_fp8 = fsdp_fp8_all_gather and precision.recipe in FP8_ALL_GATHER_RECIPES
@@ -71,7 +73,8 @@ class Fp8Training:
         linears then)."""
         micro_batches = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * processes)
         fused = device is not None and fused_linears_apply(cfg.precision, device, processes)
-        return cls(cfg.precision, micro_batches, processes > 1 and cfg.trainer.fsdp_fp8_all_gather, fused)
+        return cls(cfg.precision, micro_batches, processes > 1 and cfg.trainer.fsdp_fp8_all_gather, fused,
+                   cfg.trainer.seed)
 
     @classmethod
     def for_one_process(cls, precision: PrecisionConfig, micro_batches: int, device: torch.device) -> "Fp8Training":
@@ -87,6 +90,7 @@ class Fp8Training:
                               f"fp8_delayed), not precision={cfg.precision.name}: block-scaled weights are quantized "
                               "after the gather")
         check_block_dims(cfg.precision)
+        check_nvfp4_knobs(cfg.precision)
         if cfg.precision.recipe != Recipe.bf16:
             recipe_from_config(cfg.precision)
 
@@ -98,6 +102,7 @@ class Fp8Training:
             attach_weight_caches(model)
         if self.fused_linears:
             attach_main_grads(model)
+        seed_rounding(model, self.seed)
 
     def prepare_for_sharding(self, model: nn.Module) -> None:
         if self.gathers_weights_in_fp8:
@@ -107,9 +112,10 @@ class Fp8Training:
         if self.gathers_weights_in_fp8:
             rebind_all_gather_scales(model)
 
-    def micro_batch(self, model: nn.Module, index: int) -> None:
+    def micro_batch(self, model: nn.Module, index: int, step: int = 0) -> None:
         if self.caches_weights:  # the mode also says whether a weight gradient starts or adds to its main gradient
             set_weight_cache_mode(model, CACHE_REFRESH if index == 0 else CACHE_REUSE)
+        set_rounding_draw(model, step * self.micro_batches + index)
 
     def after_backward(self, model: nn.Module) -> None:
         if self.enabled:
@@ -141,6 +147,25 @@ def fused_linears_apply(precision: PrecisionConfig, device: torch.device, proces
 
 def _fp8_linears(model: nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, Fp8Linear)]
+
+
+def _rounding_linears(model: nn.Module) -> list[Fp8Linear]:
+    return [m for m in _fp8_linears(model) if m.rounding_seed is not None]
+
+
+@torch.no_grad()
+def seed_rounding(model: nn.Module, seed: int) -> None:
+    """Each stochastically rounding linear's seed: the run's, then its place among them (recipes.fp8.nvfp4.uniform)."""
+    for index, layer in enumerate(_rounding_linears(model)):
+        layer.rounding_seed.copy_(torch.tensor([seed, index, 0]))
+
+
+@torch.no_grad()
+def set_rounding_draw(model: nn.Module, draw: int) -> None:
+    """The draw of the micro-batch about to run (step * micro-batches + index): a resumed run draws the same
+    numbers as one that never stopped."""
+    for layer in _rounding_linears(model):
+        layer.rounding_seed[2].fill_(draw)
 
 
 def _weight_scale(layer: nn.Module) -> torch.Tensor:

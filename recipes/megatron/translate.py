@@ -57,15 +57,18 @@ def fp8_fields(cfg: Config) -> dict:
     p = cfg.precision
     if p.recipe == Recipe.bf16:
         return {}
+    bf16_layers = dict(first_last_layers_bf16=bool(p.num_layers_at_start_in_bf16 or p.num_layers_at_end_in_bf16),
+                       num_layers_at_start_in_bf16=p.num_layers_at_start_in_bf16,
+                       num_layers_at_end_in_bf16=p.num_layers_at_end_in_bf16)
+    if p.recipe == Recipe.nvfp4:  # megatron-core's FP4 path: TE's NVFP4BlockScaling (recipes.megatron.nvfp4_parts)
+        return dict(fp4="e2m1", fp4_recipe="nvfp4", fp4_param=p.fp8_param_gather, **bf16_layers)
     fields = dict(
         fp8=p.fp8_format.value,
         fp8_recipe=p.recipe.value,
         fp8_margin=p.margin,
         fp8_wgrad=p.fp8_wgrad,
         fp8_param=p.fp8_param_gather,  # Megatron-LM's --fp8-param-gather sets both this and the DDP field
-        first_last_layers_bf16=bool(p.num_layers_at_start_in_bf16 or p.num_layers_at_end_in_bf16),
-        num_layers_at_start_in_bf16=p.num_layers_at_start_in_bf16,
-        num_layers_at_end_in_bf16=p.num_layers_at_end_in_bf16,
+        **bf16_layers,
     )
     if p.recipe == Recipe.delayed:  # the amax history is delayed scaling's alone
         fields.update(fp8_amax_history_len=p.amax_history_len, fp8_amax_compute_algo=p.amax_compute_algo.value)

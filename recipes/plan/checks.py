@@ -162,6 +162,8 @@ def native_archs(recipe: Recipe, megatron: bool = False) -> tuple[str, ...] | No
         return ("hopper", "blackwell") if megatron else ("hopper",)
     if recipe == Recipe.rowwise:  # torch._scaled_mm's row-wise scales (sm89 and later)
         return ("hopper", "blackwell")
+    if recipe == Recipe.nvfp4:  # FP4 tensor cores: Blackwell, through Transformer Engine only
+        return ("blackwell",) if megatron else ()
     return None
 
 
@@ -178,6 +180,10 @@ def _validate_precision(cfg: Config) -> None:
     if megatron and precision.recipe == Recipe.rowwise:
         raise ConfigError(f"precision={precision.name} is torchao's row-wise recipe, which Transformer Engine does not "
                           f"have (engine={cfg.engine.value} trains with TE's recipes): use engine=torch")
+    if precision.recipe == Recipe.nvfp4 and cfg.engine == Engine.nemo:
+        raise ConfigError(f"precision={precision.name} on engine=nemo: this project maps no NVFP4 plugin of NeMo 2's "
+                          "recipes; use engine=megatron (Transformer Engine's NVFP4BlockScaling, Blackwell) or "
+                          "engine=torch with precision.emulate=true")
     if precision.recipe == Recipe.rowwise and precision.fp8_format != Fp8Format.e4m3:
         raise ConfigError(f"precision={precision.name}: torchao's row-wise recipe casts every operand, gradients "
                           "included, to E4M3; set precision.fp8_format=e4m3")
@@ -207,6 +213,12 @@ def _validate_precision(cfg: Config) -> None:
         raise ConfigError(f"precision={precision.name} runs natively on Hopper and Blackwell GPUs (torch._scaled_mm's "
                           f"row-wise scales); gpu={gpu.name} is {gpu.arch}. Set precision.emulate=true to emulate it "
                           "(slow; labelled).")
+    if precision.recipe == Recipe.nvfp4 and gpu.arch not in native_archs(Recipe.nvfp4, megatron) and not precision.emulate:
+        raise ConfigError(
+            f"precision={precision.name} runs natively only on Blackwell GPUs (b200, gb200) through Transformer Engine "
+            f"(engine=megatron); gpu={gpu.name} is {gpu.arch}." if megatron else
+            f"precision={precision.name}: the torch engine has no NVFP4 GEMM kernel; set precision.emulate=true "
+            "(NVFP4 values and scales exact, GEMMs in FP32; slow, labelled), or use engine=megatron on Blackwell")
     block_archs = native_archs(Recipe.blockwise, megatron)
     if precision.recipe == Recipe.blockwise and gpu.arch not in block_archs and not precision.emulate:
         raise ConfigError(
@@ -267,7 +279,9 @@ def _require_cuda(major: int, minor: int, what: str) -> None:
 
 # Every dimension an FP8 GEMM contracts or produces must be a multiple of the recipe's block (16 for cuBLAS's
 # per-tensor FP8 GEMMs); the token count is the K of wgrad.
-GEMM_MULTIPLE = {Recipe.tensorwise: 16, Recipe.delayed: 16, Recipe.blockwise: 128, Recipe.mxfp8: 32, Recipe.rowwise: 16}
+# NVFP4: 16 x 16 weight blocks, and K a multiple of 32 in TE's FP4 GEMMs.
+GEMM_MULTIPLE = {Recipe.tensorwise: 16, Recipe.delayed: 16, Recipe.blockwise: 128, Recipe.mxfp8: 32, Recipe.rowwise: 16,
+                 Recipe.nvfp4: 32}
 
 
 def _validate_gemm_dims(cfg: Config) -> None:

@@ -6,7 +6,7 @@ import shlex
 
 from recipes.compute import describe_compute
 from recipes.models.attention import describe_order
-from recipes.config import Config, Engine, ExecutorName, GradReduce, Recipe
+from recipes.config import NVFP4_KNOBS, Config, Engine, ExecutorName, GradReduce, PrecisionConfig, Recipe
 from recipes.fp8 import Fp8Training
 from recipes.plan import Plan
 from recipes.nemo import preflight as nemo_preflight
@@ -19,6 +19,15 @@ def describe_blocks(block_dims: tuple[int, int, int]) -> str:
     """Blockwise scaling's blocks per operand, as the plan prints them: input 1x128, weight 128x128, grad 1x128."""
     return ", ".join(f"{role} {'128x128' if dim == 2 else '1x128'}" for role, dim in zip(("input", "weight", "grad"),
                                                                                     block_dims))
+
+
+def describe_nvfp4(precision: PrecisionConfig) -> str:
+    """NVFP4's parts as the plan prints them: E2M1 in 1x16 blocks with E4M3 scales, weights 16x16, Hadamard
+    transform on, stochastic rounding on."""
+    on = {knob: "off" if knob in precision.nvfp4_parts_disabled else "on" for knob in NVFP4_KNOBS}
+    return (f"E2M1 in 1x16 blocks with E4M3 scales, weights "
+            f"{'1x16' if on['disable_2d_quantization'] == 'off' else '16x16'}, Hadamard transform "
+            f"{on['disable_rht']}, stochastic rounding {on['disable_stochastic_rounding']}")
 
 
 def _torch_engine_weight_gather(cfg: Config, processes: int) -> str:
@@ -82,8 +91,10 @@ def describe(plan: Plan) -> str:
         f"model       {cfg.model.name}: {plan.parameters:,} parameters, {cfg.model.num_layers} layers, "
         f"hidden {cfg.model.hidden_size}, seq {cfg.model.seq_length}",
         f"precision   {cfg.precision.name} (recipe {cfg.precision.recipe.value}"
-        + (f", format {cfg.precision.fp8_format.value}" if cfg.precision.fp8_format else "")
+        + (f", format {cfg.precision.fp8_format.value}" if cfg.precision.fp8_format
+           and cfg.precision.recipe != Recipe.nvfp4 else "")
         + (f", blocks {describe_blocks(cfg.precision.block_dims)}" if cfg.precision.recipe == Recipe.blockwise else "")
+        + (f", {describe_nvfp4(cfg.precision)}" if cfg.precision.recipe == Recipe.nvfp4 else "")
         + (", emulated" if cfg.precision.emulate else "")
         + ")"
         + (_torch_engine_weight_gather(cfg, plan.processes) if sharded else ""),

@@ -223,7 +223,7 @@ def _header_precision(header: dict[str, Any]) -> tuple[Optional[str], list[str]]
     if fp8 not in (None, "none"):
         return RECIPE_TO_PRECISION.get(header.get("fp8_recipe"), "fp8"), fp8_keys + ["fp8_recipe"]
     if fp4 not in (None, "none"):
-        return "nvfp4", ["fp4"]  # not a recipe of this project: compared with nothing, never taken for BF16
+        return "nvfp4", ["fp4"]  # megatron-core's FP4 path names no recipe of its own: TE's NVFP4BlockScaling
     if fp8 == "none" and header.get("bf16"):
         return "bf16", fp8_keys + ["bf16"]
     return None, []
