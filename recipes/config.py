@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import fnmatch
 import functools
 import math
 import os
@@ -132,6 +133,72 @@ class ModelConfig:
     init_std: float = 0.02
 
 
+# The linear layers of a decoder layer, named as the plan prints them (layers.{i}.<kind>), and the output layer.
+LINEAR_KINDS = ("attention.qkv", "attention.out", "mlp.fc1", "mlp.fc2")
+OUTPUT_LAYER = "output_layer"
+# A module pattern: a glob over such names, and nothing a YAML file or a shell could read otherwise.
+MODULE_PATTERN = re.compile(r"[A-Za-z0-9_.*?\[\]!-]+")
+
+
+def linear_names(num_layers: int) -> list[str]:
+    """Every linear layer's name, in the model's order: layers.0.attention.qkv ... output_layer."""
+    return [f"layers.{i}.{kind}" for i in range(num_layers) for kind in LINEAR_KINDS] + [OUTPUT_LAYER]
+
+
+def precision_of(name: str, precision: "PrecisionConfig", num_layers: int) -> str:
+    """The conf/precision option of one linear: the first entry of precision.modules that matches its name; else
+    bf16 in the layers num_layers_at_start/end_in_bf16 keep in BF16 and in the output layer (BF16 with the loss,
+    as in Transformer Engine's recipes); else the run's precision."""
+    for entry in precision.modules:
+        if fnmatch.fnmatchcase(name, entry.pattern):
+            return entry.precision
+    match = re.fullmatch(r"layers\.(\d+)\..+", name)
+    layer = int(match.group(1)) if match else None
+    if layer is None or layer < precision.num_layers_at_start_in_bf16 \
+            or layer >= num_layers - precision.num_layers_at_end_in_bf16:
+        return "bf16"
+    return precision.name
+
+
+def module_assignment(precision: "PrecisionConfig", num_layers: int) -> dict[str, str]:
+    """Every linear layer's conf/precision option (precision_of), by name."""
+    return {name: precision_of(name, precision, num_layers) for name in linear_names(num_layers)}
+
+
+def module_precision(run: "PrecisionConfig", option: str) -> "PrecisionConfig":
+    """The precision a linear assigned `option` runs: the run's own (with its overrides) where `option` names it;
+    else that conf/precision option's recipe and knobs, with the run's emulate and fused_kernels (run-wide
+    settings) and no layers or modules of its own."""
+    if option == run.name:
+        return run
+    return dataclasses.replace(load_option("precision", option), emulate=run.emulate, fused_kernels=run.fused_kernels,
+                               num_layers_at_start_in_bf16=0, num_layers_at_end_in_bf16=0, modules=[])
+
+
+def assigned_options(precision: "PrecisionConfig") -> list[str]:
+    """The conf/precision options a run may give its linears: its own, those of precision.modules, and bf16."""
+    return list(dict.fromkeys([precision.name, *(entry.precision for entry in precision.modules), "bf16"]))
+
+
+def check_modules(precision: "PrecisionConfig", num_layers: int) -> None:
+    """ConfigError, in one line, for precision.modules entries that cannot be what the user meant: a pattern outside
+    the glob grammar or matching no linear layer, an unknown conf/precision option, the output layer in FP8."""
+    names = linear_names(num_layers)
+    for index, entry in enumerate(precision.modules):
+        where = f"precision.modules[{index}]"
+        if not MODULE_PATTERN.fullmatch(entry.pattern):
+            raise ConfigError(f"{where}.pattern={entry.pattern!r}: a pattern is a glob over linear names "
+                              "(letters, digits, . _ - and * ? [ ] !), e.g. layers.*.mlp.fc2 or output_layer")
+        if not any(fnmatch.fnmatchcase(name, entry.pattern) for name in names):
+            raise ConfigError(f"{where}.pattern={entry.pattern!r} matches none of the model's linear layers "
+                              f"({names[0]} ... {names[-2]}, {OUTPUT_LAYER})")
+        load_option("precision", entry.precision)  # an unknown option: ConfigError listing the known ones
+    output = precision_of(OUTPUT_LAYER, precision, num_layers)
+    if output != "bf16" and load_option("precision", output).recipe != Recipe.bf16:
+        raise ConfigError(f"precision.modules assigns {output} to {OUTPUT_LAYER}, which runs in BF16 in every "
+                          "engine (fused with the loss); match only the decoder layers (layers.*)")
+
+
 NVFP4_KNOBS = ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization")
 DEFAULT_BLOCK_DIMS = (1, 2, 1)  # blockwise scaling's (input, weight, gradient) blocks: TE's Float8BlockScaling default
 
@@ -143,6 +210,15 @@ def gemms_of_two_2d_operands(block_dims: tuple[int, int, int]) -> list[str]:
     pairs = {"fprop (input x weight)": (x, w), "dgrad (gradient x weight)": (grad, w),
              "wgrad (gradient x input)": (grad, x)}
     return [gemm for gemm, dims in pairs.items() if dims == (2, 2)]
+
+
+@dataclass
+class ModulePrecision:
+    """An entry of precision.modules: the linear layers whose names match `pattern`, a glob over the names the plan
+    prints (layers.3.mlp.fc2, layers.*.attention.qkv, output_layer), run in `precision`, a conf/precision option."""
+
+    pattern: str
+    precision: str
 
 
 @dataclass
@@ -167,6 +243,9 @@ class PrecisionConfig:
     disable_stochastic_rounding: bool = False  # stochastic rounding of output gradients
     disable_2d_quantization: bool = False  # 16 x 16 weight blocks (1 x 16 when disabled)
     fp8_param_gather: bool = False  # all-gather FP8 weights (sharded engines only)
+    # Per-module precision, in order, the first match winning over num_layers_at_start/end_in_bf16 (shorthands for
+    # bf16 entries) and over the run's own precision (module_assignment).
+    modules: list[ModulePrecision] = field(default_factory=list)
     emulate: bool = False  # allow a recipe without native kernels on this GPU to run emulated (labelled as such)
     # On CUDA: Triton kernels for FP8 transposes and blockwise quantization, and for one process BF16 weights cast
     # once per optimizer step and weight gradients accumulated in FP32 inside the GEMM. false: PyTorch ops and
@@ -448,6 +527,8 @@ def to_dict(cfg: Any) -> dict:
     def plain(value: Any) -> Any:
         if dataclasses.is_dataclass(value):
             return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, list):
+            return [plain(item) for item in value]
         if isinstance(value, enum.Enum):
             return value.value
         return value
@@ -477,6 +558,10 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             return None
         (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
         return _coerce(inner, value, where)
+    if origin is list and dataclasses.is_dataclass(typing.get_args(hint)[0]):
+        if not isinstance(value, list):
+            raise ConfigError(f"'{where}' must be a list, got {value!r}")
+        return [_coerce(typing.get_args(hint)[0], item, f"{where}[{index}]") for index, item in enumerate(value)]
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ConfigError(f"'{where}' must be a mapping, got {value!r}")

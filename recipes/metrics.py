@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from recipes.config import Activation, Config, ConfigError, ModelConfig, Normalization, to_dict
+from recipes.config import Activation, Config, ConfigError, ModelConfig, Normalization, module_assignment, to_dict
 from recipes.folders import open_append, write_file
 from recipes.run_files import METRICS, SUMMARY, TENSORBOARD
 
@@ -324,6 +324,7 @@ def summarize(cfg: Config, history: list[StepMetrics], world_size: int, extra: d
         "peak_memory_gib": max(m.peak_memory_gib for m in history),
         "final_loss": history[-1].loss,
         "emulated": cfg.precision.emulate,
+        "modules": module_assignment(cfg.precision, cfg.model.num_layers),  # each linear's precision option
         **extra,
     }
 

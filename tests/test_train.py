@@ -15,7 +15,7 @@ import torch
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from recipes.config import load_config
+from recipes.config import LINEAR_KINDS, OUTPUT_LAYER, load_config
 from recipes.engine.torch_engine import main as engine_main
 from recipes.metrics import StepMetrics, warmup_steps
 
@@ -25,8 +25,11 @@ SUMMARY_FIELDS = {
     "model", "parameters", "precision", "recipe", "gpu", "engine", "world_size", "nodes", "num_layers", "seq_length",
     "micro_batch_size", "global_batch_size", "steps", "warmup_steps_excluded", "median_step_time_s",
     "tokens_per_s_per_gpu", "model_tflops_per_gpu", "mfu", "peak_memory_gib", "final_loss", "emulated",
-    "commit", "versions", "device", "compute_dtype", "attention", "fused_loss",
+    "commit", "versions", "device", "compute_dtype", "attention", "fused_loss", "modules",
 }
+# precision.modules on the command line: layer 0's linears in BF16, layer 1's in the run's fp8_current
+LAYER_0_IN_BF16 = 'precision.modules=[{pattern: "layers.0.*", precision: bf16}]'
+
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +54,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8_current"])
-def test_training_run_loss_falls(tmp_path, cache_dir, precision):
+@pytest.mark.parametrize("precision,modules", [("bf16", ()), ("fp8_current", ()), ("fp8_current", (LAYER_0_IN_BF16,))],
+                         ids=["bf16", "fp8_current", "fp8_current-layer0_bf16"])
+def test_training_run_loss_falls(tmp_path, cache_dir, precision, modules):
     run_dir = tmp_path / "run"
     steps = 20
     result = launch(
         tmp_path, cache_dir, f"precision={precision}", f"trainer.max_steps={steps}", "trainer.log_interval=5",
-        f"run.dir={run_dir}",
+        f"run.dir={run_dir}", *modules,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"step    {steps}/{steps}" in result.stdout  # progress reached the console
@@ -86,6 +90,16 @@ def test_training_run_loss_falls(tmp_path, cache_dir, precision):
     assert summary["median_step_time_s"] == pytest.approx((steady[8] + steady[9]) / 2)
     cfg = load_config(run_dir / "config.yaml")
     assert cfg.precision.name == precision and cfg.gpu.name == "cpu"
+    # which linear ran which precision: the plan, the summary, the config (which a resume must match)
+    layers = cfg.model.num_layers
+    assert summary["modules"] == {
+        **{f"layers.{i}.{kind}": "bf16" if precision == "bf16" or (modules and i == 0) else "fp8_current"
+           for i in range(layers) for kind in LINEAR_KINDS}, OUTPUT_LAYER: "bf16"}
+    assert [(m.pattern, m.precision) for m in cfg.precision.modules] == ([("layers.0.*", "bf16")] if modules else [])
+    if precision != "bf16":
+        plan_line = next(line for line in result.stdout.splitlines() if line.startswith("modules"))
+        first = 1 if modules else 0
+        assert f"fp8_current: layers {first}-{layers - 1} attention.qkv, attention.out, mlp.fc1, mlp.fc2" in plan_line
 
     # TensorBoard (trainer.tensorboard, on by default): every step's metrics, as tensorboard's own reader sees them
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})

@@ -43,14 +43,14 @@ ACTIVATION_OPS = {Activation.swiglu: "swiglu", Activation.squared_relu: "squared
 
 def fused_mlp(module: nn.Module):
     """The fused form of an MLP (a module that names its `activation`) whose fc1 and fc2 are both Bf16Linear, or
-    both Fp8Linear of a per-tensor or blockwise recipe with FP8 weight gradients; None for anything else."""
+    both Fp8Linear of one per-tensor or blockwise recipe with FP8 weight gradients; None for anything else."""
     fc1, fc2 = getattr(module, "fc1", None), getattr(module, "fc2", None)
     if getattr(module, "activation", None) not in ACTIVATION_OPS or type(fc1) is not type(fc2):
         return None
     if type(fc1) is Bf16Linear:
         return Bf16Mlp(module)
     if (type(fc1) is Fp8Linear and isinstance(fc1.recipe, (PerTensorScaling, BlockwiseScaling))
-            and fc1.recipe.fp8_wgrad):
+            and fc1.recipe.fp8_wgrad and fc2.recipe == fc1.recipe):  # per-module precision may give them two
         return Fp8Mlp(module)
     return None
 

@@ -34,7 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recipes.config import Config, ConfigError, PrecisionConfig, Recipe
+from recipes.config import (
+    Config, ConfigError, PrecisionConfig, Recipe, assigned_options, check_modules, module_precision,
+)
 from recipes.fp8.all_gather import Fp8GatheredWeight, Fp8ShardedWeight, local_shard, shard_amax
 from recipes.fp8.convert import convert_to_fp8
 from recipes.fp8.current_scaling import tensorwise_scale
@@ -59,7 +61,8 @@ class Fp8Training:
                  fused_linears: bool = False, seed: int = 0):
         self.precision = precision
         self.micro_batches, self.seed = micro_batches, seed  # stochastic rounding's draws (seed_rounding)
-        self.enabled = precision.recipe != Recipe.bf16
+        self.enabled = any(module_precision(precision, option).recipe != Recipe.bf16
+                           for option in assigned_options(precision))
         self.fused_linears = fused_linears
         self.gathers_weights_in_fp8 = fsdp_fp8_all_gather and precision.recipe in FP8_ALL_GATHER_RECIPES
         # FP8-gathered weights arrive quantized: nothing to cache.
@@ -89,10 +92,13 @@ class Fp8Training:
             raise ConfigError(f"trainer.fsdp_fp8_all_gather needs a per-tensor FP8 recipe (fp8_current, "
                               f"fp8_delayed), not precision={cfg.precision.name}: block-scaled weights are quantized "
                               "after the gather")
-        check_block_dims(cfg.precision)
-        check_nvfp4_knobs(cfg.precision)
-        if cfg.precision.recipe != Recipe.bf16:
-            recipe_from_config(cfg.precision)
+        check_modules(cfg.precision, cfg.model.num_layers)
+        for option in assigned_options(cfg.precision):  # the run's precision and each one precision.modules names
+            precision = module_precision(cfg.precision, option)
+            check_block_dims(precision)
+            check_nvfp4_knobs(precision)
+            if precision.recipe != Recipe.bf16:
+                recipe_from_config(precision)
 
     def convert(self, model: nn.Module) -> None:
         convert_to_fp8(model.layers, self.precision, bf16_linears=self.fused_linears)
@@ -214,12 +220,15 @@ def update_all_gather_scales(model: nn.Module) -> None:
     amax = torch.stack([shard_amax(m.weight) for m in layers])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX)
-    if layers[0].fp8_state is None:  # convert_to_fp8 gives every layer of a model the same recipe
-        targets, values = [m.all_gather_scale for m in layers], tensorwise_scale(amax, E4M3)
-    else:
-        targets = [m.fp8_state.amax_history[WEIGHT, 0] for m in layers]
-        values = torch.maximum(torch.stack(targets), amax)
-    torch._foreach_copy_(targets, list(values.unbind(0)))
+    current = [i for i, m in enumerate(layers) if m.fp8_state is None]  # per-module precision may mix the two
+    delayed = [i for i, m in enumerate(layers) if m.fp8_state is not None]
+    if current:
+        scales = tensorwise_scale(amax[current], E4M3)
+        torch._foreach_copy_([layers[i].all_gather_scale for i in current], list(scales.unbind(0)))
+    if delayed:
+        targets = [layers[i].fp8_state.amax_history[WEIGHT, 0] for i in delayed]
+        values = torch.maximum(torch.stack(targets), amax[delayed])
+        torch._foreach_copy_(targets, list(values.unbind(0)))
 
 
 def _cached_weight_linears(model: nn.Module) -> list[CachedWeightLinear]:
@@ -266,9 +275,10 @@ def update_fp8_scaling(model: nn.Module) -> None:
     """Once after each micro-batch's backward: the delayed-scaling layers of `model` fold this micro-batch's amaxes
     into their histories and scales, reduced over the data-parallel ranks (recipes.fp8.delayed_scaling). Nothing
     to do for the other recipes, whose scales come from the tensor at hand."""
-    layers = _delayed_layers(model)
-    if layers:
-        recipe = layers[0].recipe  # convert_to_fp8 gives every layer of a model the same recipe
+    by_recipe: dict[DelayedScaling, list[Fp8Linear]] = {}
+    for layer in _delayed_layers(model):  # one recipe, or several under per-module precision
+        by_recipe.setdefault(layer.recipe, []).append(layer)
+    for recipe, layers in by_recipe.items():
         dtypes = tuple(recipe.dtype(role) for role in range(NUM_ROLES))
         update_delayed_scaling([m.fp8_state for m in layers], dtypes, recipe.amax_compute_algo, recipe.margin)
 

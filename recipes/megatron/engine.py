@@ -29,15 +29,17 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import yaml
 from torch.profiler import record_function
 
 from recipes.compute import run_compute_dtype
 from recipes.config import Config, ConfigError
+from recipes.folders import write_file
 from recipes.megatron import parallel_state
 from recipes.megatron.build import build, initialize_parallel_state
 from recipes.megatron.checkpoint import MegatronCheckpoint
 from recipes.megatron.data import MicroBatches, build_train_dataset
-from recipes.megatron.translate import ddp_config, optimizer_config
+from recipes.megatron.translate import ddp_config, optimizer_config, te_precision_config
 from recipes.metrics import StepMetrics
 from recipes.profiling import OPTIMIZER
 from recipes.trainer import checkpoints
@@ -134,8 +136,16 @@ def step_loss(losses_reduced: list[dict]) -> torch.Tensor:
     return loss
 
 
+# precision.modules as megatron-core's per-module precision file, written into the run directory as the record of
+# what each linear ran (the model is built from the same dict: recipes.megatron.translate.quant_recipe).
+TE_PRECISION_CONFIG = "te_precision_config.yaml"
+
+
 def train(cfg: Config, run_dir: Path) -> dict:
     rank, world_size, device = setup_distributed(cfg)
+    modules = te_precision_config(cfg)
+    if modules is not None and rank == 0:
+        write_file(run_dir / TE_PRECISION_CONFIG, yaml.safe_dump(modules, sort_keys=False))
     compute = run_compute_dtype(cfg)  # BF16 on GPUs; FP32 on a CPU without native BF16 (tests/megatron_on_cpu.py)
     config, chunks = build(cfg, device, compute)
     model = wrap(cfg, config, chunks)

@@ -22,10 +22,14 @@ import torch
 import torch.nn.functional as F
 from packaging.version import Version
 
-from recipes.config import Activation, Config, ConfigError, Normalization, Recipe, Recompute, RopeScaling
+from recipes.config import (
+    OUTPUT_LAYER, Activation, Config, ConfigError, Normalization, Recipe, Recompute, RopeScaling, module_assignment,
+    module_precision,
+)
 from megatron.core.activations import squared_relu
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
+from megatron.core.quantization.quant_config import RecipeConfig
 from megatron.core.transformer import TransformerConfig
 
 
@@ -304,7 +308,48 @@ def transformer_config(cfg: Config, kernels: Kernels = NO_KERNELS, *, use_cpu_in
         use_te_rng_tracker=cuda_graphs,  # graph-safe RNG states (the engine seeds that tracker)
         deterministic_mode=cfg.megatron.deterministic,
         use_cpu_initialization=use_cpu_initialization,
+        quant_recipe=quant_recipe(cfg),
     )
+
+
+def quant_recipe(cfg: Config) -> Optional[RecipeConfig]:
+    """megatron-core's per-module recipe of te_precision_config (what it loads from that file), or None."""
+    config = te_precision_config(cfg)
+    return None if config is None else RecipeConfig.from_config_dict(config)
+
+
+# Our linear names (recipes.config.LINEAR_KINDS) as megatron-core's GPTModel names its modules with the TE spec.
+MEGATRON_LINEARS = {"attention.qkv": "self_attention.linear_qkv", "attention.out": "self_attention.linear_proj",
+                    "mlp.fc1": "mlp.linear_fc1", "mlp.fc2": "mlp.linear_fc2"}
+TE_CONFIG_TYPE = {"transformer_engine_config_type": "TEQuantizationParams"}
+TE_FP8_RECIPES = {Recipe.tensorwise: "tensorwise", Recipe.blockwise: "blockwise", Recipe.mxfp8: "mxfp8"}
+
+
+def te_precision_config(cfg: Config) -> Optional[dict]:
+    """precision.modules as megatron-core's per-module precision file (--te-precision-config-file, its quant_recipe):
+    a config per precision option, TE's recipe or BF16 overriding the model's own in both directions, and a glob
+    matcher per linear layer, each naming its module path exactly. None without precision.modules. Layers keep
+    the numbers they have in one pipeline stage (recipes.plan.checks refuses parallel.pp > 1)."""
+    precision = cfg.precision
+    if not precision.modules:
+        return None
+    assignment = module_assignment(precision, cfg.model.num_layers)
+    configs = {}
+    for option in dict.fromkeys(assignment.values()):
+        assigned = module_precision(precision, option)
+        recipe = dict(override_quantized_autocast=True, override_nonquantized_autocast=True)
+        if assigned.recipe == Recipe.nvfp4:
+            recipe["fp4_quantization_recipe"] = "nvfp4"
+        elif assigned.recipe != Recipe.bf16:  # delayed scaling: refused before (recipes.plan.checks)
+            recipe.update(fp8_quantization_recipe=TE_FP8_RECIPES[assigned.recipe], fp8_format=assigned.fp8_format.value)
+        configs[option] = {**TE_CONFIG_TYPE, "training_recipe": recipe}
+    matchers = {}
+    for name, option in assignment.items():
+        if name != OUTPUT_LAYER:  # megatron-core's own linear, BF16: no per-module recipe
+            layer, kind = name.removeprefix("layers.").split(".", 1)
+            path = f"decoder.layers.{layer}.{MEGATRON_LINEARS[kind]}"
+            matchers[path] = dict(type="glob", pattern=path, config=option, enabled=True)
+    return dict(configs=configs, matchers=matchers)
 
 
 def gpt_model_kwargs(cfg: Config) -> dict:

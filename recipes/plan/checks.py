@@ -4,6 +4,7 @@ batch sizes."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -13,8 +14,9 @@ import torch
 
 from recipes.compute import check_compute_dtype
 from recipes.config import (
-    CONF_DIR, Config, ConfigError, DataKind, Engine, ExecutorName, Fp8Format, GradReduce, MegatronConfig, ModelConfig,
-    PrecisionConfig, Recipe, Tunnel, check_values, gemms_of_two_2d_operands, load_option,
+    CONF_DIR, DEFAULT_BLOCK_DIMS, Config, ConfigError, DataKind, Engine, ExecutorName, Fp8Format, GradReduce,
+    MegatronConfig, ModelConfig, PrecisionConfig, Recipe, Tunnel, check_values, gemms_of_two_2d_operands, load_option,
+    module_assignment, module_precision,
 )
 from recipes.folders import check_writable
 from recipes.data.index_check import check_one_sample, existing_prefix, token_count
@@ -174,6 +176,47 @@ def _native_fp8_options(arch: str, megatron: bool) -> list[str]:
 
 
 def _validate_precision(cfg: Config) -> None:
+    """The run's precision, and each one precision.modules assigns (every check below, on a copy of the config)."""
+    _validate_one_precision(cfg)
+    if cfg.precision.modules:
+        _validate_modules(cfg)
+
+
+def _validate_modules(cfg: Config) -> None:
+    precision = cfg.precision
+    if cfg.engine == Engine.nemo:
+        raise ConfigError("precision.modules on engine=nemo: NeMo's recipes give every linear the run's precision "
+                          "(its plugins have no per-module setting this project maps); use engine=megatron or "
+                          "engine=torch")
+    assignment = module_assignment(precision, cfg.model.num_layers)
+    for option in dict.fromkeys(assignment.values()):
+        if option != precision.name:
+            _validate_one_precision(dataclasses.replace(cfg, precision=module_precision(precision, option)))
+    if cfg.engine == Engine.megatron:
+        _validate_megatron_modules(cfg, assignment)
+
+
+def _validate_megatron_modules(cfg: Config, assignment: dict[str, str]) -> None:
+    """What megatron-core's per-module recipes (its quant_recipe, --te-precision-config-file) cannot express."""
+    precision, p = cfg.precision, cfg.parallel
+    if p.pp > 1 or p.vp > 1:
+        raise ConfigError("precision.modules with parallel.pp > 1 on engine=megatron: megatron-core matches module "
+                          "paths, whose layer numbers restart in every pipeline stage; use parallel.pp=1")
+    if precision.fp8_param_gather:
+        raise ConfigError("precision.modules with precision.fp8_param_gather=true on engine=megatron: FP8 weights "
+                          "are made in the run's recipe for every layer; set precision.fp8_param_gather=false")
+    for option in dict.fromkeys(assignment.values()):
+        assigned = module_precision(precision, option)
+        if assigned.recipe == Recipe.delayed:
+            raise ConfigError(f"precision.modules on engine=megatron: a linear in {option} (delayed scaling), which "
+                              "megatron-core's per-module recipes leave out; use fp8_current or engine=torch")
+        if assigned.block_dims != DEFAULT_BLOCK_DIMS or assigned.nvfp4_parts_disabled or not assigned.fp8_wgrad:
+            raise ConfigError(f"precision.modules on engine=megatron: {option} changes Transformer Engine's recipe "
+                              "defaults (blocks, NVFP4 parts or the FP8 weight gradient), which megatron-core's "
+                              "per-module recipes build without; use engine=torch")
+
+
+def _validate_one_precision(cfg: Config) -> None:
     precision, gpu, megatron = cfg.precision, cfg.gpu, cfg.engine in MEGATRON_CORE_ENGINES
     _check_recipe_is_named(precision)
     Fp8Training.check(cfg)  # what no recipe computes (a margin outside delayed scaling), an FP8 all-gather it cannot

@@ -6,7 +6,9 @@ import shlex
 
 from recipes.compute import describe_compute
 from recipes.models.attention import describe_order
-from recipes.config import NVFP4_KNOBS, Config, Engine, ExecutorName, GradReduce, PrecisionConfig, Recipe
+from recipes.config import (
+    NVFP4_KNOBS, Config, Engine, ExecutorName, GradReduce, PrecisionConfig, Recipe, module_assignment,
+)
 from recipes.fp8 import Fp8Training
 from recipes.plan import Plan
 from recipes.nemo import preflight as nemo_preflight
@@ -28,6 +30,35 @@ def describe_nvfp4(precision: PrecisionConfig) -> str:
     return (f"E2M1 in 1x16 blocks with E4M3 scales, weights "
             f"{'1x16' if on['disable_2d_quantization'] == 'off' else '16x16'}, Hadamard transform "
             f"{on['disable_rht']}, stochastic rounding {on['disable_stochastic_rounding']}")
+
+
+def describe_modules(precision: PrecisionConfig, num_layers: int) -> str:
+    """Every linear's precision option, compactly: fp8_current: layers 1-6 attention.qkv, attention.out, mlp.fc1,
+    mlp.fc2 | bf16: layers 0, 7 attention.qkv, ...; output_layer (recipes.config.module_assignment)."""
+    kinds: dict[str, dict[str, list[int]]] = {}
+    for name, option in module_assignment(precision, num_layers).items():
+        layer, _, kind = name.removeprefix("layers.").partition(".")
+        kinds.setdefault(option, {}).setdefault(kind or name, []).append(int(layer) if kind else -1)
+    parts = []
+    for option, by_kind in kinds.items():
+        groups: dict[tuple[int, ...], list[str]] = {}
+        for kind, layers in by_kind.items():
+            groups.setdefault(tuple(layers), []).append(kind)
+        parts.append(f"{option}: " + "; ".join(
+            ", ".join(names) if layers == (-1,) else f"layers {_ranges(layers)} {', '.join(names)}"
+            for layers, names in groups.items()))
+    return " | ".join(parts)
+
+
+def _ranges(indices: tuple[int, ...]) -> str:
+    """0, 2-5, 7 for (0, 2, 3, 4, 5, 7)."""
+    spans: list[list[int]] = []
+    for index in indices:
+        if spans and index == spans[-1][1] + 1:
+            spans[-1][1] = index
+        else:
+            spans.append([index, index])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def _torch_engine_weight_gather(cfg: Config, processes: int) -> str:
@@ -98,6 +129,8 @@ def describe(plan: Plan) -> str:
         + (", emulated" if cfg.precision.emulate else "")
         + ")"
         + (_torch_engine_weight_gather(cfg, plan.processes) if sharded else ""),
+        *([f"modules     {describe_modules(cfg.precision, cfg.model.num_layers)}"]
+          if cfg.precision.recipe != Recipe.bf16 or cfg.precision.modules else []),
         f"gpu         {cfg.gpu.name} ({cfg.gpu.arch}), {plan.processes} process(es) on {cfg.executor.nodes} node(s)"
         + (" sharding the model (FSDP2)" if sharded else "") + ", "
         f"executor {describe_executor(cfg)}, engine {cfg.engine.value}",
