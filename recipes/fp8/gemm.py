@@ -49,7 +49,10 @@ def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, fast_accu
     if a.block is None and b.block is None:
         return tensorwise_mm(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype, fast_accum)
     if a.block == b.block == ROW_BLOCK and (a.data.is_cuda or emulate):
-        return rowwise_mm(a, b, fast_accum, emulate).to(out_dtype)
+        result = rowwise_mm(a, b, fast_accum, emulate)
+        # Not `.to(out_dtype)` when it is already BF16: under torch.compile (aot_eager too) that no-op left the FP8
+        # linear's backward writing zeros as dgrad and wgrad on an H100 (tests/test_gpu.py, fp8_rowwise compiled).
+        return result if result.dtype == out_dtype else result.to(out_dtype)
     if not emulate and not a.data.is_cuda:
         raise RuntimeError(
             f"no native {a.block} x {b.block} block-scaled FP8 GEMM on {a.data.device}; "
