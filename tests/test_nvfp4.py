@@ -172,16 +172,25 @@ def test_packing_puts_the_even_element_in_the_low_nibble():
     assert q.codes[0, 0].item() == 0x7 | (0xA << 4) and q.codes[0, 7].item() == 0x1 << 4
 
 
-def test_dequantized_values_are_within_e2m1_steps():
-    """value * block scale / S_enc: each element within half an E2M1 step (0.25 of the block's 6-scale below 1, 1 at
-    4-6) of the input, relative to its block scale; the block's amax itself lands within 1/4 of an E4M3 ulp."""
-    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
-    q = quantize_nvfp4(x, (1, 16))
+@pytest.mark.parametrize("tile_rows", [1, 16])
+def test_the_gemm_operand_is_exact_and_dequantizes_within_half_an_e2m1_step(tile_rows):
+    """The emulated GEMM's operand: value * E4M3 block scale exactly in BF16 (checked in float64 against the codes
+    and scales), times 1 / S_enc; each element within half the widest E2M1 step (4 -> 6: one unit of its block,
+    block scale / S_enc) of the input."""
+    x = adversarial(torch.float32)
+    q = quantize_nvfp4(x, (tile_rows, 16))
     operand = q.as_operand()
-    error = (operand.dequantize() - x).abs().view(64, 8, 16)
-    unit = operand.scale_inv[:, :, None]  # value 1 of the block
-    assert (error <= unit * 1.0 + 1e-6).all()  # the widest E2M1 step (4 -> 6) is 2 units: half of it
-    assert operand.data.dtype == E4M3 and torch.equal(operand.data.float(), q.values())
+    scales = q.block_scale.double().repeat_interleave(tile_rows, 0).repeat_interleave(16, 1)
+    assert operand.data.dtype == torch.bfloat16 and operand.block == (tile_rows, 16)
+    assert torch.equal(operand.data.double(), q.values().double() * scales)
+    decode = 1.0 / (448.0 * 6.0 / q.amax.double())
+    assert operand.scale_inv.dim() == 0 and abs(operand.scale_inv.double() - decode) <= 2.0**-23 * decode
+    normal = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))  # no block scale under- or overflows
+    q = quantize_nvfp4(normal, (tile_rows, 16))
+    operand = q.as_operand()
+    scales = q.block_scale.double().repeat_interleave(tile_rows, 0).repeat_interleave(16, 1)
+    error = (operand.dequantize().double() - normal.double()).abs()
+    assert (error <= scales * operand.scale_inv.double() * (1 + 2.0**-20)).all()
 
 
 # ---- stochastic rounding and its random numbers ----
@@ -255,9 +264,9 @@ def nvfp4_precision(**changes):
 
 
 def operand(t: torch.Tensor, rows: int, hadamard: bool = False, seed=None, which: int = 0) -> torch.Tensor:
+    """The operand the recipe's op makes, dequantized in float64."""
     data, scale_inv = quantize_nvfp4_op(t, rows, hadamard, seed, which)
-    return data.double().view(t.shape[0] // rows, rows, -1, 16).mul(scale_inv.double()[:, None, :, None]).view(
-        data.shape)
+    return data.double() * scale_inv.double()
 
 
 def test_linear_runs_te_recipe_operand_by_operand():

@@ -8,7 +8,8 @@ take), dispatched on the operands' scaling granularity:
 - 1x32 MX blocks: torch.nn.functional.scaled_mm with E8M0 scales in the 32_4_4 layout on Blackwell;
 - one scale per row (row-wise scaling): torch._scaled_mm's row-wise scales (sm89 and later), whose kernels write
   BF16 only: the result in BF16, then in the output's dtype (torchao's weight gradient is BF16 the same way);
-- NVFP4's 1x16 and 16x16 blocks (E2M1 values in E4M3, FP32 scales: recipes.fp8.nvfp4): emulated only;
+- NVFP4's 1x16 and 16x16 blocks (recipes.fp8.nvfp4): emulated only, as a BF16 GEMM of its exact BF16 operands
+  with FP32 accumulation, then the two tensor scales;
 - emulated (only when the precision asks for it): the operands dequantized to FP32 and multiplied in FP32, the
   same numbers a native block-scaled GEMM computes up to the order of FP32 accumulation. MX operands, whose
   scales are powers of two, are exact in TF32 too, so on a GPU their emulation runs on tensor cores in TF32 (FP32
@@ -35,6 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from recipes.compute import mm_into
 from recipes.fp8 import cublaslt
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK
 from recipes.fp8.mxfp8 import MX_BLOCK, swizzle_32_4_4, to_e8m0
@@ -146,6 +148,10 @@ def _emulated_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> 
     """The dequantized operands multiplied in FP32. MX operands on a GPU in TF32: an FP8 value times a power-of-two
     scale has at most 3 mantissa bits and TF32 keeps 10, so the inputs are exact and the products accumulate in
     FP32, as in the native kernel. The switch covers this matmul only (this op runs eagerly, even when compiled)."""
+    if a.block in NVFP4_BLOCKS:  # exact BF16 inputs (recipes.fp8.nvfp4): tensor cores, FP32 sums, scales last
+        product = a.data.new_empty((a.data.shape[0], b.data.shape[0]), dtype=torch.float32)
+        mm_into(a.data, b.data, product, accumulate=False)
+        return (product * (a.scale_inv * b.scale_inv)).to(out_dtype)
     allow_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32 or (a.block == MX_BLOCK and a.data.is_cuda)
     try:

@@ -24,9 +24,10 @@ A negative input keeps its sign bit when it rounds to zero (TE's reference: code
 becomes code 0 (the reference compares and finds no interval). E2M1 codes are packed two per byte, the even
 element in the low nibble, as TE's reference packs them.
 
-For the GEMMs an operand is handed on as a recipes.fp8.tensor.Float8Tensor: its E2M1 values (exact in E4M3) and
-one FP32 scale per block, block scale * (1 / S_enc) (`as_operand`). No GPU here has NVFP4 tensor cores but
-Blackwell; the torch engine emulates the GEMMs (recipes.fp8.gemm) from those operands.
+For the GEMMs an operand is handed on as a recipes.fp8.tensor.Float8Tensor: its E2M1 values times their E4M3 block
+scales, exact in BF16, and the tensor's decode scale 1 / S_enc (`as_operand`). No GPU here has NVFP4 tensor cores
+but Blackwell; the torch engine emulates the GEMMs (recipes.fp8.gemm) from those operands, as BF16 GEMMs of exact
+inputs with FP32 accumulation.
 """
 
 from __future__ import annotations
@@ -66,9 +67,14 @@ class Nvfp4Quantized(NamedTuple):
         return unpack_values(self.codes)
 
     def as_operand(self) -> Float8Tensor:
-        """The GEMM operand: E2M1 values in E4M3 (exact) and FP32 block scales times 1 / S_enc."""
-        decode = torch.div(1.0, global_encode_scale(self.amax))
-        return Float8Tensor(self.values().to(E4M3), self.block_scale.float() * decode, self.block)
+        """The emulated GEMM's operand: each E2M1 value times its E4M3 block scale in BF16 (exact: at most 2 + 4
+        significant bits, between 2**-10 and 2688), the tensor's decode scale 1 / S_enc as the one FP32 scale, and
+        the NVFP4 block (recipes.fp8.tensor). A GEMM of two multiplies them in BF16 on tensor cores with FP32
+        accumulation, then by the two decode scales, as TE's reference GEMM applies its global scales last."""
+        block_rows, block_cols = self.block
+        scales = self.block_scale.float().repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)
+        return Float8Tensor((self.values() * scales).to(torch.bfloat16), torch.div(1.0, global_encode_scale(self.amax)),
+                            self.block)
 
 
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -202,6 +208,4 @@ def quantize_nvfp4_op(x: torch.Tensor, block_rows: int, hadamard: bool, seed: Op
 
 @quantize_nvfp4_op.register_fake
 def _(x, block_rows, hadamard, seed, operand):
-    rows, cols = x.shape
-    return (x.new_empty((rows, cols), dtype=E4M3),
-            x.new_empty((rows // block_rows, cols // NVFP4_BLOCK[1]), dtype=torch.float32))
+    return x.new_empty(x.shape, dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32)

@@ -6,6 +6,8 @@
     (rows / 128, K / 128)     128 x 128 blocks (blockwise weights)
     (rows, K / 32)            1 x 32 blocks along K with power-of-two scales (MXFP8)
     (rows, 1)                 one scale per row, all of K (row-wise scaling; block ROW_BLOCK, -1 as in reshape)
+    () with a block           NVFP4, emulated: `data` holds each E2M1 value times its block's E4M3 scale in BF16
+                              (exact), `scale_inv` the tensor's decode scale, `block` its 1x16 or 16x16 blocks
 Scales always run along K, the dimension the GEMM contracts: an operand quantized for one GEMM is valid for
 another only if its blocks still run along that GEMM's K (true for per-tensor and 128 x 128, false otherwise).
 """
@@ -26,7 +28,7 @@ class Float8Tensor(NamedTuple):
 
     def dequantize(self) -> torch.Tensor:
         """FP32 values: the independent reference of every FP8 GEMM, and its emulation where none is native."""
-        if self.block is None:
+        if self.block is None or self.scale_inv.dim() == 0:
             return self.data.float() * self.scale_inv
         (block_rows, block_cols), (rows, cols) = self.block, self.data.shape
         block_cols = cols if block_cols == -1 else block_cols
