@@ -3,8 +3,9 @@
     python scripts/gemm_bench.py --out docs/results/h200_gemm
 
 Variants: bf16 (torch.mm), tensorwise (one scale per operand), rowwise (per-channel: one scale per row of A and per
-column of B), 1x128 x 128x128 and 1x128 x 1x128 blocks (cuBLAS block scaling, Hopper). Operands are quantized
-before timing: this measures the GEMMs, not quantization. Per-tensor and per-channel GEMMs use fast accumulation
+column of B, as precision=fp8_rowwise quantizes them), 1x128 x 128x128, 1x128 x 1x128 and 128x128 x 1x128 blocks
+(cuBLAS block scaling, Hopper; every pair the blockwise block dimensions train with). Operands are quantized by the
+recipes' own functions before timing: this measures the GEMMs, not quantization. Per-tensor and per-channel GEMMs use fast accumulation
 (as fprop does in TE); block-scaled GEMMs have none. Shapes: M = N = 8192 with a K sweep, and each model's four
 linear-layer GEMMs (QKV, attention output, fc1, fc2) at one micro-batch of its sequence length. Times are medians of
 `--repeats` CUDA-event-timed runs after warm-up, rotating between two input sets so no run reads the previous
@@ -28,8 +29,9 @@ import torch
 from recipes.config import Activation, load_option
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise
 from recipes.fp8.current_scaling import quantize_tensorwise
-from recipes.fp8.formats import E4M3, fp8_max
+from recipes.fp8.formats import E4M3
 from recipes.fp8.gemm import fp8_gemm
+from recipes.fp8.rowwise import quantize_rowwise
 from recipes.provenance import provenance
 from recipes.report.gemm import read_gemm_csv
 from recipes.report.plots import gemm_speedup_vs_k
@@ -53,23 +55,22 @@ def model_gemm_shapes(name: str) -> list[tuple[str, int, int, int]]:
 
 
 def variants(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
-    """a (M, K), b (N, K) in BF16 -> one zero-argument GEMM per variant, operands already quantized."""
+    """a (M, K), b (N, K) in BF16 -> one zero-argument GEMM per variant, operands already quantized as the
+    recipes quantize them (recipes.fp8) and multiplied by the product's own GEMM dispatch (recipes.fp8.gemm)."""
     a8, b8 = quantize_tensorwise(a, E4M3), quantize_tensorwise(b, E4M3)
-    limit = fp8_max(E4M3)
-    a_rows, b_rows = a.float().abs().amax(1, keepdim=True) / limit, b.float().abs().amax(1, keepdim=True) / limit
-    a_rowwise, b_rowwise = (a.float() / a_rows).to(E4M3), (b.float() / b_rows).to(E4M3)
-    a_blocks = quantize_blockwise(a, E4M3, ACTIVATION_BLOCK)
-    b_weight_blocks = quantize_blockwise(b, E4M3, WEIGHT_BLOCK)
-    b_act_blocks = quantize_blockwise(b, E4M3, ACTIVATION_BLOCK)
+    a_rows, b_rows = quantize_rowwise(a, E4M3), quantize_rowwise(b, E4M3)
+    a_1d, a_2d = quantize_blockwise(a, E4M3, ACTIVATION_BLOCK), quantize_blockwise(a, E4M3, WEIGHT_BLOCK)
+    b_1d, b_2d = quantize_blockwise(b, E4M3, ACTIVATION_BLOCK), quantize_blockwise(b, E4M3, WEIGHT_BLOCK)
     bf16 = torch.bfloat16
     return {
         "bf16": lambda: a @ b.t(),
         "tensorwise": lambda: fp8_gemm(a8, b8, bf16, fast_accum=True, emulate=False),
-        "rowwise": lambda: torch._scaled_mm(
-            a_rowwise, b_rowwise.t(), scale_a=a_rows, scale_b=b_rows.t(), out_dtype=bf16, use_fast_accum=True
-        ),
-        "1x128_x_128x128": lambda: fp8_gemm(a_blocks, b_weight_blocks, bf16, fast_accum=False, emulate=False),
-        "1x128_x_1x128": lambda: fp8_gemm(a_blocks, b_act_blocks, bf16, fast_accum=False, emulate=False),
+        "rowwise": lambda: fp8_gemm(a_rows, b_rows, bf16, fast_accum=True, emulate=False),  # precision=fp8_rowwise
+        # the block layouts a linear's GEMMs take (precision.x/w/grad_block_scaling_dim): fprop and dgrad of the
+        # default 1D2D, every GEMM of fp8_blockwise_1d1d, fprop with 128x128 inputs (x dim 2)
+        "1x128_x_128x128": lambda: fp8_gemm(a_1d, b_2d, bf16, fast_accum=False, emulate=False),
+        "1x128_x_1x128": lambda: fp8_gemm(a_1d, b_1d, bf16, fast_accum=False, emulate=False),
+        "128x128_x_1x128": lambda: fp8_gemm(a_2d, b_1d, bf16, fast_accum=False, emulate=False),
     }
 
 
