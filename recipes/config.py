@@ -181,8 +181,9 @@ def assigned_options(precision: "PrecisionConfig") -> list[str]:
 
 
 def check_modules(precision: "PrecisionConfig", num_layers: int) -> None:
-    """ConfigError, in one line, for precision.modules entries that cannot be what the user meant: a pattern outside
-    the glob grammar or matching no linear layer, an unknown conf/precision option, the output layer in FP8."""
+    """ConfigError, in one line, for an assignment of precisions to linears that cannot be what the user meant: a
+    precision.modules pattern outside the glob grammar or matching no linear layer, an unknown conf/precision option,
+    the output layer in FP8, more BF16 layers than the model has, an FP8 run that leaves every linear in BF16."""
     names = linear_names(num_layers)
     for index, entry in enumerate(precision.modules):
         where = f"precision.modules[{index}]"
@@ -193,7 +194,18 @@ def check_modules(precision: "PrecisionConfig", num_layers: int) -> None:
             raise ConfigError(f"{where}.pattern={entry.pattern!r} matches none of the model's linear layers "
                               f"({names[0]} ... {names[-2]}, {OUTPUT_LAYER})")
         load_option("precision", entry.precision)  # an unknown option: ConfigError listing the known ones
-    output = precision_of(OUTPUT_LAYER, precision, num_layers)
+    bf16_layers = precision.num_layers_at_start_in_bf16 + precision.num_layers_at_end_in_bf16
+    if bf16_layers > num_layers:
+        raise ConfigError(f"precision.num_layers_at_start_in_bf16 + precision.num_layers_at_end_in_bf16 = "
+                          f"{bf16_layers} is more than model.num_layers={num_layers}")
+    assignment = module_assignment(precision, num_layers)
+    if precision.recipe != Recipe.bf16 and all(option == "bf16" for option in assignment.values()):
+        raise ConfigError(f"precision={precision.name} leaves every linear in BF16 (num_layers_at_start_in_bf16="
+                          f"{precision.num_layers_at_start_in_bf16} and num_layers_at_end_in_bf16="
+                          f"{precision.num_layers_at_end_in_bf16} of model.num_layers={num_layers}, precision.modules): "
+                          "a run labelled with a recipe would train none of it; keep fewer layers in BF16, or use "
+                          "precision=bf16")
+    output = assignment[OUTPUT_LAYER]
     if output != "bf16" and load_option("precision", output).recipe != Recipe.bf16:
         raise ConfigError(f"precision.modules assigns {output} to {OUTPUT_LAYER}, which runs in BF16 in every "
                           "engine (fused with the loss); match only the decoder layers (layers.*)")

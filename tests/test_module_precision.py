@@ -56,6 +56,16 @@ def test_entries_that_cannot_be_meant_are_refused_in_one_line(entry, message):
     assert "\n" not in str(error.value)
 
 
+def test_a_recipe_that_would_train_no_linear_is_refused():
+    """nvfp4's preset keeps the last 4 layers in BF16: on a 4-layer model nothing would run in NVFP4."""
+    with pytest.raises(ConfigError, match=r"precision=nvfp4 leaves every linear in BF16 .* model.num_layers=4"):
+        check_modules(load_option("precision", "nvfp4"), 4)
+    check_modules(load_option("precision", "nvfp4"), 5)
+    with pytest.raises(ConfigError, match="leaves every linear in BF16"):
+        check_modules(with_modules("fp8_current", ("layers.*", "bf16")), 4)
+    check_modules(with_modules("bf16", ("layers.*", "bf16")), 4)
+
+
 def test_the_torch_engine_converts_each_linear_as_assigned():
     cfg = dataclasses.replace(load_option("model", "tiny_llama"), num_layers=3)
     model = Transformer(cfg)

@@ -278,12 +278,6 @@ def _validate_one_precision(cfg: Config) -> None:
             "precision=fp8_blockwise: cuBLAS block-scaled GEMMs on Hopper take E4M3 operands only (no E5M2 "
             "gradients); set precision.fp8_format=e4m3, as conf/precision/fp8_blockwise.yaml does"
         )
-    bf16_layers = precision.num_layers_at_start_in_bf16 + precision.num_layers_at_end_in_bf16
-    if bf16_layers > cfg.model.num_layers:
-        raise ConfigError(
-            f"precision.num_layers_at_start_in_bf16 + precision.num_layers_at_end_in_bf16 = {bf16_layers} is more "
-            f"than model.num_layers={cfg.model.num_layers}"
-        )
     if megatron:
         _validate_megatron_fp8(cfg)
     _validate_gemm_dims(cfg)
