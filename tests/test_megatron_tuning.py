@@ -433,12 +433,12 @@ def test_a_megatron_fp8_step_runs_no_fallback_cast(tmp_path, precision):
     assert not [name for name in kernels if FALLBACK_CAST in name]
 
 
-# ---- blockwise scaling's block dimensions (recipes.megatron.block_dims) ----
+# ---- blockwise scaling's block dimensions (recipes.megatron.te_recipe) ----
 
 
 @dataclasses.dataclass
 class BlockScalingStandIn:
-    """What recipes.megatron.block_dims reads of Transformer Engine's Float8BlockScaling (not importable without a
+    """What recipes.megatron.te_recipe reads of Transformer Engine's Float8BlockScaling (not importable without a
     GPU): a dataclass with TE's three fields and defaults, which says it is block scaling as TE's recipes do."""
 
     fp8_format: str = "e4m3"
@@ -465,21 +465,21 @@ def test_megatron_core_builds_the_block_scaling_recipe_with_the_runs_block_dims(
     (no TE) pass through; TE's defaults put megatron-core's own function back."""
     from megatron.core import fp8_utils
 
-    from recipes.megatron import block_dims
+    from recipes.megatron import te_recipe
 
     made = {"blockwise": BlockScalingStandIn(), "tensorwise": CurrentScalingStandIn(), None: None}
     megatron_core = lambda config: made[config]  # noqa: E731
     monkeypatch.setattr(fp8_utils, "get_fp8_recipe", megatron_core)
-    block_dims.install((1, 1, 2))
+    te_recipe.install_block_dims((1, 1, 2))
     recipe = fp8_utils.get_fp8_recipe("blockwise")
     assert (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim, recipe.grad_block_scaling_dim) == (1, 1, 2)
     assert recipe.fp8_format == "e4m3" and made["blockwise"].w_block_scaling_dim == 2  # a new recipe, same format
     assert fp8_utils.get_fp8_recipe("tensorwise") is made["tensorwise"]
     assert fp8_utils.get_fp8_recipe(None) is None
-    block_dims.install((2, 1, 1))  # a second model in the process: its own dims, not wrapped twice
+    te_recipe.install_block_dims((2, 1, 1))  # a second model in the process: its own dims, not wrapped twice
     assert fp8_utils.get_fp8_recipe("blockwise").x_block_scaling_dim == 2
     assert fp8_utils.get_fp8_recipe.megatron_core is megatron_core
-    block_dims.install((1, 2, 1))
+    te_recipe.install_block_dims((1, 2, 1))
     assert fp8_utils.get_fp8_recipe is megatron_core
 
 
@@ -503,13 +503,13 @@ def test_a_megatron_step_trains_with_every_operand_in_1x128_blocks(tmp_path):
     from transformer_engine.common import recipe as te_recipes
 
     from recipes.config import DEFAULT_BLOCK_DIMS
-    from recipes.megatron import block_dims, translate
+    from recipes.megatron import te_recipe, translate
 
     cfg = megatron_config(tmp_path, "fp8_blockwise_1d1d")
-    block_dims.install(cfg.precision.block_dims)
+    te_recipe.install_block_dims(cfg.precision.block_dims)
     try:
         recipe = fp8_utils.get_fp8_recipe(translate.transformer_config(cfg, WITH_TE))
         assert isinstance(recipe, te_recipes.Float8BlockScaling) and recipe.w_block_scaling_dim == 1
     finally:
-        block_dims.install(DEFAULT_BLOCK_DIMS)
+        te_recipe.install_block_dims(DEFAULT_BLOCK_DIMS)
     run_megatron_engine(cfg, tmp_path)

@@ -388,9 +388,11 @@ def test_plan_runs_nvfp4_emulated_on_the_torch_engine_and_natively_through_te_on
         assert "\n" not in str(error.value)
 
 
-def test_engine_megatron_gets_te_nvfp4_recipe_with_the_run_parts(hydra_compose):
+def test_engine_megatron_gets_te_nvfp4_recipe_with_the_run_parts(hydra_compose, monkeypatch):
     translate = pytest.importorskip("recipes.megatron.translate")
-    from recipes.megatron import nvfp4_parts
+    from megatron.core import fp4_utils
+
+    from recipes.megatron import te_recipe
 
     cfg = hydra_compose("engine=megatron", "gpu=b200", "model=llama3_8b", "model.num_layers=8", "precision=nvfp4",
                         "precision.disable_stochastic_rounding=true", "dryrun=true")
@@ -412,5 +414,10 @@ def test_engine_megatron_gets_te_nvfp4_recipe_with_the_run_parts(hydra_compose):
         def nvfp4(cls):
             return True
 
-    make = nvfp4_parts.with_parts_disabled(lambda config: Nvfp4Stand(), tuple(cfg.precision.nvfp4_parts_disabled))
-    assert make(None) == Nvfp4Stand(disable_stochastic_rounding=True, disable_2d_quantization=False)
+    megatron_core = lambda config: Nvfp4Stand()  # noqa: E731
+    monkeypatch.setattr(fp4_utils, "get_fp4_recipe", megatron_core)  # as megatron-core's FP4 context looks it up
+    te_recipe.install_nvfp4_parts(cfg.precision.nvfp4_parts_disabled)
+    assert fp4_utils.get_fp4_recipe(None) == Nvfp4Stand(disable_stochastic_rounding=True, disable_2d_quantization=False)
+    te_recipe.install_nvfp4_parts([])  # a second model in the process: its own knobs, not wrapped twice
+    assert fp4_utils.get_fp4_recipe(None) == Nvfp4Stand(disable_2d_quantization=False)
+    assert fp4_utils.get_fp4_recipe.megatron_core is megatron_core

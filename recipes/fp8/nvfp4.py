@@ -32,6 +32,7 @@ inputs with FP32 accumulation.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -120,17 +121,24 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_values(packed: torch.Tensor) -> torch.Tensor:
-    values = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=packed.device)
     codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
-    return values[codes.long()]
+    return _e2m1_table(packed.device)[codes.long()]
 
 
-def hadamard_matrix() -> torch.Tensor:
+# Constants built once per device (each quantization uses them: no host-to-device copy per call); never written.
+@functools.lru_cache(maxsize=None)
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    """FP32 value of each of the 16 E2M1 codes."""
+    return torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def hadamard_matrix(device: torch.device = torch.device("cpu")) -> torch.Tensor:
     """diag(TE's signs) @ H16 / 4, in float64 (exact): orthogonal."""
     h = torch.ones((1, 1), dtype=torch.float64)
     while h.shape[0] < HADAMARD_SIZE:
         h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
-    return torch.tensor(RHT_SIGNS, dtype=torch.float64)[:, None] * h / HADAMARD_SIZE**0.5
+    return (torch.tensor(RHT_SIGNS, dtype=torch.float64)[:, None] * h / HADAMARD_SIZE**0.5).to(device)
 
 
 def random_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
@@ -139,7 +147,7 @@ def random_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     rows, cols = x.shape
     if cols % HADAMARD_SIZE:
         raise ValueError(f"the Hadamard transform needs K divisible by {HADAMARD_SIZE}, got {tuple(x.shape)}")
-    blocks = x.double().reshape(-1, HADAMARD_SIZE) @ hadamard_matrix().to(x.device)
+    blocks = x.double().reshape(-1, HADAMARD_SIZE) @ hadamard_matrix(x.device)
     return blocks.reshape(rows, cols).to(x.dtype)
 
 

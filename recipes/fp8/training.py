@@ -61,8 +61,11 @@ class Fp8Training:
                  fused_linears: bool = False, seed: int = 0):
         self.precision = precision
         self.micro_batches, self.seed = micro_batches, seed  # stochastic rounding's draws (seed_rounding)
-        self.enabled = any(module_precision(precision, option).recipe != Recipe.bf16
-                           for option in assigned_options(precision))
+        assigned = [module_precision(precision, option) for option in assigned_options(precision)]
+        self.enabled = any(option.recipe != Recipe.bf16 for option in assigned)
+        # NVFP4's stochastic rounding, somewhere in the model: each micro-batch then sets its draw
+        self.rounds_stochastically = any(option.recipe == Recipe.nvfp4 and not option.disable_stochastic_rounding
+                                         for option in assigned)
         self.fused_linears = fused_linears
         self.gathers_weights_in_fp8 = fsdp_fp8_all_gather and precision.recipe in FP8_ALL_GATHER_RECIPES
         # FP8-gathered weights arrive quantized: nothing to cache.
@@ -121,7 +124,8 @@ class Fp8Training:
     def micro_batch(self, model: nn.Module, index: int, step: int = 0) -> None:
         if self.caches_weights:  # the mode also says whether a weight gradient starts or adds to its main gradient
             set_weight_cache_mode(model, CACHE_REFRESH if index == 0 else CACHE_REUSE)
-        set_rounding_draw(model, step * self.micro_batches + index)
+        if self.rounds_stochastically:
+            set_rounding_draw(model, step * self.micro_batches + index)
 
     def after_backward(self, model: nn.Module) -> None:
         if self.enabled:

@@ -14,7 +14,7 @@ import importlib.util
 import torch
 
 from recipes.config import Config, ConfigError, Normalization, Recipe
-from recipes.megatron import block_dims, master_cast, nvfp4_parts, parallel_state, wgrad
+from recipes.megatron import master_cast, parallel_state, te_recipe, wgrad
 from recipes.megatron.translate import available_kernels, gpt_model_kwargs, transformer_config
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -91,8 +91,8 @@ def configure(cfg: Config, device: torch.device, compute: torch.dtype = torch.bf
     """The TransformerConfig and layer spec of cfg for a model on `device` computing in `compute`
     (recipes.compute), with the kernels megatron-core's layers then call made ready: the wgrad accumulation of its
     own linears (recipes.megatron.wgrad), the row-wise cast of FP8 weights' master shards
-    (recipes.megatron.master_cast), blockwise scaling's block dimensions (recipes.megatron.block_dims) and NVFP4's
-    parts (recipes.megatron.nvfp4_parts)."""
+    (recipes.megatron.master_cast), and blockwise scaling's block dimensions and NVFP4's parts in TE's recipes
+    (recipes.megatron.te_recipe)."""
     kernels = available_kernels()
     spec = layer_spec(cfg, kernels.transformer_engine)
     config = transformer_config(cfg, kernels, use_cpu_initialization=device.type == "cpu", compute=compute)
@@ -100,9 +100,9 @@ def configure(cfg: Config, device: torch.device, compute: torch.dtype = torch.bf
         wgrad.install()  # megatron-core's own linears (the output layer) need it built in, unless Apex is there
     if config.fp8_param:
         master_cast.install()
-    block_dims.install(cfg.precision.block_dims)  # TE's defaults outside blockwise scaling (check_block_dims)
+    te_recipe.install_block_dims(cfg.precision.block_dims)  # TE's defaults outside blockwise scaling (check_block_dims)
     if config.fp4:
-        nvfp4_parts.install(cfg.precision.nvfp4_parts_disabled)
+        te_recipe.install_nvfp4_parts(cfg.precision.nvfp4_parts_disabled)
     return config, spec
 
 

@@ -64,7 +64,7 @@ def fp8_fields(cfg: Config) -> dict:
     bf16_layers = dict(first_last_layers_bf16=bool(p.num_layers_at_start_in_bf16 or p.num_layers_at_end_in_bf16),
                        num_layers_at_start_in_bf16=p.num_layers_at_start_in_bf16,
                        num_layers_at_end_in_bf16=p.num_layers_at_end_in_bf16)
-    if p.recipe == Recipe.nvfp4:  # megatron-core's FP4 path: TE's NVFP4BlockScaling (recipes.megatron.nvfp4_parts)
+    if p.recipe == Recipe.nvfp4:  # megatron-core's FP4 path: TE's NVFP4BlockScaling (recipes.megatron.te_recipe)
         return dict(fp4="e2m1", fp4_recipe="nvfp4", fp4_param=p.fp8_param_gather, **bf16_layers)
     fields = dict(
         fp8=p.fp8_format.value,

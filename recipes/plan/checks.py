@@ -261,7 +261,7 @@ def _validate_one_precision(cfg: Config) -> None:
             f"precision={precision.name} runs natively only on Blackwell GPUs (b200, gb200) through Transformer Engine "
             f"(engine=megatron); gpu={gpu.name} is {gpu.arch}." if megatron else
             f"precision={precision.name}: the torch engine has no NVFP4 GEMM kernel; set precision.emulate=true "
-            "(NVFP4 values and scales exact, GEMMs in FP32; slow, labelled), or use engine=megatron on Blackwell")
+            "(NVFP4 values and scales exact, GEMMs on those exact values in BF16 with FP32 sums; labelled), or use engine=megatron on Blackwell")
     block_archs = native_archs(Recipe.blockwise, megatron)
     if precision.recipe == Recipe.blockwise and gpu.arch not in block_archs and not precision.emulate:
         raise ConfigError(
