@@ -12,6 +12,7 @@ Every bound is stated next to its assertion, with its derivation.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from fractions import Fraction
 
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recipes.config import AmaxComputeAlgo, Fp8Format, ModelConfig, PrecisionConfig, Recipe
+from recipes.config import AmaxComputeAlgo, Fp8Format, ModelConfig, PrecisionConfig, Recipe, load_option
 from recipes.fp8.convert import convert_to_fp8
 from recipes.fp8.blockwise import quantize_blockwise
 from recipes.fp8.current_scaling import quantize_tensorwise
@@ -1079,12 +1080,14 @@ def accumulate(layer: Fp8Linear, xs: list[torch.Tensor], cached: bool) -> tuple[
     return outs, layer.weight.grad.clone()
 
 
-@pytest.mark.parametrize("name", ["current", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("name", ["current", "blockwise", "mxfp8", "nvfp4"])
 def test_weight_cache_changes_nothing_for_stateless_recipes(name):
     """A stateless recipe quantizes a fixed weight to the same bytes every time: caching it must give the same
-    outputs and gradients, bit for bit, as quantizing it in every micro-batch."""
-    precision = (PrecisionConfig(name="fp8_current", recipe=Recipe.tensorwise, fp8_format=Fp8Format.hybrid)
-                 if name == "current" else precision_for(name))
+    outputs and gradients, bit for bit, as quantizing it in every micro-batch (NVFP4: its tensor scales cached too,
+    its gradients rounded with the layer's fixed seed)."""
+    precisions = {"current": PrecisionConfig(name="fp8_current", recipe=Recipe.tensorwise, fp8_format=Fp8Format.hybrid),
+                  "nvfp4": dataclasses.replace(load_option("precision", "nvfp4"), emulate=True)}
+    precision = precisions.get(name) or precision_for(name)
     layer = linear_module(256, 384, recipe_from_config(precision), seed=3)
     g = torch.Generator().manual_seed(5)
     xs = [torch.randn(128, 256, generator=g).bfloat16().requires_grad_() for _ in range(3)]

@@ -283,6 +283,31 @@ def test_nvfp4_quantizer_on_cuda_equals_cpu(tile_rows):
         assert torch.equal(cpu.block_scale.view(torch.uint8), cuda.block_scale.cpu().view(torch.uint8))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (10, 0),
+                    reason="cuBLAS's NVFP4 GEMM needs Blackwell (sm100)")
+def test_native_nvfp4_gemm_equals_its_emulation_on_blackwell():
+    """The three GEMMs of an NVFP4 linear through cuBLAS (PyTorch's two-level NVFP4 scaled_mm) give the emulated
+    GEMMs' results: same operands, FP32 sums in another order. Not yet run: this project has had no Blackwell GPU."""
+    from recipes.fp8.gemm import emulated_nvfp4_gemm, native_nvfp4_gemm
+    from recipes.fp8.nvfp4 import quantize_nvfp4
+
+    g = torch.Generator().manual_seed(0)
+    x, w, dy = (torch.randn(*shape, generator=g).cuda() for shape in ((256, 512), (384, 512), (256, 384)))
+    gemms = {
+        "fprop": (quantize_nvfp4(x, (1, 16)), quantize_nvfp4(w, (16, 16))),
+        "dgrad": (quantize_nvfp4(dy, (1, 16)), quantize_nvfp4(w, (16, 16))),
+        "wgrad": (quantize_nvfp4(dy.t().contiguous(), (1, 16)), quantize_nvfp4(x.t().contiguous(), (1, 16))),
+    }
+    for name, (a, b) in gemms.items():
+        a, b = a.as_operand(), b.as_operand()
+        b = b.transpose() if name == "dgrad" else b
+        for out_dtype in (torch.bfloat16, torch.float32):
+            native = native_nvfp4_gemm(a, b, out_dtype).float()
+            emulated = emulated_nvfp4_gemm(a, b, torch.float32)
+            bound = (2.0**-8 if out_dtype == torch.bfloat16 else 1e-5) * emulated.abs().max().item()
+            assert (native - emulated).abs().max().item() <= bound, (name, out_dtype)
+
+
 NVFP4_AGAINST_TE = """
 import torch
 import transformer_engine.pytorch  # first, before the process uses cuDNN

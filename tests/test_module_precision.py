@@ -113,8 +113,8 @@ def test_the_plan_checks_every_assigned_precision(hydra_compose):
     validate(hydra_compose(*PLAN, "precision=fp8_current",
                            'precision.modules=[{pattern: "layers.0.*", precision: fp8_blockwise}]'))
     refused = {
-        # nvfp4 needs precision.emulate on the torch engine, wherever it is assigned
-        'precision.modules=[{pattern: "layers.0.*", precision: nvfp4}]': "no NVFP4 GEMM kernel",
+        # nvfp4 has no native kernel on Hopper, wherever it is assigned
+        'precision.modules=[{pattern: "layers.0.*", precision: nvfp4}]': "nvfp4 runs natively only on Blackwell",
         # mxfp8 has no native kernel on Hopper
         'precision.modules=[{pattern: "layers.*.mlp.fc1", precision: mxfp8}]': "runs natively only on Blackwell",
     }

@@ -23,6 +23,7 @@ from recipes.fp8.linear import Fp8Linear, Nvfp4Scaling, recipe_from_config
 from recipes.fp8.nvfp4 import (
     RHT_SIGNS, hadamard_matrix, quantize_nvfp4, quantize_nvfp4_op, random_hadamard_transform, uniform,
 )
+from recipes.fp8.tensor import Float8Tensor
 from recipes.fp8.training import Fp8Training
 from recipes.models.transformer import Transformer
 
@@ -174,23 +175,139 @@ def test_packing_puts_the_even_element_in_the_low_nibble():
 
 @pytest.mark.parametrize("tile_rows", [1, 16])
 def test_the_gemm_operand_is_exact_and_dequantizes_within_half_an_e2m1_step(tile_rows):
-    """The emulated GEMM's operand: value * E4M3 block scale exactly in BF16 (checked in float64 against the codes
-    and scales), times 1 / S_enc; each element within half the widest E2M1 step (4 -> 6: one unit of its block,
-    block scale / S_enc) of the input."""
+    """The GEMM operand: the packed codes, the E4M3 block scales and 1 / S_enc, as cuBLAS's NVFP4 GEMM reads them;
+    its values times their block scales exact in BF16 (what the emulated GEMM multiplies; checked in float64 against
+    the codes and scales); each element within half the widest E2M1 step (4 -> 6: one unit of its block, block
+    scale / S_enc) of the input."""
     x = adversarial(torch.float32)
     q = quantize_nvfp4(x, (tile_rows, 16))
     operand = q.as_operand()
     scales = q.block_scale.double().repeat_interleave(tile_rows, 0).repeat_interleave(16, 1)
-    assert operand.data.dtype == torch.bfloat16 and operand.block == (tile_rows, 16)
-    assert torch.equal(operand.data.double(), q.values().double() * scales)
+    assert operand.is_fp4 and operand.block == (tile_rows, 16)
+    assert torch.equal(operand.data, q.codes) and torch.equal(operand.scale_inv.view(torch.uint8),
+                                                              q.block_scale.view(torch.uint8))
+    assert torch.equal(operand.block_scaled().bfloat16().double(), q.values().double() * scales)
     decode = 1.0 / (448.0 * 6.0 / q.amax.double())
-    assert operand.scale_inv.dim() == 0 and abs(operand.scale_inv.double() - decode) <= 2.0**-23 * decode
+    assert operand.tensor_scale_inv.dim() == 0
+    assert abs(operand.tensor_scale_inv.double() - decode) <= 2.0**-23 * decode
     normal = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))  # no block scale under- or overflows
     q = quantize_nvfp4(normal, (tile_rows, 16))
     operand = q.as_operand()
     scales = q.block_scale.double().repeat_interleave(tile_rows, 0).repeat_interleave(16, 1)
     error = (operand.dequantize().double() - normal.double()).abs()
-    assert (error <= scales * operand.scale_inv.double() * (1 + 2.0**-20)).all()
+    assert (error <= scales * operand.tensor_scale_inv.double() * (1 + 2.0**-20)).all()
+
+
+def test_a_16x16_operand_transposes_to_the_quantization_of_the_transpose():
+    """dgrad's weight: the 16 x 16-block operand's codes moved (unpacked, transposed, packed again) and its scale
+    grid transposed are exactly the quantization of W^T, as TE's 2D weights reuse their quantization."""
+    w = adversarial(torch.float32)
+    transposed = quantize_nvfp4(w, (16, 16)).as_operand().transpose()
+    direct = quantize_nvfp4(w.t().contiguous(), (16, 16)).as_operand()
+    assert torch.equal(transposed.data, direct.data)
+    assert torch.equal(transposed.scale_inv.view(torch.uint8), direct.scale_inv.view(torch.uint8))
+    assert torch.equal(transposed.tensor_scale_inv, direct.tensor_scale_inv)
+    with pytest.raises(ValueError, match="quantized again"):
+        quantize_nvfp4(w, (1, 16)).as_operand().transpose()
+
+
+# ---- the native GEMM's arguments (cuBLAS's NVFP4 GEMM on Blackwell; no Blackwell here) ----
+
+
+def cublas_scale_offset(row: int, col: int, cols: int) -> int:
+    """Where cuBLAS's block-scaling layout keeps the scale of (row, col) of a (rows, cols) scale matrix (CUDA docs,
+    "1D block scaling factors layout"): 128 x 4 tiles in row-major order of tiles, 512 bytes each, the tile's row r
+    at (r % 32) * 16 + (r // 32) * 4 and its columns adjacent."""
+    col_tiles = -(-cols // 4)
+    return (row // 128) * col_tiles * 512 + (col // 4) * 512 + (row % 32) * 16 + (row % 128) // 32 * 4 + col % 4
+
+
+def reference_scaled_mm(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, swizzle_a=None,
+                        swizzle_b=None, bias=None, output_dtype=torch.bfloat16, contraction_dim=(),
+                        use_fast_accum=False):
+    """What cuBLAS's two-level NVFP4 GEMM computes from scaled_mm's arguments, decoded by the documented layouts
+    alone, in float64: E2M1 pairs low nibble first, block scales at cublas_scale_offset, the tensor scales last."""
+    assert scale_recipe_a == scale_recipe_b == [F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise]
+    assert swizzle_a == swizzle_b == [F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE]
+    table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+    table = torch.cat([table, -table])
+
+    def decode(packed, scales):
+        packed = packed.view(torch.uint8)
+        rows, half_k = packed.shape
+        values = table[torch.stack((packed & 0xF, packed >> 4), dim=-1).long()].view(rows, 2 * half_k)
+        blocks = half_k * 2 // 16
+        flat = scales[0].view(torch.uint8)
+        index = torch.tensor([[cublas_scale_offset(r, c, blocks) for c in range(blocks)] for r in range(rows)])
+        block_scale = flat[index].view(torch.float8_e4m3fn).double().repeat_interleave(16, dim=1)
+        return values * block_scale * scales[1].double()
+
+    return (decode(mat_a, scale_a) @ decode(mat_b.t(), scale_b).t()).to(output_dtype)
+
+
+NATIVE_GEMMS = {  # (rows of a, its block rows), (rows of b, its block rows): the linear's three GEMMs, K = 96
+    "fprop": ((48, 1), (80, 16)),
+    "dgrad": ((48, 1), (80, 16)),  # the weight's transpose: the same 16 x 16 quantization, moved
+    "wgrad": ((80, 1), (144, 1)),
+}
+
+
+def native_operands(gemm: str):
+    (rows_a, block_a), (rows_b, block_b) = NATIVE_GEMMS[gemm]
+    g = torch.Generator().manual_seed(len(gemm))
+    a = quantize_nvfp4(torch.randn(rows_a, 96, generator=g), (block_a, 16)).as_operand()
+    if gemm == "dgrad":
+        return a, quantize_nvfp4(torch.randn(96, rows_b, generator=g), (16, 16)).as_operand().transpose()
+    return a, quantize_nvfp4(torch.randn(rows_b, 96, generator=g) * 300, (block_b, 16)).as_operand()
+
+
+@pytest.mark.parametrize("gemm", NATIVE_GEMMS)
+def test_native_gemm_arguments_decode_to_the_emulated_gemm(gemm, monkeypatch):
+    """The arguments the torch engine hands cuBLAS's NVFP4 GEMM on Blackwell (packed codes, block scales swizzled
+    and a 16 x 16 block's scale repeated over its rows, tensor scales), decoded by the documented layouts alone,
+    multiply to the emulated GEMM's result: the same operands. The GEMM itself cannot run here (no Blackwell)."""
+    from recipes.fp8 import gemm as gemm_module
+
+    a, b = native_operands(gemm)
+    monkeypatch.setattr(F, "scaled_mm", reference_scaled_mm)
+    native = gemm_module.native_nvfp4_gemm(a, b, torch.float32).double()
+    emulated = gemm_module.emulated_nvfp4_gemm(a, b, torch.float32).double()
+    exact = a.dequantize().double() @ b.dequantize().double().t()
+    for result in (native, emulated):  # FP32 outputs (and the emulation's FP32 sums); a misplaced scale is O(1)
+        torch.testing.assert_close(result, exact, rtol=1e-6, atol=1e-6 * exact.abs().max().item())
+
+
+@pytest.mark.parametrize("gemm", NATIVE_GEMMS)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_native_gemm_arguments_pass_pytorchs_own_checks(gemm, out_dtype):
+    """PyTorch's shape, type and layout rules for its NVFP4 scaled_mm, run on the meta device (what a Blackwell
+    GPU would be handed), accept every GEMM of the linear, rows not a multiple of 128 included; the probe the plan
+    asks says so for this PyTorch, and a wrong argument is refused by the same rules."""
+    from recipes.fp8.gemm import native_nvfp4_gemm, nvfp4_gemm_available
+
+    def on_meta(operand):
+        return operand._replace(**{field: getattr(operand, field).to("meta")
+                                   for field in ("data", "scale_inv", "tensor_scale_inv")})
+
+    a, b = (on_meta(operand) for operand in native_operands(gemm))
+    out = native_nvfp4_gemm(a, b, out_dtype)
+    assert out.shape == (a.data.shape[0], b.data.shape[0]) and out.dtype == out_dtype
+    assert nvfp4_gemm_available()
+    with pytest.raises(RuntimeError, match="NV scaling"):
+        native_nvfp4_gemm(a._replace(scale_inv=torch.empty(a.scale_inv.shape[0], 9, dtype=E4M3, device="meta")),
+                          b, out_dtype)
+
+
+def test_native_scale_layout_is_torchaos_to_blocked():
+    """The swizzled block scales equal torchao's to_blocked (its NVFP4 GEMM's layout) of the per-row scales."""
+    to_blocked = pytest.importorskip("torchao.prototype.mx_formats.utils").to_blocked
+    from recipes.fp8.gemm import native_nvfp4_scale
+
+    g = torch.Generator().manual_seed(0)
+    for rows, block_rows in ((48, 1), (144, 1), (160, 16)):
+        operand = quantize_nvfp4(torch.randn(rows, 96, generator=g), (block_rows, 16)).as_operand()
+        per_row = operand.scale_inv.view(torch.uint8).repeat_interleave(block_rows, dim=0)
+        assert torch.equal(native_nvfp4_scale(operand).view(torch.uint8), to_blocked(per_row))
 
 
 # ---- stochastic rounding and its random numbers ----
@@ -265,8 +382,8 @@ def nvfp4_precision(**changes):
 
 def operand(t: torch.Tensor, rows: int, hadamard: bool = False, seed=None, which: int = 0) -> torch.Tensor:
     """The operand the recipe's op makes, dequantized in float64."""
-    data, scale_inv = quantize_nvfp4_op(t, rows, hadamard, seed, which)
-    return data.double() * scale_inv.double()
+    codes, block_scale, tensor_scale_inv = quantize_nvfp4_op(t, rows, hadamard, seed, which)
+    return Float8Tensor(codes, block_scale, (rows, 16), tensor_scale_inv).dequantize().double()
 
 
 def test_linear_runs_te_recipe_operand_by_operand():
@@ -368,16 +485,17 @@ def test_a_tiny_transformer_trains_in_nvfp4():
     assert fp4[0] != bf16[0] and abs(fp4[0] - bf16[0]) < 0.05 * bf16[0]
 
 
-def test_plan_runs_nvfp4_emulated_on_the_torch_engine_and_natively_through_te_on_blackwell(hydra_compose):
+def test_plan_runs_nvfp4_natively_on_blackwell_and_emulated_elsewhere(hydra_compose, monkeypatch):
     from recipes.plan.checks import validate
 
     base = ("model=llama3_8b", "model.num_layers=8", "precision=nvfp4", "dryrun=true")
     validate(hydra_compose(*base, "gpu=h200", "precision.emulate=true"))
     validate(hydra_compose(*base, "gpu=b200", "engine=megatron"))
+    validate(hydra_compose(*base, "gpu=b200"))  # the torch engine: PyTorch's NVFP4 scaled_mm (cuBLAS)
     refused = {
-        ("gpu=h200",): "the torch engine has no NVFP4 GEMM kernel; set precision.emulate=true",
-        ("gpu=b200",): "the torch engine has no NVFP4 GEMM kernel",
-        ("gpu=h200", "engine=megatron"): "runs natively only on Blackwell GPUs",
+        ("gpu=h200",): "runs natively only on Blackwell GPUs .*; gpu=h200 is hopper. Set precision.emulate=true",
+        ("gpu=b200", "precision.emulate=true"): "runs natively on gpu=b200: nothing would be emulated",
+        ("gpu=h200", "engine=megatron"): r"runs natively only on Blackwell GPUs .* \(engine=megatron cannot emulate\)",
         ("gpu=b200", "engine=megatron", "precision.emulate=true"): "precision.emulate=true is the torch engine's",
         ("gpu=b200", "engine=nemo"): "this project maps no NVFP4 plugin",
         ("gpu=h200", "precision=fp8_current", "precision.disable_rht=true"): "is NVFP4's",
@@ -386,6 +504,15 @@ def test_plan_runs_nvfp4_emulated_on_the_torch_engine_and_natively_through_te_on
         with pytest.raises(ConfigError, match=message) as error:
             validate(hydra_compose(*base, *overrides))
         assert "\n" not in str(error.value)
+    # A job for this machine with a PyTorch whose scaled_mm has no NVFP4 (before 2.10): refused before it starts.
+    from recipes.fp8 import training
+
+    monkeypatch.setattr(training, "nvfp4_gemm_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # as on a one-GPU Blackwell machine
+    here = hydra_compose("model=llama3_8b", "model.num_layers=8", "precision=nvfp4", "gpu=b200")
+    with pytest.raises(ConfigError, match=r"this PyTorch \(.*\) has no NVFP4 GEMM"):
+        validate(here)
+    validate(dataclasses.replace(here, dryrun=True))  # a dry run for another machine leaves it to that machine
 
 
 def test_engine_megatron_gets_te_nvfp4_recipe_with_the_run_parts(hydra_compose, monkeypatch):

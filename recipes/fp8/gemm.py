@@ -8,14 +8,17 @@ take), dispatched on the operands' scaling granularity:
 - 1x32 MX blocks: torch.nn.functional.scaled_mm with E8M0 scales in the 32_4_4 layout on Blackwell;
 - one scale per row (row-wise scaling): torch._scaled_mm's row-wise scales (sm89 and later), whose kernels write
   BF16 only: the result in BF16, then in the output's dtype (torchao's weight gradient is BF16 the same way);
-- NVFP4's 1x16 and 16x16 blocks (recipes.fp8.nvfp4): emulated only, as a BF16 GEMM of its exact BF16 operands
-  with FP32 accumulation, then the two tensor scales;
+- NVFP4 (E2M1 codes, E4M3 scales of 1x16 blocks, an FP32 scale per tensor; recipes.fp8.nvfp4):
+  torch.nn.functional.scaled_mm's two-level NVFP4 scaling on Blackwell (cuBLAS's FP4 GEMM: the block scales
+  swizzled in the 32_4_4 layout, a 16x16-block weight's scale repeated over its 16 rows, the tensor scales applied
+  to the FP32 sums); emulated, each operand's values times its block scales (exact in BF16) multiplied on BF16
+  tensor cores with FP32 sums, then the two tensor scales, as TE's reference GEMM applies its global scales;
 - emulated (only when the precision asks for it): the operands dequantized to FP32 and multiplied in FP32, the
   same numbers a native block-scaled GEMM computes up to the order of FP32 accumulation. MX operands, whose
   scales are powers of two, are exact in TF32 too, so on a GPU their emulation runs on tensor cores in TF32 (FP32
   accumulation, as the native kernel) instead of FP32 SIMT, several times faster.
 
-The block-scaled GEMMs, native and emulated, are one opaque custom op (`fp8_recipes::block_scaled_mm`) for
+The block-scaled GEMMs, native and emulated, are opaque custom ops (`fp8_recipes::block_scaled_mm`, `::nvfp4_mm`) for
 torch.compile: the op's argument checks and scale-layout fix-ups then stay out of the traced graph, so Dynamo never
 breaks the graph inside an FP8 linear (a break there runs the whole autograd.Function, quantization included,
 eagerly), and the emulation's FP8 -> FP32 decoding runs in ATen's kernels (the CPU's code), not in code Inductor
@@ -40,14 +43,16 @@ from recipes.compute import mm_into
 from recipes.fp8 import cublaslt
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK
 from recipes.fp8.mxfp8 import MX_BLOCK, swizzle_32_4_4, to_e8m0
-from recipes.fp8.nvfp4 import NVFP4_BLOCK, WEIGHT_2D_BLOCK
+from recipes.fp8.nvfp4 import NVFP4_BLOCK
 from recipes.fp8.tensor import ROW_BLOCK, Float8Tensor
 
 
 def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, fast_accum: bool, emulate: bool) -> torch.Tensor:
-    if not emulate and {a.block, b.block} & NVFP4_BLOCKS:
-        raise RuntimeError(f"no native NVFP4 GEMM in the torch engine ({a.block} x {b.block} blocks on "
-                           f"{a.data.device}); set precision.emulate=true to emulate it")
+    if a.is_fp4:
+        if not emulate and not a.data.is_cuda:
+            raise RuntimeError(f"no native NVFP4 GEMM on {a.data.device}; set precision.emulate=true to emulate it")
+        return nvfp4_mm(a.data, a.scale_inv, a.tensor_scale_inv, a.block[0], b.data, b.scale_inv, b.tensor_scale_inv,
+                        b.block[0], out_dtype, emulate)
     if a.block is None and b.block is None:
         return tensorwise_mm(a.data, b.data, a.scale_inv, b.scale_inv, out_dtype, fast_accum)
     if a.block == b.block == ROW_BLOCK and (a.data.is_cuda or emulate):
@@ -61,9 +66,6 @@ def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, fast_accu
             "set precision.emulate=true to emulate it"
         )
     return block_scaled_mm(a.data, a.scale_inv, list(a.block), b.data, b.scale_inv, list(b.block), out_dtype, emulate)
-
-
-NVFP4_BLOCKS = {NVFP4_BLOCK, WEIGHT_2D_BLOCK}
 
 
 def rowwise_mm(a: Float8Tensor, b: Float8Tensor, fast_accum: bool, emulate: bool) -> torch.Tensor:
@@ -148,16 +150,75 @@ def _emulated_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> 
     """The dequantized operands multiplied in FP32. MX operands on a GPU in TF32: an FP8 value times a power-of-two
     scale has at most 3 mantissa bits and TF32 keeps 10, so the inputs are exact and the products accumulate in
     FP32, as in the native kernel. The switch covers this matmul only (this op runs eagerly, even when compiled)."""
-    if a.block in NVFP4_BLOCKS:  # exact BF16 inputs (recipes.fp8.nvfp4): tensor cores, FP32 sums, scales last
-        product = a.data.new_empty((a.data.shape[0], b.data.shape[0]), dtype=torch.float32)
-        mm_into(a.data, b.data, product, accumulate=False)
-        return (product * (a.scale_inv * b.scale_inv)).to(out_dtype)
     allow_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32 or (a.block == MX_BLOCK and a.data.is_cuda)
     try:
         return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+
+
+@torch.library.custom_op("fp8_recipes::nvfp4_mm", mutates_args=())
+def nvfp4_mm(
+    a: torch.Tensor, a_scale_inv: torch.Tensor, a_tensor_scale_inv: torch.Tensor, a_block_rows: int,
+    b: torch.Tensor, b_scale_inv: torch.Tensor, b_tensor_scale_inv: torch.Tensor, b_block_rows: int,
+    out_dtype: torch.dtype, emulate: bool,
+) -> torch.Tensor:
+    """`a @ b^T` of two NVFP4 operands (recipes.fp8.tensor's layout: packed codes, E4M3 block scales of
+    `*_block_rows` x 16, the tensor's decode scale)."""
+    a_operand = Float8Tensor(a, a_scale_inv, (a_block_rows, NVFP4_BLOCK[1]), a_tensor_scale_inv)
+    b_operand = Float8Tensor(b, b_scale_inv, (b_block_rows, NVFP4_BLOCK[1]), b_tensor_scale_inv)
+    if emulate:
+        return emulated_nvfp4_gemm(a_operand, b_operand, out_dtype)
+    return native_nvfp4_gemm(a_operand, b_operand, out_dtype)
+
+
+@nvfp4_mm.register_fake
+def _(a, a_scale_inv, a_tensor_scale_inv, a_block_rows, b, b_scale_inv, b_tensor_scale_inv, b_block_rows,
+      out_dtype, emulate):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+def emulated_nvfp4_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Each operand's values times their block scales, exact in BF16, multiplied with FP32 sums (tensor cores on a
+    GPU), then times the two tensor scales."""
+    product = a.data.new_empty((a.data.shape[0], b.data.shape[0]), dtype=torch.float32)
+    mm_into(a.block_scaled().bfloat16(), b.block_scaled().bfloat16(), product, accumulate=False)
+    return (product * (a.tensor_scale_inv * b.tensor_scale_inv)).to(out_dtype)
+
+
+def native_nvfp4_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """cuBLAS's NVFP4 GEMM through PyTorch's two-level NVFP4 scaling (Blackwell): E2M1 operands, their E4M3 block
+    scales swizzled, the tensor scales applied to the FP32 sums. Not run on this project's machines yet (no
+    Blackwell); its arguments pass PyTorch's own checks on the meta device (nvfp4_gemm_available)."""
+    scaling = [F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise]
+    swizzle = [F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE]
+    return F.scaled_mm(
+        a.data.view(torch.float4_e2m1fn_x2), b.data.view(torch.float4_e2m1fn_x2).t(),
+        [native_nvfp4_scale(a), a.tensor_scale_inv], scaling,
+        [native_nvfp4_scale(b), b.tensor_scale_inv], scaling,
+        swizzle_a=swizzle, swizzle_b=swizzle, output_dtype=out_dtype,
+    )
+
+
+def nvfp4_gemm_available() -> bool:
+    """Whether this PyTorch takes native_nvfp4_gemm's arguments (float4_e2m1fn_x2, scaled_mm's two-level NVFP4
+    scaling), asked of its own shape and type checks on the meta device: no GPU needed."""
+    operand = Float8Tensor(torch.empty(128, 32, dtype=torch.uint8, device="meta"),
+                           torch.empty(128, 4, dtype=torch.float8_e4m3fn, device="meta"), NVFP4_BLOCK,
+                           torch.empty((), device="meta"))
+    try:
+        native_nvfp4_gemm(operand, operand, torch.bfloat16)
+    except (AttributeError, NotImplementedError, RuntimeError, TypeError):
+        return False
+    return True
+
+
+def native_nvfp4_scale(operand: Float8Tensor) -> torch.Tensor:
+    """The E4M3 block scales as cuBLAS's NVFP4 GEMM reads them: one per 16 elements of each row (a 16x16 block's
+    scale repeated over its 16 rows), swizzled (the 32_4_4 layout, in bytes), flat."""
+    scale = operand.scale_inv.view(torch.uint8).repeat_interleave(operand.block[0], dim=0)
+    return swizzle_32_4_4(scale).flatten().view(torch.float8_e4m3fn)
 
 
 def _blockwise_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -89,8 +89,9 @@ class Fp8Recipe:
                       cached: tuple[Float8Tensor, Float8Tensor]) -> tuple[Float8Tensor, Float8Tensor]:
         """quantize_with_transpose written into `cached`'s buffers (a weight cache, filled in place)."""
         for buffer, value in zip(cached, self.quantize_with_transpose(t, role, state)):
-            buffer.data.copy_(value.data)
-            buffer.scale_inv.copy_(value.scale_inv)
+            for into, tensor in zip(saved_tensors(buffer), saved_tensors(value)):
+                if tensor is not None:
+                    into.copy_(tensor)
         return cached
 
     def quantize_produced(self, op: str, a: torch.Tensor, b: Optional[torch.Tensor], role: int,
@@ -277,7 +278,7 @@ class Nvfp4Scaling(Fp8Recipe):
     input and the output gradient laid out for the weight gradient Hadamard-transformed first (`hadamard`); output
     gradients rounded stochastically (`stochastic_rounding`) with random numbers from the layer's seed (`state`:
     its rounding_seed). Each transposed use other than the weight's is quantized again from the high-precision
-    tensor, as TE does. GEMMs: emulated (no native NVFP4 GEMM in the torch engine)."""
+    tensor, as TE does. GEMMs: cuBLAS's NVFP4 GEMM on Blackwell, emulated elsewhere (recipes.fp8.gemm)."""
 
     hadamard: bool = True
     stochastic_rounding: bool = True
@@ -303,8 +304,9 @@ class Nvfp4Scaling(Fp8Recipe):
         (the Hadamard transform's, and the second of a gradient's two random draws)."""
         seed = state[0] if role == GRAD and self.stochastic_rounding else None
         hadamard = transposed and self.hadamard and role != WEIGHT
-        data, scale_inv = quantize_nvfp4_op(t, self.block(role)[0], hadamard, seed, int(transposed))
-        return Float8Tensor(data, scale_inv, self.block(role))
+        codes, block_scale, tensor_scale_inv = quantize_nvfp4_op(t, self.block(role)[0], hadamard, seed,
+                                                                 int(transposed))
+        return Float8Tensor(codes, block_scale, self.block(role), tensor_scale_inv)
 
 
 def check_nvfp4_knobs(precision: PrecisionConfig) -> None:
@@ -364,39 +366,52 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, recipe: Fp8Recipe, cache_mode: str, cache_blocks, main_grad, *cache_and_state):
         # Tensors are passed one by one (not as a module or tuple) so that Dynamo traces this function whole.
-        cache, state = cache_and_state[:4], cache_and_state[4:] or None
+        cache, state = cache_and_state[:CACHE_TENSORS], cache_and_state[CACHE_TENSORS:] or None
         if recipe.fp8_wgrad:
             x_fp8, x_t = recipe.quantize_with_transpose(x, INPUT, state)
-            saved_x, ctx.x_block = (x_t.data, x_t.scale_inv), x_t.block
+            saved_x, ctx.x_block = saved_tensors(x_t), x_t.block
         else:
-            x_fp8, saved_x = recipe.quantize(x, INPUT, state), (x, x.new_empty(()))
+            x_fp8, saved_x = recipe.quantize(x, INPUT, state), (x, None, None)
         y, saved_w, ctx.w_is_transposed = fprop(recipe, x_fp8, weight, state, cache_mode, cache, cache_blocks,
                                                 x.dtype)
         ctx.recipe, ctx.state, ctx.weight_dtype, ctx.w_block = recipe, state, weight.dtype, saved_w.block
         ctx.accumulate = cache_mode == CACHE_REUSE  # not the step's first micro-batch: add to main_grad
-        ctx.save_for_backward(*saved_x, saved_w.data, saved_w.scale_inv, weight, main_grad)
+        ctx.save_for_backward(*saved_x, *saved_tensors(saved_w), weight, main_grad)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x_data, x_scale_inv, w_data, w_scale_inv, weight, main_grad = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        x_saved, w_saved, (weight, main_grad) = saved[:3], saved[3:6], saved[6:]
+        x_data = x_saved[0]
         recipe: Fp8Recipe = ctx.recipe
         dy = dy.contiguous()
         if recipe.fp8_wgrad:
             dy_fp8, dy_t = recipe.quantize_with_transpose(dy, GRAD, ctx.state)
         else:
             dy_fp8 = recipe.quantize(dy, GRAD, ctx.state)
-        dx = dgrad(recipe, dy_fp8, Float8Tensor(w_data, w_scale_inv, ctx.w_block), ctx.w_is_transposed, weight,
-                   ctx.state, dy.dtype)
+        dx = dgrad(recipe, dy_fp8, saved_operand(w_saved, ctx.w_block), ctx.w_is_transposed, weight, ctx.state,
+                   dy.dtype)
         dw = None
         if recipe.fp8_wgrad:
-            dw = weight_gradient(recipe, dy_t, Float8Tensor(x_data, x_scale_inv, ctx.x_block), main_grad,
-                                 ctx.accumulate, ctx.weight_dtype)
+            dw = weight_gradient(recipe, dy_t, saved_operand(x_saved, ctx.x_block), main_grad, ctx.accumulate,
+                                 ctx.weight_dtype)
         elif main_grad is not None:
             mm_into(dy.t(), x_data.to(dy.dtype).t(), main_grad, ctx.accumulate)
         else:
             dw = (dy.t() @ x_data.to(dy.dtype)).to(ctx.weight_dtype)
         return (dx, dw) + (None,) * (len(ctx.needs_input_grad) - 2)
+
+
+def saved_tensors(operand: Float8Tensor) -> tuple:
+    """An operand's tensors for save_for_backward (its block goes on ctx): values, scales, and NVFP4's tensor scale
+    (None for the others)."""
+    return operand.data, operand.scale_inv, operand.tensor_scale_inv
+
+
+def saved_operand(tensors: tuple, block: Optional[tuple[int, int]]) -> Float8Tensor:
+    data, scale_inv, tensor_scale_inv = tensors
+    return Float8Tensor(data, scale_inv, block, tensor_scale_inv)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: Fp8Recipe, state: tuple = (),
@@ -412,17 +427,20 @@ def cache_arguments(cache: Optional["WeightCache"]) -> tuple[str, tuple]:
     return (CACHE_OFF, (None, None)) if cache is None else (cache.mode, cache.blocks)
 
 
+CACHE_TENSORS = 6
+
+
 def cache_tensors(cache: Optional["WeightCache"]) -> tuple:
-    """The cache's four buffers (FP8 weight, its scale, the transpose and its scale), None each without one."""
-    return (None,) * 4 if cache is None else cache.tensors()
+    """The cache's six buffers (saved_tensors of the FP8 weight, then of its transpose), None each without one."""
+    return (None,) * CACHE_TENSORS if cache is None else cache.tensors()
 
 
 def fprop(recipe: Fp8Recipe, x_fp8: Float8Tensor, weight: torch.Tensor, state, cache_mode: str, cache: tuple,
           cache_blocks: tuple, out_dtype: torch.dtype) -> tuple[torch.Tensor, Float8Tensor, bool]:
-    """y = x @ W^T for a quantized x; `cache`: the weight cache's four buffers (cache_tensors), `cache_blocks`
+    """y = x @ W^T for a quantized x; `cache`: the weight cache's six buffers (cache_tensors), `cache_blocks`
     their scale blocks (cache_arguments). Returns y, the weight operand to save for dgrad, and whether that is
     already W^T."""
-    cached = (Float8Tensor(cache[0], cache[1], cache_blocks[0]), Float8Tensor(cache[2], cache[3], cache_blocks[1]))
+    cached = (saved_operand(cache[:3], cache_blocks[0]), saved_operand(cache[3:], cache_blocks[1]))
     w_fp8, w_t = _weight_operands(recipe, weight, state, cache_mode, cached)
     y = fp8_gemm(x_fp8, w_fp8, out_dtype, recipe.fast_accum_fprop, recipe.emulate)
     return y, (w_fp8 if w_t is None else w_t), w_t is not None
@@ -463,8 +481,9 @@ class WeightCache(nn.Module):
 
     def __init__(self, like: dict[str, torch.Tensor], device: torch.device, blocks: Optional[tuple] = None):
         super().__init__()
-        for name, tensor in like.items():
-            self.register_buffer(name, torch.empty_like(tensor, device=device), persistent=False)
+        for name, tensor in like.items():  # None: a buffer this format has not (NVFP4's tensor scales)
+            self.register_buffer(name, None if tensor is None else torch.empty_like(tensor, device=device),
+                                 persistent=False)
         self.blocks = blocks  # the FP8 weight's and its transpose's scale blocks (Float8Tensor.block)
         self.mode = CACHE_OFF
 
@@ -478,7 +497,8 @@ def fp8_weight_cache(weight: torch.Tensor, recipe: Fp8Recipe, state: Optional[tu
     meta_weight = torch.empty_like(weight, device="meta")
     w_fp8 = recipe.quantize(meta_weight, WEIGHT, meta_state)
     w_t = recipe.transposed(w_fp8, meta_weight, WEIGHT, meta_state)
-    like = {"data": w_fp8.data, "scale_inv": w_fp8.scale_inv, "t_data": w_t.data, "t_scale_inv": w_t.scale_inv}
+    names = ("data", "scale_inv", "tensor_scale_inv")
+    like = dict(zip(names, saved_tensors(w_fp8))) | dict(zip(("t_" + name for name in names), saved_tensors(w_t)))
     return WeightCache(like, weight.device, (w_fp8.block, w_t.block))
 
 

@@ -33,10 +33,10 @@ from recipes.config import Activation
 from recipes.fp8.activation_ops import FORWARD_AND_BACKWARD, reference_output
 from recipes.fp8 import linear
 from recipes.fp8.linear import (
-    CACHE_REUSE, GRAD, INPUT, Bf16Linear, BlockwiseScaling, Fp8Linear, Fp8Recipe, PerTensorScaling, bf16_weight,
-    bf16_weight_gradient, cache_arguments, cache_tensors, dgrad, fprop, weight_gradient,
+    CACHE_REUSE, CACHE_TENSORS, GRAD, INPUT, Bf16Linear, BlockwiseScaling, Fp8Linear, Fp8Recipe, PerTensorScaling,
+    bf16_weight, bf16_weight_gradient, cache_arguments, cache_tensors, dgrad, fprop, saved_operand, saved_tensors,
+    weight_gradient,
 )
-from recipes.fp8.tensor import Float8Tensor
 
 ACTIVATION_OPS = {Activation.swiglu: "swiglu", Activation.squared_relu: "squared_relu"}
 
@@ -60,8 +60,9 @@ class _Fp8MlpFunction(torch.autograd.Function):
     def forward(ctx, x, w1, w2, recipe: Fp8Recipe, op: str, modes: tuple, blocks: tuple, main_grad1,
                 main_grad2, state_len: int, *tensors):
         # Tensors one by one, as recipes.fp8.linear's function takes them, so that Dynamo traces this whole.
-        cache1, cache2 = tensors[:4], tensors[4:8]
-        state1, state2 = tensors[8:8 + state_len] or None, tensors[8 + state_len:] or None
+        cache1, cache2 = tensors[:CACHE_TENSORS], tensors[CACHE_TENSORS:2 * CACHE_TENSORS]
+        states = tensors[2 * CACHE_TENSORS:]
+        state1, state2 = states[:state_len] or None, states[state_len:] or None
         x_fp8, x_t = recipe.quantize_with_transpose(x, INPUT, state1)
         fc1_out, saved_w1, transposed1 = fprop(recipe, x_fp8, w1, state1, modes[0], cache1, blocks[0], x.dtype)
         h_fp8, h_t = recipe.quantize_produced(op, fc1_out, None, INPUT, state2)
@@ -70,26 +71,24 @@ class _Fp8MlpFunction(torch.autograd.Function):
         ctx.accumulate = tuple(mode == CACHE_REUSE for mode in modes)
         ctx.weight_dtypes = (w1.dtype, w2.dtype)
         ctx.blocks = (x_t.block, saved_w1.block, h_t.block, saved_w2.block)  # the saved operands' scale blocks
-        ctx.save_for_backward(x_t.data, x_t.scale_inv, saved_w1.data, saved_w1.scale_inv, h_t.data, h_t.scale_inv,
-                              saved_w2.data, saved_w2.scale_inv, fc1_out, w1, w2, main_grad1, main_grad2)
+        ctx.save_for_backward(*saved_tensors(x_t), *saved_tensors(saved_w1), *saved_tensors(h_t),
+                              *saved_tensors(saved_w2), fc1_out, w1, w2, main_grad1, main_grad2)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        (x_data, x_scale_inv, w1_data, w1_scale_inv, h_data, h_scale_inv, w2_data, w2_scale_inv, fc1_out, w1, w2,
-         main_grad1, main_grad2) = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        x, w1_fp8, h, w2_fp8 = (saved_operand(saved[3 * i:3 * i + 3], block) for i, block in enumerate(ctx.blocks))
+        fc1_out, w1, w2, main_grad1, main_grad2 = saved[12:]
         recipe: Fp8Recipe = ctx.recipe
         (state1, state2), (transposed1, transposed2) = ctx.states, ctx.transposed
-        x_block, w1_block, h_block, w2_block = ctx.blocks
         dy = dy.contiguous()
         dy_fp8, dy_t = recipe.quantize_with_transpose(dy, GRAD, state2)
-        dh = dgrad(recipe, dy_fp8, Float8Tensor(w2_data, w2_scale_inv, w2_block), transposed2, w2, state2, dy.dtype)
-        dw2 = weight_gradient(recipe, dy_t, Float8Tensor(h_data, h_scale_inv, h_block), main_grad2,
-                              ctx.accumulate[1], ctx.weight_dtypes[1])
+        dh = dgrad(recipe, dy_fp8, w2_fp8, transposed2, w2, state2, dy.dtype)
+        dw2 = weight_gradient(recipe, dy_t, h, main_grad2, ctx.accumulate[1], ctx.weight_dtypes[1])
         d_fp8, d_t = recipe.quantize_produced(FORWARD_AND_BACKWARD[ctx.op], dh, fc1_out, GRAD, state1)
-        dx = dgrad(recipe, d_fp8, Float8Tensor(w1_data, w1_scale_inv, w1_block), transposed1, w1, state1, dy.dtype)
-        dw1 = weight_gradient(recipe, d_t, Float8Tensor(x_data, x_scale_inv, x_block), main_grad1,
-                              ctx.accumulate[0], ctx.weight_dtypes[0])
+        dx = dgrad(recipe, d_fp8, w1_fp8, transposed1, w1, state1, dy.dtype)
+        dw1 = weight_gradient(recipe, d_t, x, main_grad1, ctx.accumulate[0], ctx.weight_dtypes[0])
         return (dx, dw1, dw2) + (None,) * (len(ctx.needs_input_grad) - 3)
 
 

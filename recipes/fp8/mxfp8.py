@@ -87,8 +87,9 @@ def to_e8m0(scale_inv: torch.Tensor) -> torch.Tensor:
 
 
 def swizzle_32_4_4(scales: torch.Tensor) -> torch.Tensor:
-    """cuBLAS's block-scaling-factor layout: the (rows, K/32) scale matrix, padded to 128 x 4 tiles; each tile is
-    stored as 32 rows of 16 bytes, row r of the tile at (r % 32) * 16 + (r // 32) * 4, its 4 columns adjacent."""
+    """cuBLAS's block-scaling-factor layout (MXFP8's 1x32 blocks, NVFP4's 1x16): the (rows, K/block) scale matrix,
+    padded to 128 x 4 tiles; each tile is stored as 32 rows of 16 bytes, row r of the tile at (r % 32) * 16 +
+    (r // 32) * 4, its 4 columns adjacent."""
     rows, cols = scales.shape
     row_tiles, col_tiles = -(-rows // 128), -(-cols // 4)
     padded = F.pad(scales, (0, col_tiles * 4 - cols, 0, row_tiles * 128 - rows))

@@ -22,12 +22,11 @@ and a tensor dequantizes as value * block scale * (1 / S_enc). The parts of TE's
   so a run's rounding is the same on a resume and on any device (`uniform`).
 A negative input keeps its sign bit when it rounds to zero (TE's reference: code 8 for x in [-0.25, 0)); NaN
 becomes code 0 (the reference compares and finds no interval). E2M1 codes are packed two per byte, the even
-element in the low nibble, as TE's reference packs them.
+element in the low nibble, as TE's reference packs them (recipes.fp8.formats).
 
-For the GEMMs an operand is handed on as a recipes.fp8.tensor.Float8Tensor: its E2M1 values times their E4M3 block
-scales, exact in BF16, and the tensor's decode scale 1 / S_enc (`as_operand`). No GPU here has NVFP4 tensor cores
-but Blackwell; the torch engine emulates the GEMMs (recipes.fp8.gemm) from those operands, as BF16 GEMMs of exact
-inputs with FP32 accumulation.
+For the GEMMs an operand is handed on as a recipes.fp8.tensor.Float8Tensor (`as_operand`): the packed codes, the
+E4M3 block scales and the tensor's decode scale 1 / S_enc, what cuBLAS's NVFP4 GEMM reads on Blackwell
+(recipes.fp8.gemm); elsewhere the torch engine emulates that GEMM from the same operand.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from recipes.fp8.formats import E4M3
+from recipes.fp8.formats import E4M3, e2m1_values, pack_e2m1
 from recipes.fp8.tensor import Float8Tensor
 
 E2M1_MAX = 6.0
@@ -47,7 +46,6 @@ WEIGHT_2D_BLOCK = (16, 16)  # weights with TE's 2D quantization
 HADAMARD_SIZE = 16
 # TE's sign vector for the random Hadamard transform (nvfp4_tensor.get_wgrad_sign_vector)
 RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0-7; code | 8 is the negative
 # Round to nearest, ties to even: the magnitude code is how many of these a magnitude passes (strictly above a
 # bound that rounds down to an even code, at or above one that rounds up to it): TE's reference's intervals.
 _ABOVE = (0.25, 1.25, 2.5, 5.0)
@@ -65,17 +63,11 @@ class Nvfp4Quantized(NamedTuple):
 
     def values(self) -> torch.Tensor:
         """The E2M1 values (rows, K) in FP32."""
-        return unpack_values(self.codes)
+        return e2m1_values(self.codes)
 
     def as_operand(self) -> Float8Tensor:
-        """The emulated GEMM's operand: each E2M1 value times its E4M3 block scale in BF16 (exact: at most 2 + 4
-        significant bits, between 2**-10 and 2688), the tensor's decode scale 1 / S_enc as the one FP32 scale, and
-        the NVFP4 block (recipes.fp8.tensor). A GEMM of two multiplies them in BF16 on tensor cores with FP32
-        accumulation, then by the two decode scales, as TE's reference GEMM applies its global scales last."""
-        block_rows, block_cols = self.block
-        scales = self.block_scale.float().repeat_interleave(block_rows, 0).repeat_interleave(block_cols, 1)
-        return Float8Tensor((self.values() * scales).to(torch.bfloat16), torch.div(1.0, global_encode_scale(self.amax)),
-                            self.block)
+        """The GEMM operand: codes, block scales and the tensor's decode scale 1 / S_enc (recipes.fp8.tensor)."""
+        return Float8Tensor(self.codes, self.block_scale, self.block, torch.div(1.0, global_encode_scale(self.amax)))
 
 
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -116,22 +108,7 @@ def e2m1_codes(scaled: torch.Tensor, uniform: Optional[torch.Tensor] = None) -> 
     return torch.where(torch.isnan(scaled), torch.zeros_like(code), code)
 
 
-def pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    return codes[:, ::2] | (codes[:, 1::2] << 4)
-
-
-def unpack_values(packed: torch.Tensor) -> torch.Tensor:
-    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
-    return _e2m1_table(packed.device)[codes.long()]
-
-
-# Constants built once per device (each quantization uses them: no host-to-device copy per call); never written.
-@functools.lru_cache(maxsize=None)
-def _e2m1_table(device: torch.device) -> torch.Tensor:
-    """FP32 value of each of the 16 E2M1 codes."""
-    return torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=device)
-
-
+# Built once per device (each quantization uses it: no host-to-device copy per call); never written.
 @functools.lru_cache(maxsize=None)
 def hadamard_matrix(device: torch.device = torch.device("cpu")) -> torch.Tensor:
     """diag(TE's signs) @ H16 / 4, in float64 (exact): orthogonal."""
@@ -169,7 +146,7 @@ def quantize_nvfp4(x: torch.Tensor, block: tuple[int, int], uniform: Optional[to
     encode = torch.minimum(torch.div(1.0, block_scale.float() * decode_global), torch.tensor(FP32_MAX))
     scaled = (blocks * encode[:, None, :, None]).view(rows, cols)
     codes = e2m1_codes(scaled, uniform)
-    return Nvfp4Quantized(pack_codes(codes), block_scale, amax, block)
+    return Nvfp4Quantized(pack_e2m1(codes), block_scale, amax, block)
 
 
 # ---- the random numbers of stochastic rounding ----
@@ -203,17 +180,20 @@ def uniform(seed: torch.Tensor, operand: int, shape: torch.Size) -> torch.Tensor
 # An opaque op for torch.compile, as recipes.fp8.mxfp8's quantization: eager kernels, the same on every device.
 @torch.library.custom_op("fp8_recipes::quantize_nvfp4", mutates_args=())
 def quantize_nvfp4_op(x: torch.Tensor, block_rows: int, hadamard: bool, seed: Optional[torch.Tensor],
-                      operand: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (rows, K) as a GEMM operand (Nvfp4Quantized.as_operand): Hadamard-transformed first where `hadamard`,
-    rounded stochastically where a `seed` is given (`uniform`'s, with `operand`)."""
+                      operand: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (rows, K) as a GEMM operand (Nvfp4Quantized.as_operand: codes, block scales, decode scale),
+    Hadamard-transformed first where `hadamard`, rounded stochastically where a `seed` is given (`uniform`'s, with
+    `operand`)."""
     x = x.contiguous()
     if hadamard:
         x = random_hadamard_transform(x)
     random = None if seed is None else uniform(seed, operand, x.shape)
-    operand_fp8 = quantize_nvfp4(x, (block_rows, NVFP4_BLOCK[1]), random).as_operand()
-    return operand_fp8.data, operand_fp8.scale_inv
+    quantized = quantize_nvfp4(x, (block_rows, NVFP4_BLOCK[1]), random).as_operand()
+    return quantized.data, quantized.scale_inv, quantized.tensor_scale_inv
 
 
 @quantize_nvfp4_op.register_fake
 def _(x, block_rows, hadamard, seed, operand):
-    return x.new_empty(x.shape, dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32)
+    rows, cols = x.shape
+    return (x.new_empty((rows, cols // 2), dtype=torch.uint8),
+            x.new_empty((rows // block_rows, cols // NVFP4_BLOCK[1]), dtype=E4M3), x.new_empty((), dtype=torch.float32))

@@ -42,6 +42,7 @@ from recipes.fp8.convert import convert_to_fp8
 from recipes.fp8.current_scaling import tensorwise_scale
 from recipes.fp8.delayed_scaling import NUM_ROLES, ROLE_NAMES, update_delayed_scaling
 from recipes.fp8.formats import E4M3
+from recipes.fp8.gemm import nvfp4_gemm_available
 from recipes.fp8.linear import (
     CACHE_OFF, CACHE_REFRESH, CACHE_REUSE, GRAD, WEIGHT, Bf16Linear, CachedWeightLinear, DelayedScaling, Fp8Linear,
     TensorwiseScaling, check_block_dims, check_nvfp4_knobs, recipe_from_config,
@@ -102,6 +103,17 @@ class Fp8Training:
             check_nvfp4_knobs(precision)
             if precision.recipe != Recipe.bf16:
                 recipe_from_config(precision)
+
+    @staticmethod
+    def check_this_pytorch(cfg: Config) -> None:
+        """ConfigError for a run on this machine whose native GEMMs this PyTorch lacks: NVFP4's (scaled_mm's
+        two-level NVFP4 scaling) wherever a linear trains in NVFP4 without emulation."""
+        nvfp4 = [option for option in assigned_options(cfg.precision)
+                 if module_precision(cfg.precision, option).recipe == Recipe.nvfp4]
+        if nvfp4 and not cfg.precision.emulate and not nvfp4_gemm_available():
+            raise ConfigError(f"precision={nvfp4[0]}: this PyTorch ({torch.__version__}) has no NVFP4 GEMM "
+                              "(torch.nn.functional.scaled_mm with BlockWise1x16 and TensorWise scales); install a "
+                              "newer PyTorch, or use engine=megatron")
 
     def convert(self, model: nn.Module) -> None:
         convert_to_fp8(model.layers, self.precision, bf16_linears=self.fused_linears)

@@ -123,6 +123,8 @@ def _validate_launch(cfg: Config) -> None:
         if cfg.executor.gpus > available:
             raise ConfigError(f"executor.gpus={cfg.executor.gpus} but this machine has {available} GPU(s): set "
                               f"executor.gpus to at most {available}")
+        if cfg.engine == Engine.torch:
+            Fp8Training.check_this_pytorch(cfg)
 
 
 def _validate_megatron_runtime(cfg: Config) -> None:
@@ -164,8 +166,8 @@ def native_archs(recipe: Recipe, megatron: bool = False) -> tuple[str, ...] | No
         return ("hopper", "blackwell") if megatron else ("hopper",)
     if recipe == Recipe.rowwise:  # torch._scaled_mm's row-wise scales (sm89 and later)
         return ("hopper", "blackwell")
-    if recipe == Recipe.nvfp4:  # FP4 tensor cores: Blackwell, through Transformer Engine only
-        return ("blackwell",) if megatron else ()
+    if recipe == Recipe.nvfp4:  # FP4 tensor cores: Blackwell (TE's kernels; torch's two-level NVFP4 scaled_mm)
+        return ("blackwell",)
     return None
 
 
@@ -256,12 +258,12 @@ def _validate_one_precision(cfg: Config) -> None:
         raise ConfigError(f"precision={precision.name} runs natively on Hopper and Blackwell GPUs (torch._scaled_mm's "
                           f"row-wise scales); gpu={gpu.name} is {gpu.arch}. Set precision.emulate=true to emulate it "
                           "(slow; labelled).")
-    if precision.recipe == Recipe.nvfp4 and gpu.arch not in native_archs(Recipe.nvfp4, megatron) and not precision.emulate:
+    if precision.recipe == Recipe.nvfp4 and gpu.arch not in native_archs(Recipe.nvfp4) and not precision.emulate:
         raise ConfigError(
-            f"precision={precision.name} runs natively only on Blackwell GPUs (b200, gb200) through Transformer Engine "
-            f"(engine=megatron); gpu={gpu.name} is {gpu.arch}." if megatron else
-            f"precision={precision.name}: the torch engine has no NVFP4 GEMM kernel; set precision.emulate=true "
-            "(NVFP4 values and scales exact, GEMMs on those exact values in BF16 with FP32 sums; labelled), or use engine=megatron on Blackwell")
+            f"precision={precision.name} runs natively only on Blackwell GPUs (b200, gb200, FP4 tensor cores); "
+            f"gpu={gpu.name} is {gpu.arch}."
+            + (f" (engine={cfg.engine.value} cannot emulate)" if megatron else " Set precision.emulate=true to emulate "
+               "it (NVFP4 values and scales exact, GEMMs on those exact values in BF16 with FP32 sums; labelled)."))
     block_archs = native_archs(Recipe.blockwise, megatron)
     if precision.recipe == Recipe.blockwise and gpu.arch not in block_archs and not precision.emulate:
         raise ConfigError(
