@@ -283,6 +283,26 @@ def test_nvfp4_quantizer_on_cuda_equals_cpu(tile_rows):
         assert torch.equal(cpu.block_scale.view(torch.uint8), cuda.block_scale.cpu().view(torch.uint8))
 
 
+@pytest.mark.parametrize("tile_rows", [1, 16])
+def test_nvfp4_kernel_on_cuda_writes_the_cpu_reference_bytes(tile_rows):
+    """recipes.fp8.nvfp4_kernels (the quantizer NVFP4 runs on CUDA) writes the CPU reference's bytes: codes, E4M3
+    scales and decode scale, with and without the Hadamard transform and stochastic rounding, on a tensor with
+    zero, tiny and huge blocks."""
+    from recipes.fp8.nvfp4 import quantize_nvfp4_op
+
+    x = (torch.randn(512, 384, generator=torch.Generator().manual_seed(3)) * 3).bfloat16()
+    x[5, :16], x[16:32, 32:48], x[40, 64:80] = 0.0, 2.0**-12, 2.0**12
+    seed = torch.tensor([42, 7, 9])
+    for hadamard in (False, True):
+        for stochastic in (False, True):
+            args = (tile_rows, hadamard, seed if stochastic else None, 1)
+            cpu = quantize_nvfp4_op(x, *args, False)
+            cuda = quantize_nvfp4_op(x.cuda(), tile_rows, hadamard, seed.cuda() if stochastic else None, 1, True)
+            for expected, got in zip(cpu, cuda):
+                assert torch.equal(expected.view(torch.uint8) if expected.dtype != torch.float32 else expected,
+                                   (got.view(torch.uint8) if got.dtype != torch.float32 else got).cpu()), args
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (10, 0),
                     reason="cuBLAS's NVFP4 GEMM needs Blackwell (sm100)")
 def test_native_nvfp4_gemm_equals_its_emulation_on_blackwell():

@@ -166,6 +166,52 @@ def test_infinities_and_nan_follow_te_reference(special):
         assert np.array_equal(q.amax.numpy(), amax, equal_nan=True)
 
 
+# ---- the Triton kernel (CUDA's quantizer; here in Triton's CPU interpreter) ----
+
+
+def kernel_cases():
+    """(name, tensor): the adversarial tensors in both dtypes, with an inf and a NaN, and shapes whose rows and
+    columns leave a program's 16 x 64 tile partly empty."""
+    g = torch.Generator().manual_seed(4)
+    cases = [(f"adversarial-{str(dtype)[6:]}", adversarial(dtype)) for dtype in (torch.bfloat16, torch.float32)]
+    for special in ("inf", "nan"):
+        x = adversarial(torch.float32)
+        x[9, 5], x[20, 40] = float(special), -float(special)
+        cases.append((special, x))
+    cases += [(f"{rows}x{cols}", torch.randn(rows, cols, generator=g).bfloat16()) for rows, cols in ((48, 80), (16, 208))]
+    cases.append(("8x48", torch.randn(8, 48, generator=g) * 1e-3))  # 1x16 blocks only
+    return cases
+
+
+def same_e4m3(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same E4M3 bytes, NaN's sign bit aside (the kernel's NaN scales are 0x7F, the CPU's from NaN inputs 0xFF)."""
+    a, b = a.view(torch.uint8), b.view(torch.uint8)
+    nan_a, nan_b = (a & 0x7F) == 0x7F, (b & 0x7F) == 0x7F
+    return torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b])
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("tile_rows", [1, 16])
+def test_triton_kernel_writes_the_reference_bytes(tile_rows, stochastic):
+    """recipes.fp8.nvfp4_kernels.quantize (the quantizer on CUDA) against quantize_nvfp4, byte for byte: codes,
+    E4M3 scales, decode scale; stochastic rounding from the same seed and operand."""
+    pytest.importorskip("triton")
+    from recipes.fp8.nvfp4_kernels import quantize
+
+    seed = torch.tensor([1234, 5, 17]) if stochastic else None
+    for name, x in kernel_cases():
+        if x.shape[0] % tile_rows:
+            continue
+        codes, scales, decode = quantize(x, tile_rows, seed, 1)
+        expected = quantize_nvfp4(x, (tile_rows, 16), uniform(seed, 1, x.shape) if stochastic else None).as_operand()
+        assert torch.equal(codes, expected.data), name
+        assert same_e4m3(scales, expected.scale_inv), name
+        assert torch.equal(decode, expected.tensor_scale_inv) or (decode.isnan() and expected.tensor_scale_inv.isnan())
+    if stochastic:  # another operand draws other numbers
+        x = kernel_cases()[0][1]
+        assert not torch.equal(quantize(x, tile_rows, seed, 0)[0], quantize(x, tile_rows, seed, 1)[0])
+
+
 def test_packing_puts_the_even_element_in_the_low_nibble():
     x = torch.zeros(1, 16)
     x[0, 0], x[0, 1], x[0, 15] = 6.0, -1.0, 0.5  # S_enc = 448, block scale 448: encode exactly 1 / 1
@@ -382,7 +428,7 @@ def nvfp4_precision(**changes):
 
 def operand(t: torch.Tensor, rows: int, hadamard: bool = False, seed=None, which: int = 0) -> torch.Tensor:
     """The operand the recipe's op makes, dequantized in float64."""
-    codes, block_scale, tensor_scale_inv = quantize_nvfp4_op(t, rows, hadamard, seed, which)
+    codes, block_scale, tensor_scale_inv = quantize_nvfp4_op(t, rows, hadamard, seed, which, False)
     return Float8Tensor(codes, block_scale, (rows, 16), tensor_scale_inv).dequantize().double()
 
 

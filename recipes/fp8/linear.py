@@ -305,7 +305,7 @@ class Nvfp4Scaling(Fp8Recipe):
         seed = state[0] if role == GRAD and self.stochastic_rounding else None
         hadamard = transposed and self.hadamard and role != WEIGHT
         codes, block_scale, tensor_scale_inv = quantize_nvfp4_op(t, self.block(role)[0], hadamard, seed,
-                                                                 int(transposed))
+                                                                 int(transposed), self.fused_kernels)
         return Float8Tensor(codes, block_scale, self.block(role), tensor_scale_inv)
 
 

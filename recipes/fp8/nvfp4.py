@@ -180,20 +180,24 @@ def uniform(seed: torch.Tensor, operand: int, shape: torch.Size) -> torch.Tensor
 # An opaque op for torch.compile, as recipes.fp8.mxfp8's quantization: eager kernels, the same on every device.
 @torch.library.custom_op("fp8_recipes::quantize_nvfp4", mutates_args=())
 def quantize_nvfp4_op(x: torch.Tensor, block_rows: int, hadamard: bool, seed: Optional[torch.Tensor],
-                      operand: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      operand: int, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (rows, K) as a GEMM operand (Nvfp4Quantized.as_operand: codes, block scales, decode scale),
     Hadamard-transformed first where `hadamard`, rounded stochastically where a `seed` is given (`uniform`'s, with
-    `operand`)."""
+    `operand`); on CUDA with `fused`, by recipes.fp8.nvfp4_kernels's one kernel (the same bytes)."""
     x = x.contiguous()
     if hadamard:
         x = random_hadamard_transform(x)
+    if fused and x.is_cuda:
+        from recipes.fp8 import nvfp4_kernels
+
+        return nvfp4_kernels.quantize(x, block_rows, seed, operand)
     random = None if seed is None else uniform(seed, operand, x.shape)
     quantized = quantize_nvfp4(x, (block_rows, NVFP4_BLOCK[1]), random).as_operand()
     return quantized.data, quantized.scale_inv, quantized.tensor_scale_inv
 
 
 @quantize_nvfp4_op.register_fake
-def _(x, block_rows, hadamard, seed, operand):
+def _(x, block_rows, hadamard, seed, operand, fused):
     rows, cols = x.shape
     return (x.new_empty((rows, cols // 2), dtype=torch.uint8),
             x.new_empty((rows // block_rows, cols // NVFP4_BLOCK[1]), dtype=E4M3), x.new_empty((), dtype=torch.float32))
