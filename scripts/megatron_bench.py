@@ -6,6 +6,8 @@ switch buys, the torch engine beside it; or the loss of each recipe over 500 ste
     python scripts/megatron_bench.py run --dir bench/speed --out OUT2 --parts ablations --best fp8_current
     python scripts/megatron_bench.py prepare --study loss --dir bench/loss
     python scripts/megatron_bench.py run --dir bench/loss --out OUT3
+    python scripts/megatron_bench.py prepare --study nvfp4 --dir bench/nvfp4       # or --study granularity
+    python scripts/megatron_bench.py run --dir bench/nvfp4 --out OUT4 --budget-s 560   # again until all finish
 
 `prepare` composes each configuration as `launch/run.py ... dryrun=true run.dir=DIR/<name>` does (Hydra, the
 plan's checks, the plan into plan.txt, config.yaml for the engine) and lists them in DIR/study.json. `run` starts
@@ -52,6 +54,16 @@ run, for another call with --parts or --only.
 The loss study: llama3_100m on the bundled text, 500 steps, bf16 and each Hopper FP8 recipe on both engines, all at
 once (losses, not timings). Its table gives each run's mean loss over the last 100 steps against the BF16 run of
 the same engine and the torch engine's run of the same recipe; `scripts/compare.py OUT/runs` makes the report.
+
+The recipe studies (issues 50 and 51): llama3_100m on the bundled text with the convergence study's settings
+(docs/results/convergence.md), 2000 steps, three seeds (prepare --seeds), the torch engine, every run at once:
+`nvfp4` (BF16, fp8_current, NVFP4 emulated, and NVFP4 without its Hadamard transform, without stochastic
+rounding, without its BF16 last layers) and `granularity` (BF16, fp8_current, fp8_rowwise, fp8_rowwise_gw_hp,
+fp8_blockwise, fp8_blockwise_1d1d, fp8_blockwise_2d2d emulated). Each run checkpoints every 500 steps (the last
+only kept), so a call cut short by --budget-s is continued by the same command: each run resumes from its newest
+checkpoint. The table gives each run's mean loss over its last 100 steps against the BF16 run of its seed, and
+the mean of those gaps over the seeds against RECIPE_STUDY_TARGET; its step times are taken while the runs share
+the GPU, so they rank the recipes' cost but are not their speed alone.
 
 Every run sees the same Python: with Transformer Engine installed (megatron-core's FP8 needs it), the torch engine's
 runs import it too, through megatron-core, as in a NeMo container; results.md says whether it was importable.
@@ -110,6 +122,30 @@ KEPT_FILES = (CONFIG, "plan.txt", METRICS, "metrics_uninterrupted.jsonl", SUMMAR
 CURRENT_OVER_BF16_TARGET = 1.30  # the torch engine's fp8_current speedup over its own bf16
 LOSS_WINDOW = 100  # the loss study compares the mean loss of the last 100 steps
 LOSS_GAP_TARGET = 0.02  # each FP8 recipe's mean loss within 2% of its references' (loss_references)
+RECIPE_STUDY_TARGET = 0.015  # the recipe studies: the mean over seeds of a recipe's gap to BF16 within 1.5%
+SEEDS = (1234, 2, 3)
+# The recipe studies' configurations: label -> precision overrides (recipe_study_runs).
+RECIPE_STUDIES = {
+    "nvfp4": {
+        "bf16": ("precision=bf16",),
+        "fp8_current": ("precision=fp8_current",),
+        "nvfp4": ("precision=nvfp4", "precision.emulate=true"),
+        "nvfp4-no_rht": ("precision=nvfp4", "precision.emulate=true", "precision.disable_rht=true"),
+        "nvfp4-no_stochastic_rounding": ("precision=nvfp4", "precision.emulate=true",
+                                         "precision.disable_stochastic_rounding=true"),
+        "nvfp4-no_bf16_last_layers": ("precision=nvfp4", "precision.emulate=true",
+                                      "precision.num_layers_at_end_in_bf16=0"),
+    },
+    "granularity": {
+        "bf16": ("precision=bf16",),
+        "fp8_current": ("precision=fp8_current",),
+        "fp8_rowwise": ("precision=fp8_rowwise",),
+        "fp8_rowwise_gw_hp": ("precision=fp8_rowwise_gw_hp",),
+        "fp8_blockwise": ("precision=fp8_blockwise",),
+        "fp8_blockwise_1d1d": ("precision=fp8_blockwise_1d1d",),
+        "fp8_blockwise_2d2d": ("precision=fp8_blockwise_2d2d", "precision.emulate=true"),
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -128,6 +164,7 @@ class Run:
     resume: bool = False  # run again from the checkpoint before the last, which is removed first
     profile_step: Optional[int] = None  # round 1's last step, profiled (trainer.profile_step): not timed
     timeout_s: float = 300.0  # a hung process is killed (and never later than the budget allows)
+    seed: Optional[int] = None  # a recipe study's run: trainer.seed, and the BF16 run it is compared with
 
     @property
     def model(self) -> str:
@@ -233,6 +270,18 @@ def loss_runs(gpu: str, steps: int) -> list[Run]:
                  "trainer.warmup_steps=100", "trainer.log_interval=50", "data.cache_dir=cache"),
                 side_by_side=True, timeout_s=3600.0)
             for engine in ("megatron", "torch") for p in ("bf16", *FP8_RECIPES)]
+
+
+def recipe_study_runs(study: str, gpu: str, steps: int, seeds: tuple[int, ...] = SEEDS) -> list[Run]:
+    """A recipe study's runs (RECIPE_STUDIES), the convergence study's settings, each configuration with each seed:
+    all side by side, checkpointed so that a later call continues them."""
+    return [Run(f"torch-llama3_100m-{label}-seed{seed}", "loss", "torch", label,
+                ("engine=torch", f"gpu={gpu}", "model=llama3_100m", "data=text", *overrides,
+                 "trainer.micro_batch_size=8", "trainer.global_batch_size=8", f"trainer.max_steps={steps}",
+                 "trainer.warmup_steps=100", f"trainer.seed={seed}", "trainer.log_interval=50",
+                 "trainer.checkpoint.interval=500", "trainer.checkpoint.keep_last=1", "data.cache_dir=cache"),
+                side_by_side=True, timeout_s=7200.0, seed=seed)
+            for seed in seeds for label, overrides in RECIPE_STUDIES[study].items()]
 
 
 def study_groups(runs: list[Run]) -> list[list[Run]]:
@@ -483,6 +532,7 @@ def row(run: Run, rounds: list[tuple[Path, Outcome]]) -> dict:
         "tokens_per_s_per_gpu": median("tokens_per_s_per_gpu"), "tflops_per_gpu": median("model_tflops_per_gpu"),
         "mfu": median("mfu"), "peak_gib": max((r["peak_memory_gib"] for r in every), default=None),
         **clock_and_power([sample for _, outcome in finished for sample in outcome.gpu.get("timeline", ())], windows),
+        "median_step_s": median("step_time_s", first[run.warmup:]),  # a side-by-side run's too (shared GPU)
         "final_loss": first[-1]["loss"] if first else None,
         "mean_loss_last_100": statistics.fmean(r["loss"] for r in first[-LOSS_WINDOW:]) if first else None,
         "wall_s": round(sum(outcome.wall_s for _, outcome in rounds), 1), "note": "",
@@ -751,12 +801,14 @@ def target_table(compared: list[Run], rows: dict[str, dict]) -> list[str]:
     return lines
 
 
-SAME_ENGINE_BF16, TORCH_SAME_RECIPE = "same engine's bf16", "torch engine, same recipe"
+SAME_ENGINE_BF16, TORCH_SAME_RECIPE, SAME_SEED_BF16 = "same engine's bf16", "torch engine, same recipe", "bf16"
 
 
 def loss_references(run: Run) -> dict[str, str]:
-    """What a loss-study run is compared with: its engine's BF16 run and, on engine=megatron, the torch engine's run
-    of the same recipe (label: run name)."""
+    """What a loss-study run is compared with: its engine's BF16 run (of its seed, in a recipe study) and, on
+    engine=megatron, the torch engine's run of the same recipe (label: run name)."""
+    if run.seed is not None:
+        return {} if run.precision == "bf16" else {SAME_SEED_BF16: f"torch-llama3_100m-bf16-seed{run.seed}"}
     references = {} if run.precision == "bf16" else {SAME_ENGINE_BF16: f"{run.engine}-llama3_100m-bf16"}
     if run.engine != "torch":
         references[TORCH_SAME_RECIPE] = f"torch-llama3_100m-{run.precision}"
@@ -799,6 +851,36 @@ def loss_tables(runs: list[Run], rows: dict[str, dict]) -> list[str]:
     return lines
 
 
+def recipe_study_tables(runs: list[Run], rows: dict[str, dict]) -> list[str]:
+    """Each run against the BF16 run of its seed, then each configuration's gaps over the seeds."""
+    lines = [f"## Loss: llama3_100m on the bundled text, mean loss of the last {LOSS_WINDOW} steps, against BF16 "
+             "of the same seed", "",
+             "Step times are medians while every run of the study shared the GPU: they rank the recipes' cost, not "
+             "their speed alone.", "",
+             "| configuration | seed | steps | mean loss | vs bf16 | s/step (shared GPU) | status |",
+             "|---|---|---|---|---|---|---|"]
+    gaps: dict[str, list[float]] = {}
+    for run in runs:
+        r = rows[run.name]
+        reference = loss_references(run).get(SAME_SEED_BF16)
+        gap = loss_gap(rows, run.name, reference) if reference else None
+        if gap is not None and r["status"] == "ok":
+            gaps.setdefault(run.precision, []).append(gap)
+        cell = "-" if reference is None else f"{gap:+.2%}" if gap is not None else "no loss"
+        lines.append(f"| {run.precision} | {run.seed} | {r['steps']} | {number(r['mean_loss_last_100'], '.4f')} | "
+                     f"{cell} | {number(r.get('median_step_s'), '.3f')} | {r['status']} {r['error']} |")
+    lines += ["", f"Across seeds (runs that finished), against the target of {RECIPE_STUDY_TARGET:.1%}:", "",
+              "| configuration | seeds | mean gap | min | max | within target |", "|---|---|---|---|---|---|"]
+    for label in dict.fromkeys(run.precision for run in runs if run.precision != "bf16"):
+        found = gaps.get(label, [])
+        mean = statistics.fmean(found) if found else None
+        verdict = "-" if mean is None else "yes" if abs(mean) <= RECIPE_STUDY_TARGET else "no"
+        lines.append(f"| {label} | {len(found)} | {'-' if mean is None else f'{mean:+.2%}'} | "
+                     f"{f'{min(found):+.2%}' if found else '-'} | {f'{max(found):+.2%}' if found else '-'} | "
+                     f"{verdict} |")
+    return lines
+
+
 def clock_note(finished: list[tuple[Run, Outcome]]) -> str:
     """results.md's line on the GPU's clock and power: how they were sampled, or why they were not."""
     gpus = [outcome.gpu for _, outcome in finished if outcome.gpu]
@@ -815,7 +897,8 @@ def write_results(study: str, runs: list[Run], rows: dict[str, dict], out: Path,
     runs.tar.gz of the rounds' small files (a checkpoint is gigabytes) and traces.tar.gz of engine=megatron's
     profiled steps (Transformer Engine's kernels one by one, for Perfetto; apart, as they can be large)."""
     out.mkdir(parents=True, exist_ok=True)
-    tables = speed_tables(runs, rows, best) if study == "speed" else loss_tables(runs, rows)
+    tables = (speed_tables(runs, rows, best) if study == "speed" else loss_tables(runs, rows) if study == "loss"
+              else recipe_study_tables(runs, rows))
     info = provenance()  # the commit of the code that runs here, or unknown: not the one prepare ran at
     te = info["versions"].get("transformer_engine") or (
         "(version unknown)" if importlib.util.find_spec("transformer_engine") else None)
@@ -858,10 +941,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     prep = commands.add_parser("prepare", help="compose every run's config.yaml (needs Hydra: run it here)")
     prep.add_argument("--dir", type=Path, required=True)
-    prep.add_argument("--study", choices=("speed", "loss"), default="speed")
+    prep.add_argument("--study", choices=("speed", "loss", *RECIPE_STUDIES), default="speed")
     prep.add_argument("--gpu", default="h200", help="conf/gpu option of the GPU machine (peaks for MFU)")
-    prep.add_argument("--steps", type=int,
-                      help=f"speed: timed steps per round (default {TIMED_STEPS}); loss: steps (default 500)")
+    prep.add_argument("--steps", type=int, help=f"speed: timed steps per round (default {TIMED_STEPS}); loss: steps "
+                                                "(default 500); a recipe study: steps (default 2000)")
+    prep.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="a recipe study's seeds (trainer.seed)")
     prep.add_argument("--rounds", type=int, default=ROUNDS, help="speed: processes per timed column")
     go = commands.add_parser("run", help="run the prepared configurations on this machine's GPU")
     go.add_argument("--dir", type=Path, required=True, help="the folder `prepare` wrote")
@@ -876,8 +960,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "prepare":
-        runs = speed_runs(args.gpu, args.steps or TIMED_STEPS, args.rounds) if args.study == "speed" else \
-            loss_runs(args.gpu, args.steps or 500)
+        if args.study == "speed":
+            runs = speed_runs(args.gpu, args.steps or TIMED_STEPS, args.rounds)
+        elif args.study == "loss":
+            runs = loss_runs(args.gpu, args.steps or 500)
+        else:
+            runs = recipe_study_runs(args.study, args.gpu, args.steps or 2000,
+                                     tuple(int(seed) for seed in args.seeds.split(",")))
         prepare(args.study, runs, args.dir)
         print(f"prepared {args.dir}/study.json; on the GPU machine: "
               f"python scripts/megatron_bench.py run --dir {args.dir} --out OUT")

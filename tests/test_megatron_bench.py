@@ -469,6 +469,45 @@ def test_a_loss_more_than_two_percent_from_its_references_is_failed():
     assert "| megatron | fp8_blockwise | 500 | 3.0200 | +0.00% | no loss | failed" in table
 
 
+def test_recipe_studies_run_each_configuration_with_each_seed_and_continue_from_checkpoints(tmp_path):
+    """Issues 51 and 50's studies: every configuration with every seed, the convergence study's settings, 2000 steps,
+    all at once, checkpointed every 500 steps so a later call continues them; each composes and passes the plan
+    (prepare, one seed)."""
+    nvfp4 = bench.recipe_study_runs("nvfp4", "h200", 2000)
+    assert len(nvfp4) == 6 * 3 and len({run.name for run in nvfp4}) == 18
+    assert {run.precision for run in nvfp4} == {"bf16", "fp8_current", "nvfp4", "nvfp4-no_rht",
+                                                "nvfp4-no_stochastic_rounding", "nvfp4-no_bf16_last_layers"}
+    for run in nvfp4:
+        o = overrides_of(run)
+        assert (o["model"], o["data"], o["trainer.max_steps"], o["trainer.seed"]) == (
+            "llama3_100m", "text", "2000", str(run.seed))
+        assert (o["trainer.checkpoint.interval"], run.side_by_side, run.part) == ("500", True, "loss")
+        assert o.get("precision.emulate") == ("true" if run.precision.startswith("nvfp4") else None)
+    granularity = bench.recipe_study_runs("granularity", "h200", 2000, seeds=(7,))
+    assert [run.precision for run in granularity] == list(bench.RECIPE_STUDIES["granularity"])
+    runs = bench.recipe_study_runs("nvfp4", "h200", 2000, seeds=(7,)) + granularity[2:]
+    bench.prepare("nvfp4", runs, tmp_path)
+    for run in runs:
+        cfg = load_config(tmp_path / run.name / "config.yaml")
+        assert cfg.trainer.seed == 7 and cfg.trainer.max_steps == 2000
+    assert load_config(tmp_path / "torch-llama3_100m-nvfp4-no_rht-seed7" / "config.yaml").precision.disable_rht
+    assert bench.load_study(tmp_path)[2] == runs
+
+
+def test_recipe_study_table_compares_each_run_with_bf16_of_its_seed_and_averages_the_seeds():
+    runs = bench.recipe_study_runs("nvfp4", "h200", 2000, seeds=(1, 2))
+    losses = {"bf16": (3.00, 2.90), "fp8_current": (3.03, 2.90), "nvfp4": (3.06, 2.99)}  # +0.5% / +2.5% on average
+    rows = {run.name: {"status": "ok", "error": "", "steps": 2000, "median_step_s": 0.1,
+                       "mean_loss_last_100": losses.get(run.precision, (None, None))[run.seed - 1]} for run in runs}
+    table = "\n".join(bench.recipe_study_tables(runs, rows))
+    assert "| fp8_current | 1 | 2000 | 3.0300 | +1.00% | 0.100 | ok  |" in table
+    assert "| nvfp4 | 2 | 2000 | 2.9900 | +3.10% |" in table
+    assert "| nvfp4-no_rht | 1 | 2000 | - | no loss |" in table
+    assert "| fp8_current | 2 | +0.50% | +0.00% | +1.00% | yes |" in table
+    assert "| nvfp4 | 2 | +2.55% | +2.00% | +3.10% | no |" in table
+    assert "| nvfp4-no_rht | 0 | - | - | - | - |" in table
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_megatron_resume_repeats_the_uninterrupted_steps_in_every_recipe_on_gpu(hydra_compose, tmp_path):
