@@ -287,8 +287,10 @@ def test_nvfp4_quantizer_on_cuda_equals_cpu(tile_rows):
 def test_nvfp4_kernel_on_cuda_writes_the_cpu_reference_bytes(tile_rows):
     """recipes.fp8.nvfp4_kernels (the quantizer NVFP4 runs on CUDA) writes the CPU reference's bytes: codes, E4M3
     scales and decode scale, with and without the Hadamard transform and stochastic rounding, on a tensor with
-    zero, tiny and huge blocks."""
+    zero, tiny and huge blocks; and its decoding kernel gives the emulated GEMM's exact BF16 inputs."""
     from recipes.fp8.nvfp4 import quantize_nvfp4_op
+    from recipes.fp8.nvfp4_kernels import block_scaled_bf16
+    from recipes.fp8.tensor import Float8Tensor
 
     x = (torch.randn(512, 384, generator=torch.Generator().manual_seed(3)) * 3).bfloat16()
     x[5, :16], x[16:32, 32:48], x[40, 64:80] = 0.0, 2.0**-12, 2.0**12
@@ -301,6 +303,8 @@ def test_nvfp4_kernel_on_cuda_writes_the_cpu_reference_bytes(tile_rows):
             for expected, got in zip(cpu, cuda):
                 assert torch.equal(expected.view(torch.uint8) if expected.dtype != torch.float32 else expected,
                                    (got.view(torch.uint8) if got.dtype != torch.float32 else got).cpu()), args
+            decoded = block_scaled_bf16(cuda[0], cuda[1], tile_rows)  # the emulated GEMM's exact BF16 input
+            assert torch.equal(decoded.float().cpu(), Float8Tensor(*cpu[:2], (tile_rows, 16), cpu[2]).block_scaled())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (10, 0),

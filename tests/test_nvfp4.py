@@ -212,6 +212,22 @@ def test_triton_kernel_writes_the_reference_bytes(tile_rows, stochastic):
         assert not torch.equal(quantize(x, tile_rows, seed, 0)[0], quantize(x, tile_rows, seed, 1)[0])
 
 
+def test_triton_kernel_decodes_the_emulated_gemms_exact_bf16_inputs():
+    """recipes.fp8.nvfp4_kernels.block_scaled_bf16 (the emulated GEMM's input on CUDA) equals Float8Tensor's
+    block_scaled() in BF16, bit for bit (NaN blocks as NaN), both block shapes."""
+    pytest.importorskip("triton")
+    from recipes.fp8.nvfp4_kernels import block_scaled_bf16
+
+    for name, x in kernel_cases():
+        for tile_rows in (1, 16):
+            if x.shape[0] % tile_rows:
+                continue
+            operand = quantize_nvfp4(x, (tile_rows, 16)).as_operand()
+            got, expected = block_scaled_bf16(operand.data, operand.scale_inv, tile_rows), operand.block_scaled()
+            assert got.dtype == torch.bfloat16 and torch.equal(got.isnan(), expected.isnan()), name
+            assert torch.equal(got[~got.isnan()].float(), expected[~expected.isnan()]), name
+
+
 def test_packing_puts_the_even_element_in_the_low_nibble():
     x = torch.zeros(1, 16)
     x[0, 0], x[0, 1], x[0, 15] = 6.0, -1.0, 0.5  # S_enc = 448, block scale 448: encode exactly 1 / 1

@@ -183,8 +183,18 @@ def emulated_nvfp4_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype
     """Each operand's values times their block scales, exact in BF16, multiplied with FP32 sums (tensor cores on a
     GPU), then times the two tensor scales."""
     product = a.data.new_empty((a.data.shape[0], b.data.shape[0]), dtype=torch.float32)
-    mm_into(a.block_scaled().bfloat16(), b.block_scaled().bfloat16(), product, accumulate=False)
+    mm_into(_exact_bf16(a), _exact_bf16(b), product, accumulate=False)
     return (product * (a.tensor_scale_inv * b.tensor_scale_inv)).to(out_dtype)
+
+
+def _exact_bf16(operand: Float8Tensor) -> torch.Tensor:
+    """An NVFP4 operand's values times their block scales, exact in BF16; on CUDA in one Triton kernel
+    (recipes.fp8.nvfp4_kernels) instead of PyTorch's unpacking and table lookup."""
+    if operand.data.is_cuda:
+        from recipes.fp8 import nvfp4_kernels
+
+        return nvfp4_kernels.block_scaled_bf16(operand.data, operand.scale_inv, operand.block[0])
+    return operand.block_scaled().bfloat16()
 
 
 def native_nvfp4_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """NVFP4 quantization in one Triton kernel: recipes.fp8.nvfp4's quantize_nvfp4 (TE 2.20's reference quantizer),
-the same bytes, for CUDA tensors.
+the same bytes, for CUDA tensors; and the emulated GEMM's input, each E2M1 value times its E4M3 block scale in
+BF16, in another (block_scaled_bf16).
 
 The reference is some hundred elementwise PyTorch kernels a tensor (block amaxes, scales, the E2M1 rounding by
 comparisons, stochastic rounding's random numbers), which made an emulated NVFP4 step launch-bound. Here one
@@ -8,7 +9,7 @@ program quantizes a tile of 16 rows: the blocks' amaxes, their E4M3 scales, the 
 the same seed, operand and element index), packed two to a byte, and the tensor's decode scale. Every step is the
 reference's, in FP32 with IEEE division (tl.div_rn); the E4M3 scales are rounded and decoded in integer arithmetic
 (recipes.fp8.kernels._fp8_bits), so the bytes do not depend on the hardware's conversions. The tensor's amax (the
-second level) is one PyTorch reduction before the kernel. tests/test_nvfp4.py checks the kernel against the
+second level) is one PyTorch reduction before the kernel. tests/test_nvfp4.py checks both kernels against the
 reference in Triton's CPU interpreter, tests/test_gpu.py on a GPU.
 """
 
@@ -19,7 +20,8 @@ import triton
 import triton.language as tl
 
 from recipes.fp8.formats import E4M3
-from recipes.fp8.kernels import _fp8_bits
+from recipes.fp8.fused_quantize import _store_bf16
+from recipes.fp8.kernels import INTERPRETED, _fp8_bits
 
 BLOCK = 16  # elements along K sharing a scale (recipes.fp8.nvfp4.NVFP4_BLOCK, which imports this module)
 TILE_R = 16  # a program's rows: one row of 16 x 16 blocks, or 16 rows of 1 x 16 blocks
@@ -144,6 +146,49 @@ def _nvfp4_kernel(x, amax, seed, codes, scales, decode_out, rows, cols, operand,
     else:
         tl.store(scales + r[:, None].to(tl.int64) * (cols // 16) + b[None, :], scale_bits.to(tl.uint8),
                  mask=(r[:, None] < rows) & (b[None, :] < cols // 16))
+
+
+@triton.jit
+def _e2m1_value(code):
+    """The FP32 value of E2M1 codes (int32, 0-15): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
+    exponent = (code >> 1) & 3
+    half = (code & 1).to(tl.float32) * 0.5
+    power = (1 << tl.maximum(exponent - 1, 0)).to(tl.float32)
+    magnitude = tl.where(exponent == 0, half, (1.0 + half) * power)
+    return tl.where((code & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _block_scaled_kernel(codes, scales, out, rows, cols, BLOCK_ROWS: tl.constexpr, TILE_R: tl.constexpr,
+                         TILE_C: tl.constexpr, SOFTWARE: tl.constexpr):
+    NB: tl.constexpr = TILE_C // 16
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    r = pid_r * TILE_R + tl.arange(0, TILE_R)
+    half = pid_c * (TILE_C // 2) + tl.arange(0, TILE_C // 2)
+    packed = tl.load(codes + r[:, None].to(tl.int64) * (cols // 2) + half[None, :],
+                     mask=(r[:, None] < rows) & (half[None, :] < cols // 2), other=0).to(tl.int32)
+    values = tl.reshape(tl.join(_e2m1_value(packed & 0xF), _e2m1_value(packed >> 4)), (TILE_R, NB, 16))
+    b = pid_c * NB + tl.arange(0, NB)
+    if BLOCK_ROWS == 16:
+        scale_bits = tl.load(scales + pid_r * (cols // 16) + b[None, :], mask=b[None, :] < cols // 16, other=0)
+    else:
+        scale_bits = tl.load(scales + r[:, None].to(tl.int64) * (cols // 16) + b[None, :],
+                             mask=(r[:, None] < rows) & (b[None, :] < cols // 16), other=0)
+    scaled = tl.reshape(values * _e4m3_value(scale_bits.to(tl.int32))[:, :, None], (TILE_R, TILE_C))
+    c = pid_c * TILE_C + tl.arange(0, TILE_C)
+    _store_bf16(out + r[:, None].to(tl.int64) * cols + c[None, :], scaled, (r[:, None] < rows) & (c[None, :] < cols),
+                SOFTWARE)
+
+
+def block_scaled_bf16(codes: torch.Tensor, scales: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """Float8Tensor.block_scaled() of an NVFP4 operand in BF16 (exact: an E2M1 value times an E4M3 scale has at
+    most 2 + 4 significant bits), in one kernel: the emulated GEMM's input."""
+    rows, cols = codes.shape[0], codes.shape[1] * 2
+    out = torch.empty((rows, cols), dtype=torch.bfloat16, device=codes.device)
+    grid = (triton.cdiv(rows, TILE_R), triton.cdiv(cols, TILE_C))
+    _block_scaled_kernel[grid](codes, scales.view(torch.uint8), out.view(torch.int16) if INTERPRETED else out, rows,
+                               cols, BLOCK_ROWS=block_rows, TILE_R=TILE_R, TILE_C=TILE_C, SOFTWARE=INTERPRETED)
+    return out
 
 
 def quantize(x: torch.Tensor, block_rows: int, seed: torch.Tensor | None,
