@@ -4,7 +4,9 @@
 
 Variants: bf16 (torch.mm), tensorwise (one scale per operand), rowwise (per-channel: one scale per row of A and per
 column of B, as precision=fp8_rowwise quantizes them), 1x128 x 128x128, 1x128 x 1x128 and 128x128 x 1x128 blocks
-(cuBLAS block scaling, Hopper; every pair the blockwise block dimensions train with). Operands are quantized by the
+(cuBLAS block scaling, Hopper; every pair the blockwise block dimensions train with), and the same three pairs
+through recipes.fp8.block_gemm's Triton kernel (`triton_*`: issue 49's candidate, not yet in the training path,
+its tiles autotuned per shape in the warm-up). Operands are quantized by the
 recipes' own functions before timing: this measures the GEMMs, not quantization. Per-tensor and per-channel GEMMs use fast accumulation
 (as fprop does in TE); block-scaled GEMMs have none. Shapes: M = N = 8192 with a K sweep, and each model's four
 linear-layer GEMMs (QKV, attention output, fc1, fc2) at one micro-batch of its sequence length. Times are medians of
@@ -27,6 +29,7 @@ from typing import Callable
 import torch
 
 from recipes.config import Activation, load_option
+from recipes.fp8.block_gemm import block_scaled_gemm
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise
 from recipes.fp8.current_scaling import quantize_tensorwise
 from recipes.fp8.formats import E4M3
@@ -71,6 +74,9 @@ def variants(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], torch.T
         "1x128_x_128x128": lambda: fp8_gemm(a_1d, b_2d, bf16, fast_accum=False, emulate=False),
         "1x128_x_1x128": lambda: fp8_gemm(a_1d, b_1d, bf16, fast_accum=False, emulate=False),
         "128x128_x_1x128": lambda: fp8_gemm(a_2d, b_1d, bf16, fast_accum=False, emulate=False),
+        "triton_1x128_x_128x128": lambda: block_scaled_gemm(a_1d, b_2d, bf16),
+        "triton_1x128_x_1x128": lambda: block_scaled_gemm(a_1d, b_1d, bf16),
+        "triton_128x128_x_1x128": lambda: block_scaled_gemm(a_2d, b_1d, bf16),
     }
 
 
