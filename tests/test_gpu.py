@@ -110,6 +110,38 @@ def test_engine_trains_on_gpu(tmp_path):
     assert (summary["attention"], summary["fused_loss"]) == ("cudnn", True)
 
 
+def test_a_mixed_precision_assignment_trains_on_gpu(tmp_path):
+    """precision.modules on the GPU (issue 51): an fp8_current run whose layer 0 trains in fp8_blockwise, layer 1's
+    MLP in fp8_delayed and layer 2's attention in BF16, compiled blocks, 8 micro-batches (weight caches per recipe):
+    the loss falls, and summary.json names each linear's recipe as assigned."""
+    import dataclasses
+
+    from recipes.config import (
+        Config, DataConfig, ExecutorConfig, ModulePrecision, RunConfig, TrainerConfig, load_option,
+    )
+    from recipes.engine.torch_engine import main
+    from recipes.folders import save_config
+
+    modules = [ModulePrecision("layers.0.*", "fp8_blockwise"), ModulePrecision("layers.1.mlp.*", "fp8_delayed"),
+               ModulePrecision("layers.2.attention.*", "bf16")]
+    cfg = Config(
+        model=load_option("model", "tiny_llama"),
+        precision=dataclasses.replace(load_option("precision", "fp8_current"), modules=modules),
+        gpu=load_option("gpu", "h200"), executor=ExecutorConfig(),
+        data=DataConfig(name="text", cache_dir=str(tmp_path / "cache")),
+        trainer=TrainerConfig(max_steps=30, log_interval=10, micro_batch_size=2, global_batch_size=16),
+        run=RunConfig(dir=str(tmp_path)),
+    )
+    save_config(cfg, tmp_path / "config.yaml")
+    assert main([str(tmp_path / "config.yaml")]) == 0
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 30 and metrics[-1]["loss"] < metrics[0]["loss"] - 1.0
+    assigned = json.loads((tmp_path / "summary.json").read_text())["modules"]
+    assert (assigned["layers.0.attention.qkv"], assigned["layers.0.mlp.fc2"]) == ("fp8_blockwise", "fp8_blockwise")
+    assert (assigned["layers.1.mlp.fc1"], assigned["layers.1.attention.out"]) == ("fp8_delayed", "fp8_current")
+    assert (assigned["layers.2.attention.qkv"], assigned["layers.2.mlp.fc1"]) == ("bf16", "fp8_current")
+
+
 @pytest.mark.parametrize("block_dims", [(1, 2, 1), (1, 1, 1), (2, 1, 1), (1, 1, 2)])  # every pair cuBLAS takes
 @pytest.mark.parametrize("fp8_wgrad", [True, False])
 def test_native_blockwise_gemms_equal_their_emulation(fp8_wgrad, block_dims):
