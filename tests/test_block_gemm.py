@@ -20,6 +20,8 @@ from recipes.fp8.block_gemm import block_scaled_gemm  # noqa: E402
 from recipes.fp8.formats import E4M3  # noqa: E402
 from recipes.fp8.gemm import fp8_gemm  # noqa: E402
 
+from hopper_compile import run_compiled  # noqa: E402
+
 K = 384
 PAIRS = {  # the blockwise recipe's GEMMs: 1D2D's fprop and dgrad, 1D1D's (and every wgrad), x dim 2's fprop
     "1x128_x_128x128": (ACTIVATION_BLOCK, WEIGHT_BLOCK),
@@ -94,3 +96,34 @@ def test_into_an_fp32_output_written_then_added():
         block_scaled_gemm(a, b, out=torch.zeros(200, 176, dtype=torch.bfloat16), accumulate=True)
     with pytest.raises(ValueError, match="a multiple of 128"):
         block_scaled_gemm(a._replace(data=a.data[:, :200]), b)
+
+
+HOPPER_COMPILE = r"""
+import sys
+from pathlib import Path
+from hopper_compile import compile_for_hopper
+from recipes.fp8 import block_gemm
+
+signature = {"a": "*fp8e4nv", "a_scale": "*fp32", "b": "*fp8e4nv", "b_scale": "*fp32", "out": "*bf16", "M": "i32",
+             "N": "i32", "K": "i32"}
+# every pair into BF16, and the weight gradient's pair added into FP32; launched with aligned pointers and K a
+# multiple of 128 (M and N any size)
+launches = [(a, b, "*bf16", False) for a, b in ((1, 128), (1, 1), (128, 1))] + [(1, 1, "*fp32", True)]
+for a_rows, b_rows, out, accumulate in launches:
+    for tile in block_gemm.tiles_for(block_gemm.TILES, {}, ACCUMULATE=accumulate):
+        constants = dict(A_BLOCK_ROWS=a_rows, B_BLOCK_ROWS=b_rows, ACCUMULATE=accumulate, OUT_BF16=out == "*bf16",
+                         SOFTWARE=False, **tile.kwargs)
+        ptx, spilled, registers = compile_for_hopper(
+            block_gemm._block_scaled_gemm_kernel, {**signature, "out": out}, constants, Path(sys.argv[1]),
+            tile.num_warps, tile.num_stages, divisible=(0, 1, 2, 3, 4, 7))
+        print(tile, a_rows, b_rows, out, "registers", registers, "spilled", spilled, flush=True)
+        assert spilled == 0, f"{tile} {a_rows}x{b_rows} {out} spills {spilled} bytes"
+        assert "wgmma.mma_async" in ptx and "cp.async" in ptx, "not Hopper's tensor cores fed asynchronously"
+"""
+
+
+def test_every_tile_compiles_for_hopper_to_tensor_core_code_without_spills(tmp_path):
+    """Each autotuned tile of the kernel, for each block pair, compiled for sm_90a by Triton's own ptxas (no GPU
+    needed): its FP8 products on Hopper's asynchronous tensor-core instructions (wgmma), its operands copied
+    asynchronously, no register spilled (128 x 128 with 4 warps spilled ~480 bytes a thread and is not a tile)."""
+    run_compiled(HOPPER_COMPILE, tmp_path)

@@ -9,9 +9,6 @@ import copy
 import dataclasses
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +33,7 @@ from recipes.fp8.training import attach_main_grads, attach_weight_caches, expose
 from recipes.models.transformer import MLP, Transformer
 
 from fused_quantize_checks import check_1x128, check_op, check_scale_edge_cases, op_inputs
+from hopper_compile import run_compiled
 
 MICRO_BATCHES = 3
 
@@ -318,11 +316,10 @@ def test_fused_mlp_equals_the_unfused_one(kernels, fused_quantize, model, precis
         assert torch.equal(a, b)
 
 HOPPER_SPILL_CHECK = r"""
-import re, subprocess, sys
+import sys
+from pathlib import Path
 import triton
-from triton import knobs
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from hopper_compile import compile_for_hopper
 from recipes.fp8 import fused_quantize as fq
 
 pointers = {"a": "*bf16", "b": "*bf16"}
@@ -352,16 +349,9 @@ for kernel, signature, constants, runs in kernels:
             continue  # a form the autotuner never runs for this op
         masks = {} if kernel is fq._fp8_1x128_producer_kernel else {"EVEN": False}  # masks: more registers
         const = {**constants, "OP": op, **mode, **tile.kwargs, **masks}
-        divisible = ({(i,): [["tt.divisibility", 16]] for i in range(len(signature))}
-                     if kernel is fq._fp8_1x128_producer_kernel else {})
-        source = ASTSource(kernel, {**signature, **{name: "constexpr" for name in const}}, constexprs=const,
-                           attrs=divisible)
-        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.num_warps})
-        with open(sys.argv[1], "w") as f:
-            f.write(ptx.asm["ptx"])
-        log = subprocess.run([knobs.nvidia.ptxas_blackwell.path, "-v", "--gpu-name", "sm_90a", sys.argv[1],
-                              "-o", sys.argv[1] + ".cubin"], capture_output=True, text=True, check=True).stderr
-        spilled = int(re.search(r"(\d+) bytes spill stores", log).group(1))
+        divisible = tuple(range(len(signature))) if kernel is fq._fp8_1x128_producer_kernel else ()
+        _, spilled, _ = compile_for_hopper(kernel, signature, const, Path(sys.argv[1]), tile.num_warps,
+                                           divisible=divisible)
         print(kernel.__name__, op, mode, tile.kwargs, tile.num_warps, "spill", spilled, flush=True)
         assert spilled == 0, f"{kernel.__name__} op {op} mode {mode} {tile} spills {spilled} bytes"
 """
@@ -372,14 +362,7 @@ def test_fused_quantize_tiles_compile_for_hopper_without_register_spills(tmp_pat
     """Every autotuned tile of recipes.fp8.fused_quantize's kernels, compiled for sm_90a by Triton's own ptxas (no
     GPU needed), keeps its tiles in registers: a spill turns a bandwidth-bound kernel into a local-memory-bound one
     (the first tile sizes spilled up to 3 KB per thread and ran at half the bandwidth on an H200)."""
-    from triton import knobs
-
-    if not Path(knobs.nvidia.ptxas_blackwell.path or "").is_file():
-        pytest.skip("this Triton ships no ptxas for Hopper")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
-    result = subprocess.run([sys.executable, "-c", HOPPER_SPILL_CHECK, str(tmp_path / "kernel.ptx")], env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    run_compiled(HOPPER_SPILL_CHECK, tmp_path)
 
 
 @needs_triton

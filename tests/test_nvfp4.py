@@ -228,6 +228,36 @@ def test_triton_kernel_decodes_the_emulated_gemms_exact_bf16_inputs():
             assert torch.equal(got[~got.isnan()].float(), expected[~expected.isnan()]), name
 
 
+NVFP4_HOPPER_COMPILE = r"""
+import sys
+from pathlib import Path
+from hopper_compile import compile_for_hopper
+from recipes.fp8 import nvfp4_kernels as k
+
+quantize = {"x": "*bf16", "amax": "*fp32", "seed": "*i64", "codes": "*u8", "scales": "*u8", "decode_out": "*fp32",
+            "rows": "i32", "cols": "i32", "operand": "i32"}
+decode = {"codes": "*u8", "scales": "*u8", "out": "*bf16", "rows": "i32", "cols": "i32"}
+tile = dict(TILE_R=k.TILE_R, TILE_C=k.TILE_C)
+for rows in (1, 16):
+    runs = [(k._nvfp4_kernel, quantize, dict(BLOCK_ROWS=rows, STOCHASTIC=stochastic, **tile))
+            for stochastic in (False, True)] + [(k._block_scaled_kernel, decode, dict(BLOCK_ROWS=rows, SOFTWARE=False, **tile))]
+    for kernel, signature, constants in runs:
+        _, spilled, registers = compile_for_hopper(kernel, signature, constants, Path(sys.argv[1]))
+        print(kernel.__name__, constants, "registers", registers, "spilled", spilled, flush=True)
+        assert spilled == 0, f"{kernel.__name__} {constants} spills {spilled} bytes"
+"""
+
+
+def test_triton_kernels_compile_for_hopper_without_spills(tmp_path):
+    """The quantizer (both block shapes, with and without stochastic rounding) and the decoder, compiled for sm_90a
+    by Triton's own ptxas (no GPU needed): they compile, the argument the hash reads is not specialized away, and
+    no register is spilled."""
+    pytest.importorskip("triton")
+    from hopper_compile import run_compiled
+
+    run_compiled(NVFP4_HOPPER_COMPILE, tmp_path)
+
+
 def test_packing_puts_the_even_element_in_the_low_nibble():
     x = torch.zeros(1, 16)
     x[0, 0], x[0, 1], x[0, 15] = 6.0, -1.0, 0.5  # S_enc = 448, block scale 448: encode exactly 1 / 1

@@ -46,16 +46,31 @@ def _block_scaled_gemm_kernel(a, a_scale, b, b_scale, out, M, N, K, A_BLOCK_ROWS
     m_in, n_in = m < M, n < N
     m_safe, n_safe = tl.where(m_in, m, 0), tl.where(n_in, n, 0)  # rows past the end read row 0: never stored
     k_blocks = K // BLOCK_K
-    a_rows = a + m_safe[:, None].to(tl.int64) * K + kk[None, :]
-    b_rows = b + n_safe[:, None].to(tl.int64) * K + kk[None, :]
-    a_scales = a_scale + (m_safe // A_BLOCK_ROWS).to(tl.int64) * k_blocks
-    b_scales = b_scale + (n_safe // B_BLOCK_ROWS).to(tl.int64) * k_blocks
+    a_rows = a + m_safe[:, None] * K + kk[None, :]  # 32-bit offsets (block_scaled_gemm checks they fit)
+    b_rows = b + n_safe[:, None] * K + kk[None, :]
+    # A 128x128-block operand has one scale per K step in a tile (its tiles are at most 128 wide and aligned):
+    # a scalar, not a vector the registers must hold per row or column.
+    if A_BLOCK_ROWS == 1:
+        a_scales = a_scale + m_safe * k_blocks
+    else:
+        a_scales = a_scale + ((pid_m * BLOCK_M) // A_BLOCK_ROWS) * k_blocks
+    if B_BLOCK_ROWS == 1:
+        b_scales = b_scale + n_safe * k_blocks
+    else:
+        b_scales = b_scale + ((pid_n * BLOCK_N) // B_BLOCK_ROWS) * k_blocks
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(0, k_blocks):
-        partial = tl.dot(tl.load(a_rows + step * BLOCK_K), tl.trans(tl.load(b_rows + step * BLOCK_K)))
-        scale = tl.load(a_scales + step)[:, None] * tl.load(b_scales + step)[None, :]
-        acc += partial * scale
-    pointers = out + m[:, None].to(tl.int64) * N + n[None, :]
+        partial = tl.dot(tl.load(a_rows), tl.trans(tl.load(b_rows)))
+        a_rows += BLOCK_K
+        b_rows += BLOCK_K
+        sa = tl.load(a_scales + step)
+        sb = tl.load(b_scales + step)
+        if A_BLOCK_ROWS == 1:
+            sa = sa[:, None]
+        if B_BLOCK_ROWS == 1:
+            sb = sb[None, :]
+        acc += partial * sa * sb
+    pointers = out + m[:, None] * N + n[None, :]
     mask = m_in[:, None] & n_in[None, :]
     if ACCUMULATE:
         acc += tl.load(pointers, mask=mask, other=0.0)
@@ -66,11 +81,23 @@ def _block_scaled_gemm_kernel(a, a_scale, b, b_scale, out, M, N, K, A_BLOCK_ROWS
 
 
 # Tiles timed per shape on GPUs (triton.autotune); the interpreter runs one small tile.
+# Tiles at most 128 wide (a 128x128-block operand's scale is then one per tile and K step), none spilling
+# registers when compiled for sm_90a (tests/test_block_gemm.py: 128 x 128 with 4 warps spilled ~480 bytes a thread).
 TILES = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=w, num_stages=s)
-         for bm, bn, w, s in ((128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3), (128, 128, 4, 4),
-                              (64, 128, 4, 4), (128, 64, 4, 4))]
+         for bm, bn, w, s in ((128, 128, 8, 4), (128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 8, 4), (64, 128, 4, 4),
+                              (128, 64, 4, 4), (64, 64, 4, 4))]
+SPILLING_WHEN_ADDING = {(128, 128, 8), (128, 64, 4)}  # (BLOCK_M, BLOCK_N, warps): 12 and 152 bytes into FP32 `out`
+
+
+def tiles_for(configs: list, named_args: dict, **kwargs) -> list:
+    """The tiles the autotuner tries for a launch: those that do not spill in it."""
+    return [c for c in configs if not kwargs["ACCUMULATE"]
+            or (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) not in SPILLING_WHEN_ADDING]
+
+
 _KERNEL = (_block_scaled_gemm_kernel if INTERPRETED
            else triton.autotune(TILES, key=["M", "N", "K", "A_BLOCK_ROWS", "B_BLOCK_ROWS", "ACCUMULATE", "OUT_BF16"],
+                                prune_configs_by={"early_config_prune": tiles_for},
                                 restore_value=["out"])(_block_scaled_gemm_kernel))  # timing runs add to `out` too
 
 
@@ -82,6 +109,9 @@ def block_scaled_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype =
     if k % SCALE_BLOCK or b.data.shape[1] != k:
         raise ValueError(f"block-scaled GEMM needs one K, a multiple of {SCALE_BLOCK}: {tuple(a.data.shape)} x "
                          f"{tuple(b.data.shape)}")
+    if max(rows * k, n * k, rows * n) >= 2**31:
+        raise ValueError(f"block-scaled GEMM of {tuple(a.data.shape)} x {tuple(b.data.shape)}: its kernel's 32-bit "
+                         "offsets address at most 2**31 elements of an operand or the output")
     if out is None:
         out = torch.empty((rows, n), dtype=out_dtype, device=a.data.device)
     elif accumulate and out.dtype != torch.float32:
