@@ -80,9 +80,9 @@ def _block_scaled_gemm_kernel(a, a_scale, b, b_scale, out, M, N, K, A_BLOCK_ROWS
         tl.store(pointers, acc, mask=mask)
 
 
-# Tiles timed per shape on GPUs (triton.autotune); the interpreter runs one small tile.
-# Tiles at most 128 wide (a 128x128-block operand's scale is then one per tile and K step), none spilling
-# registers when compiled for sm_90a (tests/test_block_gemm.py: 128 x 128 with 4 warps spilled ~480 bytes a thread).
+# Tiles timed per shape on GPUs (triton.autotune; the interpreter runs one small tile), at most 128 wide (a
+# 128x128-block operand's scale is then one per tile and K step), none spilling registers when compiled for sm_90a
+# (tests/test_block_gemm.py: 128 x 128 with 4 warps spilled ~480 bytes a thread).
 TILES = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8}, num_warps=w, num_stages=s)
          for bm, bn, w, s in ((128, 128, 8, 4), (128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 8, 4), (64, 128, 4, 4),
                               (128, 64, 4, 4), (64, 64, 4, 4))]

@@ -55,9 +55,10 @@ def _to_fp8(y, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr
     saturate. Compare-and-select rather than NaN-propagating min/max, the form triton-lang/triton#11111 reports
     corrupting a later store (it did not cause this project's wrong transposed bytes: docs/results, issue 24)."""
     y = tl.where(y > FP8_MAX, FP8_MAX, tl.where(y < -FP8_MAX, -FP8_MAX, y))
-    if SOFTWARE:
+    if SOFTWARE:  # an else, not a return after the if: Triton compiles that too, and its type is not uint8's
         return _fp8_bits(y, MANTISSA, BIAS)
-    return y.to(OUT, fp_downcast_rounding="rtne")
+    else:
+        return y.to(OUT, fp_downcast_rounding="rtne")
 
 
 @triton.jit

@@ -7,8 +7,8 @@ comparisons, stochastic rounding's random numbers), which made an emulated NVFP4
 program quantizes a tile of 16 rows: the blocks' amaxes, their E4M3 scales, the encode scales, the E2M1 codes
 (rounded to nearest even, or stochastically with recipes.fp8.nvfp4.uniform's numbers, hashed in the kernel from
 the same seed, operand and element index), packed two to a byte, and the tensor's decode scale. Every step is the
-reference's, in FP32 with IEEE division (tl.div_rn); the E4M3 scales are rounded and decoded in integer arithmetic
-(recipes.fp8.kernels._fp8_bits), so the bytes do not depend on the hardware's conversions. The tensor's amax (the
+reference's, in FP32 with IEEE division (tl.div_rn); the E4M3 scales are clamped, rounded and decoded in integer
+arithmetic (recipes.fp8.kernels._to_fp8 in its software form), so the bytes do not depend on the hardware's conversions. The tensor's amax (the
 second level) is one PyTorch reduction before the kernel. tests/test_nvfp4.py checks both kernels against the
 reference in Triton's CPU interpreter, tests/test_gpu.py on a GPU.
 """
@@ -21,11 +21,12 @@ import triton.language as tl
 
 from recipes.fp8.formats import E4M3
 from recipes.fp8.fused_quantize import _store_bf16
-from recipes.fp8.kernels import INTERPRETED, _fp8_bits
+from recipes.fp8.kernels import INTERPRETED, _to_fp8
 
 BLOCK = 16  # elements along K sharing a scale (recipes.fp8.nvfp4.NVFP4_BLOCK, which imports this module)
 TILE_R = 16  # a program's rows: one row of 16 x 16 blocks, or 16 rows of 1 x 16 blocks
 TILE_C = 64  # and columns: 4 blocks along K
+INTEGER_ROUNDING = tl.constexpr(True)  # E4M3 scales rounded in integer arithmetic on GPUs too (_to_fp8's SOFTWARE)
 
 
 @triton.jit
@@ -125,9 +126,7 @@ def _nvfp4_kernel(x, amax, seed, codes, scales, decode_out, rows, cols, operand,
         block_amax = tl.max(block_amax, axis=0)[None, :]
         has_nan = tl.max(has_nan, axis=0)[None, :]
     block_amax = tl.where(has_nan != 0, float("nan"), block_amax)
-    scale = _capped(block_amax * multiplier)
-    scale = tl.where(scale > 448.0, 448.0, tl.where(scale < -448.0, -448.0, scale))
-    scale_bits = _fp8_bits(scale, 3, 7).to(tl.int32)
+    scale_bits = _to_fp8(_capped(block_amax * multiplier), 448.0, 3, 7, tl.float8e4nv, INTEGER_ROUNDING).to(tl.int32)
     encode = _capped(tl.div_rn(tl.full(scale_bits.shape, 1.0, tl.float32), _e4m3_value(scale_bits) * decode_global))
 
     scaled = tl.reshape(tl.reshape(values, (TILE_R, NB, 16)) * encode[:, :, None], (TILE_R, TILE_C))
