@@ -5,8 +5,9 @@
 Variants: bf16 (torch.mm), tensorwise (one scale per operand), rowwise (per-channel: one scale per row of A and per
 column of B, as precision=fp8_rowwise quantizes them), 1x128 x 128x128, 1x128 x 1x128 and 128x128 x 1x128 blocks
 (cuBLAS block scaling, Hopper; every pair the blockwise block dimensions train with), and the same three pairs
-through recipes.fp8.block_gemm's Triton kernel (`triton_*`: issue 49's candidate, not yet in the training path,
-its tiles autotuned per shape in the warm-up). Operands are quantized by the
+through issue 49's kernels of our own, not yet in the training path: recipes.fp8.block_gemm's in Triton (`triton_*`,
+its tiles autotuned per shape in the warm-up) and recipes.fp8.cute_block_gemm's in CUTLASS's Python DSL
+(`cutlass_*`, compiled per shape in the warm-up). Operands are quantized by the
 recipes' own functions before timing: this measures the GEMMs, not quantization. Per-tensor and per-channel GEMMs use fast accumulation
 (as fprop does in TE); block-scaled GEMMs have none. Shapes: M = N = 8192 with a K sweep, and each model's four
 linear-layer GEMMs (QKV, attention output, fc1, fc2) at one micro-batch of its sequence length. Times are medians of
@@ -57,27 +58,38 @@ def model_gemm_shapes(name: str) -> list[tuple[str, int, int, int]]:
     ]
 
 
-def variants(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
-    """a (M, K), b (N, K) in BF16 -> one zero-argument GEMM per variant, operands already quantized as the
-    recipes quantize them (recipes.fp8) and multiplied by the product's own GEMM dispatch (recipes.fp8.gemm)."""
+PAIRS = ("1x128_x_128x128", "1x128_x_1x128", "128x128_x_1x128")
+VARIANTS = ("bf16", "tensorwise", "rowwise", *PAIRS, *(f"triton_{p}" for p in PAIRS), *(f"cutlass_{p}" for p in PAIRS))
+
+
+def variants(a: torch.Tensor, b: torch.Tensor,
+             names: tuple[str, ...] = VARIANTS) -> dict[str, Callable[[], torch.Tensor]]:
+    """a (M, K), b (N, K) in BF16 -> one zero-argument GEMM per variant in `names`, operands already quantized as the
+    recipes quantize them (recipes.fp8) and multiplied by the product's own GEMM dispatch (recipes.fp8.gemm), or by
+    issue 49's kernels of our own (`triton_*`, `cutlass_*`)."""
     a8, b8 = quantize_tensorwise(a, E4M3), quantize_tensorwise(b, E4M3)
     a_rows, b_rows = quantize_rowwise(a, E4M3), quantize_rowwise(b, E4M3)
     a_1d, a_2d = quantize_blockwise(a, E4M3, ACTIVATION_BLOCK), quantize_blockwise(a, E4M3, WEIGHT_BLOCK)
     b_1d, b_2d = quantize_blockwise(b, E4M3, ACTIVATION_BLOCK), quantize_blockwise(b, E4M3, WEIGHT_BLOCK)
+    # the block layouts a linear's GEMMs take (precision.x/w/grad_block_scaling_dim): fprop and dgrad of the default
+    # 1D2D, every GEMM of fp8_blockwise_1d1d, fprop with 128x128 inputs (x dim 2)
+    pairs = dict(zip(PAIRS, ((a_1d, b_2d), (a_1d, b_1d), (a_2d, b_1d))))
     bf16 = torch.bfloat16
-    return {
+    gemms = {
         "bf16": lambda: a @ b.t(),
         "tensorwise": lambda: fp8_gemm(a8, b8, bf16, fast_accum=True, emulate=False),
         "rowwise": lambda: fp8_gemm(a_rows, b_rows, bf16, fast_accum=True, emulate=False),  # precision=fp8_rowwise
-        # the block layouts a linear's GEMMs take (precision.x/w/grad_block_scaling_dim): fprop and dgrad of the
-        # default 1D2D, every GEMM of fp8_blockwise_1d1d, fprop with 128x128 inputs (x dim 2)
-        "1x128_x_128x128": lambda: fp8_gemm(a_1d, b_2d, bf16, fast_accum=False, emulate=False),
-        "1x128_x_1x128": lambda: fp8_gemm(a_1d, b_1d, bf16, fast_accum=False, emulate=False),
-        "128x128_x_1x128": lambda: fp8_gemm(a_2d, b_1d, bf16, fast_accum=False, emulate=False),
-        "triton_1x128_x_128x128": lambda: block_scaled_gemm(a_1d, b_2d, bf16),
-        "triton_1x128_x_1x128": lambda: block_scaled_gemm(a_1d, b_1d, bf16),
-        "triton_128x128_x_1x128": lambda: block_scaled_gemm(a_2d, b_1d, bf16),
     }
+    for pair, (x, y) in pairs.items():
+        gemms[pair] = lambda x=x, y=y: fp8_gemm(x, y, bf16, fast_accum=False, emulate=False)
+        gemms[f"triton_{pair}"] = lambda x=x, y=y: block_scaled_gemm(x, y, bf16)
+    if any(name.startswith("cutlass_") for name in names):
+        # imported only for its columns: layer_bench times two variants and needs no CUTLASS DSL on the machine
+        from recipes.fp8.cute_block_gemm import cute_block_scaled_gemm
+
+        for pair, (x, y) in pairs.items():
+            gemms[f"cutlass_{pair}"] = lambda x=x, y=y: cute_block_scaled_gemm(x, y, bf16)
+    return {name: gemms[name] for name in names}
 
 
 def median_ms(gemms: list[Callable[[], torch.Tensor]], warmup: int, repeats: int) -> float:
@@ -94,9 +106,11 @@ def median_ms(gemms: list[Callable[[], torch.Tensor]], warmup: int, repeats: int
     return statistics.median(times)
 
 
-def bench_shape(label: str, m: int, n: int, k: int, warmup: int = 5, repeats: int = 30) -> list[dict]:
+def bench_shape(label: str, m: int, n: int, k: int, warmup: int = 5, repeats: int = 30,
+                names: tuple[str, ...] = VARIANTS) -> list[dict]:
     input_sets = [
-        variants(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+        variants(torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+                 torch.randn(n, k, device="cuda", dtype=torch.bfloat16), names)
         for _ in range(2)
     ]
     rows = []
