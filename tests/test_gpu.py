@@ -194,8 +194,11 @@ def test_block_scaled_gemms_of_our_own_against_fp64_and_cublas(pair, kernel):
     allowed = allowed + 2.0**-9 * magnitudes
     ours = block_scaled_gemm(a, b, torch.float32).double()
     assert ((ours - exact).abs() <= allowed).all()
-    cublas = fp8_gemm(a, b, torch.bfloat16, fast_accum=False, emulate=False).double()  # as a linear calls it
-    assert ((ours - cublas).abs() <= 2 * allowed + exact.abs() * 2.0**-8).all()
+    # cuBLAS's block scaling refuses M = 1917 (CUBLAS_STATUS_NOT_SUPPORTED): beside it, the rows it takes
+    taken = rows - rows % 128
+    a_taken = a._replace(data=a.data[:taken], scale_inv=a.scale_inv[:taken // a.block[0]])
+    cublas = fp8_gemm(a_taken, b, torch.bfloat16, fast_accum=False, emulate=False).double()  # as a linear calls it
+    assert ((ours[:taken] - cublas).abs() <= 2 * allowed[:taken] + exact[:taken].abs() * 2.0**-8).all()
     bf16 = block_scaled_gemm(a, b).double()  # rounded once from the FP32 sum: half a BF16 ulp more
     assert ((bf16 - exact).abs() <= allowed + exact.abs() * 2.0**-8).all()
     out = torch.zeros(rows, 1536, device="cuda")
