@@ -22,7 +22,7 @@ COMPILE = r"""
 import sys
 import cutlass, cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-from recipes.fp8.cute_block_gemm import BlockScaledGemm, tile_n_for
+from recipes.fp8.cute_block_gemm import BlockScaledGemm
 
 a_rows, b_rows, accumulate, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
 M, N, K = 512, 384, 1024
@@ -31,7 +31,7 @@ operand = lambda rows: make_fake_compact_tensor(cutlass.Float8E4M3FN, (rows, K, 
 scales = lambda rows, block: make_fake_compact_tensor(cutlass.Float32, (rows // block, K // 128), stride_order=(1, 0))
 d = make_fake_compact_tensor(cutlass.Float32 if out == "fp32" else cutlass.BFloat16, (M, N, 1),
                              stride_order=(1, 0, 2), assumed_align=16)
-kernel = BlockScaledGemm(a_rows, b_rows, accumulate, tile_n_for(b_rows))
+kernel = BlockScaledGemm(a_rows, b_rows, accumulate)
 cute.compile(kernel, operand(M), operand(N), scales(M, a_rows), scales(N, b_rows), d, 132, make_fake_stream(),
              options="--keep-ptx --dump-dir=" + sys.argv[5])
 """

@@ -9,9 +9,11 @@ only copies A and B tiles into a ring of shared-memory stages with TMA, and two 
 FP32 fragment, and that fragment, times the step's two scales, is added to the tile's FP32 sum in registers (the
 "promotion" DeepGEMM and cuBLAS's block scaling do: the tensor cores' own FP8 accumulation never sums more than 128
 products). Two fragments alternate, so that the tensor cores form step k+1's product while the warpgroup promotes
-step k's (cuBLAS's and CUTLASS's examples wait for each product before promoting it).
+step k's (cuBLAS's and CUTLASS's examples wait for each product before promoting it). Row scales of a 1x128-block
+operand come from global memory (two rows a thread), column scales through shared memory: each warpgroup stages the
+next K step's while it promotes (read from global memory, the 32 a thread takes spilled its registers).
 
-Needs M, N and K multiples of 128 (TILE_N for N); `block_scaled_gemm` in recipes.fp8.block_gemm keeps the others.
+Needs M and N multiples of 128 and K of 256; `block_scaled_gemm` in recipes.fp8.block_gemm keeps the others.
 Compiled for sm_90a on a machine without a GPU by tests/test_cute_block_gemm.py (CUTLASS's DSL compiles against
 fake tensors); its numerics are checked against FP64 on a GPU (tests/test_gpu.py).
 """
@@ -20,6 +22,9 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import torch
+from cuda.bindings import driver
+from cutlass.cute.runtime import from_dlpack
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -27,6 +32,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 SCALE_BLOCK = 128  # K steps of 128; a 128x128-block operand's rows come in 128s
 TILE_M = 128  # two math warpgroups of 64 rows
+TILE_N = 128  # cute_block_scaled_gemm's tiles (BlockScaledGemm also takes 64)
 MATH_WARPGROUPS = 2
 THREADS_PER_WARPGROUP = 128
 LOAD_REGISTERS, MATH_REGISTERS = 40, 232  # setmaxnreg: the copying warpgroup gives its registers to the math ones
@@ -37,7 +43,7 @@ class BlockScaledGemm:
     (128x128 blocks); `accumulate`: d += a @ b^T into FP32 d; `tile_n` 64 or 128 (a 128x128-block operand's scale is
     then one per tile and K step); `stages` of A and B tiles in shared memory (None: as many as fit)."""
 
-    def __init__(self, a_block_rows: int, b_block_rows: int, accumulate: bool = False, tile_n: int = 128,
+    def __init__(self, a_block_rows: int, b_block_rows: int, accumulate: bool = False, tile_n: int = TILE_N,
                  stages: int | None = None):
         if a_block_rows not in (1, SCALE_BLOCK) or b_block_rows not in (1, SCALE_BLOCK):
             raise ValueError(f"block rows are 1 or {SCALE_BLOCK}, got {a_block_rows} and {b_block_rows}")
@@ -49,6 +55,9 @@ class BlockScaledGemm:
         self.threads = (1 + MATH_WARPGROUPS) * THREADS_PER_WARPGROUP
         self.math_threads = MATH_WARPGROUPS * THREADS_PER_WARPGROUP
         self.epilogue_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.math_threads)
+        # each math warpgroup's own: its column scales of the next K step are all in shared memory
+        self.scale_barriers = [pipeline.NamedBarrier(barrier_id=2 + i, num_threads=THREADS_PER_WARPGROUP)
+                               for i in range(MATH_WARPGROUPS)]
 
     def _setup(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor):
         """Types, the tiled WGMMA, shared-memory layouts and stage counts, from the operands."""
@@ -93,6 +102,7 @@ class BlockScaledGemm:
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_layout)], 1024]
             sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(self.epi_smem_layout)], 1024]
+            column_scales: cute.struct.MemRange[cutlass.Float32, self.tile_shape_mnk[1] * 2 * MATH_WARPGROUPS]
 
         self.shared_storage = SharedStorage
         self.kernel(tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_d, tma_tensor_d, d, a_scale, b_scale,
@@ -151,8 +161,10 @@ class BlockScaledGemm:
                 self._copy_tiles(tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, ring, scheduler_params, k_steps)
         else:
             cute.arch.setmaxregister_increase(MATH_REGISTERS)
+            column_scales = storage.column_scales.get_tensor(
+                cute.make_layout((self.tile_shape_mnk[1], 2, MATH_WARPGROUPS)))
             self._multiply(tidx - THREADS_PER_WARPGROUP, warp, tiled_mma, sA, sB, sD, gD, gD_values, tma_d,
-                           a_scale, b_scale, ring, scheduler_params, k_steps)
+                           a_scale, b_scale, column_scales, ring, scheduler_params, k_steps)
 
     @cute.jit
     def _copy_tiles(self, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, ring, scheduler_params, k_steps):
@@ -177,8 +189,8 @@ class BlockScaledGemm:
         ring.producer_tail(state)
 
     @cute.jit
-    def _multiply(self, math_tidx, warp, tiled_mma, sA, sB, sD, gD, gD_values, tma_d, a_scale, b_scale, ring,
-                  scheduler_params, k_steps):
+    def _multiply(self, math_tidx, warp, tiled_mma, sA, sB, sD, gD, gD_values, tma_d, a_scale, b_scale,
+                  column_scales, ring, scheduler_params, k_steps):
         """The math warpgroups: per K step a WGMMA product into one of two fresh fragments, promoted into the
         tile's sum with its scales while the next step's product forms; then the epilogue."""
         thr_mma = tiled_mma.get_slice(math_tidx)
@@ -218,13 +230,16 @@ class BlockScaledGemm:
             read.reset_count()
             release.reset_count()
             total.fill(0.0)
+            if cutlass.const_expr(self.b_block_rows == 1):
+                self._stage_column_scales(b_scale, column_scales, math_tidx, col0, 0, k_steps)
             # K steps in pairs (K a multiple of 256): products[0] holds the even steps, products[1] the odd ones.
             read = self._product(tiled_mma, products[0], tCrA, tCrB, ring, read, mmas_per_step)
             for pair in range(k_steps // 2):
                 step = pair * 2
                 read = self._product(tiled_mma, products[1], tCrA, tCrB, ring, read, mmas_per_step)
                 cute.nvgpu.warpgroup.wait_group(1)  # the even step's product done, the odd one's in flight
-                self._promote(total, products[0], coords, a_scale, b_scale, row0, col0, step)
+                self._promote(total, products[0], coords, a_scale, b_scale, column_scales, math_tidx, row0, col0,
+                              step, k_steps)
                 ring.consumer_release(release)
                 release.advance()
                 if step + 2 < k_steps:
@@ -232,7 +247,8 @@ class BlockScaledGemm:
                     cute.nvgpu.warpgroup.wait_group(1)
                 else:
                     cute.nvgpu.warpgroup.wait_group(0)
-                self._promote(total, products[1], coords, a_scale, b_scale, row0, col0, step + 1)
+                self._promote(total, products[1], coords, a_scale, b_scale, column_scales, math_tidx, row0, col0,
+                              step + 1, k_steps)
                 ring.consumer_release(release)
                 release.advance()
             if cutlass.const_expr(self.accumulate):
@@ -261,22 +277,56 @@ class BlockScaledGemm:
         return read
 
     @cute.jit
-    def _promote(self, total, product, coords, a_scale, b_scale, row0, col0, step):
-        """total += product x its rows' and columns' scales of this K step (a 128x128-block operand's: one)."""
+    def _promote(self, total, product, coords, a_scale, b_scale, column_scales, math_tidx, row0, col0, step,
+                 k_steps):
+        """total += product x its rows' and columns' scales of this K step (a 128x128-block operand's: one). A
+        per-row b's column scales come from shared memory, where the next step's are staged meanwhile."""
         a_tile_scale = cutlass.Float32(1.0)
         b_tile_scale = cutlass.Float32(1.0)
         if cutlass.const_expr(self.a_block_rows == SCALE_BLOCK):
             a_tile_scale = a_scale[(row0 // SCALE_BLOCK, step)]
         if cutlass.const_expr(self.b_block_rows == SCALE_BLOCK):
             b_tile_scale = b_scale[(col0 // SCALE_BLOCK, step)]
+        warpgroup = math_tidx // THREADS_PER_WARPGROUP
+        upcoming = cutlass.Float32(0.0)
+        if cutlass.const_expr(self.b_block_rows == 1):  # loaded now, stored after the products: its latency hidden
+            upcoming = self._column_scale(b_scale, math_tidx, col0, cutlass.min(step + 1, k_steps - 1))
         for i in cutlass.range_constexpr(cute.size(total)):
             row, col = coords[i]
             scale = a_tile_scale * b_tile_scale
             if cutlass.const_expr(self.a_block_rows == 1):
                 scale = scale * a_scale[(row0 + row, step)]
             if cutlass.const_expr(self.b_block_rows == 1):
-                scale = scale * b_scale[(col0 + col, step)]
+                scale = scale * column_scales[(col, step % 2, warpgroup)]
             total[i] = total[i] + product[i] * scale
+        if cutlass.const_expr(self.b_block_rows == 1):
+            self._publish_column_scale(upcoming, column_scales, math_tidx, (step + 1) % 2)
+
+    @cute.jit
+    def _column_scale(self, b_scale, math_tidx, col0, step):
+        """This thread's column of the tile (its lane in its warpgroup), its scale in K step `step`."""
+        lane = math_tidx % THREADS_PER_WARPGROUP
+        value = cutlass.Float32(0.0)
+        if lane < self.tile_shape_mnk[1]:
+            value = b_scale[(col0 + lane, step)]
+        return value
+
+    @cute.jit
+    def _publish_column_scale(self, value, column_scales, math_tidx, slot):
+        """Each warpgroup's threads write its copy of a K step's column scales; its barrier makes them visible (and
+        keeps the slot's previous readers, two steps back, behind it)."""
+        lane, warpgroup = math_tidx % THREADS_PER_WARPGROUP, math_tidx // THREADS_PER_WARPGROUP
+        if lane < self.tile_shape_mnk[1]:
+            column_scales[(lane, slot, warpgroup)] = value
+        if warpgroup == 0:
+            self.scale_barriers[0].arrive_and_wait()
+        else:
+            self.scale_barriers[1].arrive_and_wait()
+
+    @cute.jit
+    def _stage_column_scales(self, b_scale, column_scales, math_tidx, col0, step, k_steps):
+        """A tile's first K step's column scales into slot 0."""
+        self._publish_column_scale(self._column_scale(b_scale, math_tidx, col0, step), column_scales, math_tidx, 0)
 
     @cute.jit
     def _store(self, total, tRS_total, piece, piece_out, r2s, tRS_sD, sD, gD, tma_d, stores, scheduler, warp,
@@ -303,21 +353,12 @@ class BlockScaledGemm:
             self.epilogue_barrier.arrive_and_wait()
 
 
-def tile_n_for(b_block_rows: int) -> int:
-    """128-wide tiles where b has one scale per tile and K step; 64 where its scales are per row (a 128-wide tile's
-    32 column scales a thread takes spill its registers: tests/test_cute_block_gemm.py)."""
-    return 128 if b_block_rows == SCALE_BLOCK else 64
-
-
 _COMPILED: dict[tuple, object] = {}
 
 
 def _cute_tensor(t, dtype, batch: bool = True):
     """A torch tensor as CUTLASS's DSL takes it: (rows, columns, 1) with a unit batch mode for the operands and the
     output, FP8 through its bytes (DLPack has no FP8 type)."""
-    import torch
-    from cutlass.cute.runtime import from_dlpack
-
     if batch:
         t = t.unsqueeze(0).permute(1, 2, 0)
     tensor = from_dlpack(t.view(torch.uint8) if t.element_size() == 1 else t, assumed_align=16)
@@ -328,15 +369,11 @@ def _cute_tensor(t, dtype, batch: bool = True):
 def cute_block_scaled_gemm(a, b, out_dtype=None, out=None, accumulate: bool = False):
     """a @ b^T of two recipes.fp8 Float8Tensors in 1x128 or 128x128 blocks, a (M, K) and b (N, K), on a Hopper GPU:
     a new (M, N) tensor in `out_dtype` (default BF16), or written into FP32 `out` (added to it with `accumulate`).
-    M a multiple of 128, N of the pair's tile width, K of 256; each configuration and shape compiled once."""
-    import torch
-    from cuda.bindings import driver
-
+    M and N multiples of 128, K of 256; each configuration and shape compiled once."""
     out_dtype = out_dtype or torch.bfloat16
     (rows, k), n = a.data.shape, b.data.shape[0]
-    tile_n = tile_n_for(b.block[0])
-    if rows % TILE_M or n % tile_n or k % (2 * SCALE_BLOCK) or b.data.shape[1] != k:
-        raise ValueError(f"the CUTLASS block-scaled GEMM needs M a multiple of {TILE_M}, N of {tile_n} and K of "
+    if rows % TILE_M or n % TILE_N or k % (2 * SCALE_BLOCK) or b.data.shape[1] != k:
+        raise ValueError(f"the CUTLASS block-scaled GEMM needs M a multiple of {TILE_M}, N of {TILE_N} and K of "
                          f"{2 * SCALE_BLOCK}: {tuple(a.data.shape)} x {tuple(b.data.shape)}")
     if out is None:
         out = torch.empty((rows, n), dtype=out_dtype, device=a.data.device)
@@ -349,7 +386,7 @@ def cute_block_scaled_gemm(a, b, out_dtype=None, out=None, accumulate: bool = Fa
     stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
     key = (a.block[0], b.block[0], accumulate, out.dtype, rows, n, k)
     if key not in _COMPILED:
-        kernel = BlockScaledGemm(a.block[0], b.block[0], accumulate, tile_n)
+        kernel = BlockScaledGemm(a.block[0], b.block[0], accumulate)
         _COMPILED[key] = cute.compile(kernel, *arguments, utils.HardwareInfo().get_max_active_clusters(1), stream)
     _COMPILED[key](*arguments, stream)
     return out
