@@ -7,13 +7,15 @@ column of B, as precision=fp8_rowwise quantizes them), 1x128 x 128x128, 1x128 x 
 (cuBLAS block scaling, Hopper; every pair the blockwise block dimensions train with), and the same three pairs
 through issue 49's kernels of our own, not yet in the training path: recipes.fp8.block_gemm's in Triton (`triton_*`,
 its tiles autotuned per shape in the warm-up) and recipes.fp8.cute_block_gemm's in CUTLASS's Python DSL
-(`cutlass_*`, compiled per shape in the warm-up). Operands are quantized by the
-recipes' own functions before timing: this measures the GEMMs, not quantization. Per-tensor and per-channel GEMMs use fast accumulation
-(as fprop does in TE); block-scaled GEMMs have none. Shapes: M = N = 8192 with a K sweep, and each model's four
-linear-layer GEMMs (QKV, attention output, fc1, fc2) at one micro-batch of its sequence length. Times are medians of
-`--repeats` CUDA-event-timed runs after warm-up, rotating between two input sets so no run reads the previous
-run's operands from L2. Writes gemm.csv (every shape, the format scripts/compare.py --gemm reads), gemm_k_sweep.csv,
-gemm_speedup_vs_k.png and provenance.json (command, commit, date, versions, device).
+(`cutlass_*`, compiled per shape in the warm-up). Operands are quantized by the recipes' own functions before
+timing: this measures the GEMMs, not quantization. Per-tensor and per-channel GEMMs use fast accumulation (as fprop
+does in TE); block-scaled GEMMs have none. Shapes: M = N = 8192 with a K sweep, and each model's four linear-layer
+GEMMs (QKV, attention output, fc1, fc2) at one micro-batch of its sequence length. Times are medians of `--repeats`
+CUDA-event-timed runs after warm-up, rotating between two input sets so no run reads the previous run's operands
+from L2; nvidia-smi samples the SM clock and power meanwhile (every 20 ms: each row has the medians of the samples
+taken while its variant was timed, empty where there were none). Writes gemm.csv (every shape, the format
+scripts/compare.py --gemm reads), gemm_k_sweep.csv, gemm_speedup_vs_k.png and provenance.json (command, commit,
+date, versions, device).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import csv
 import json
 import statistics
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -36,6 +39,7 @@ from recipes.fp8.current_scaling import quantize_tensorwise
 from recipes.fp8.formats import E4M3
 from recipes.fp8.gemm import fp8_gemm
 from recipes.fp8.rowwise import quantize_rowwise
+from recipes.profiling import describe_telemetry, gpu_telemetry, window_telemetry
 from recipes.provenance import provenance
 from recipes.report.gemm import read_gemm_csv
 from recipes.report.plots import gemm_speedup_vs_k
@@ -92,9 +96,13 @@ def variants(a: torch.Tensor, b: torch.Tensor,
     return {name: gemms[name] for name in names}
 
 
-def median_ms(gemms: list[Callable[[], torch.Tensor]], warmup: int, repeats: int) -> float:
+def median_ms(gemms: list[Callable[[], torch.Tensor]], warmup: int, repeats: int) -> tuple[float, tuple]:
+    """The median time of `repeats` calls after `warmup` (a kernel's compilation or autotuning happens there), and
+    the (start, end) of the timed calls in time.time() seconds, for the clock they ran at."""
     for i in range(warmup):
         gemms[i % len(gemms)]()
+    torch.cuda.synchronize()
+    started = time.time()
     times = []
     for i in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -103,7 +111,7 @@ def median_ms(gemms: list[Callable[[], torch.Tensor]], warmup: int, repeats: int
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(times), (started, time.time())
 
 
 def bench_shape(label: str, m: int, n: int, k: int, warmup: int = 5, repeats: int = 30,
@@ -113,14 +121,21 @@ def bench_shape(label: str, m: int, n: int, k: int, warmup: int = 5, repeats: in
                  torch.randn(n, k, device="cuda", dtype=torch.bfloat16), names)
         for _ in range(2)
     ]
-    rows = []
-    for variant in input_sets[0]:
-        ms = median_ms([inputs[variant] for inputs in input_sets], warmup, repeats)
-        rows.append({"shape": label, "M": m, "N": n, "K": k, "variant": variant, "ms": ms, "tflops": 2 * m * n * k / ms / 1e9})
+    rows, windows = [], []
+    with gpu_telemetry(torch.device("cuda"), interval_ms=20) as telemetry:  # the clock each variant's calls ran at
+        for variant in input_sets[0]:
+            ms, window = median_ms([inputs[variant] for inputs in input_sets], warmup, repeats)
+            windows.append(window)
+            rows.append({"shape": label, "M": m, "N": n, "K": k, "variant": variant, "ms": ms,
+                         "tflops": 2 * m * n * k / ms / 1e9})
     baseline = rows[0]["ms"]
-    for row in rows:
+    for row, window in zip(rows, windows):
         row["speedup"] = baseline / row["ms"]
-    print(f"{label:>28}  M={m:<6} N={n:<6} K={k:<6} " + "  ".join(f"{r['variant']} {r['tflops']:.0f}" for r in rows), flush=True)
+        # nvidia-smi's samples while the variant was timed (none where its calls took under a sample's interval)
+        clock = window_telemetry(telemetry, *window) or {}
+        row["sm_clock_mhz"], row["power_w"] = clock.get("sm_clock_mhz"), clock.get("power_w")
+    print(f"{label:>28}  M={m:<6} N={n:<6} K={k:<6} " + "  ".join(f"{r['variant']} {r['tflops']:.0f}" for r in rows)
+          + f"  ({describe_telemetry(telemetry)})", flush=True)
     return rows
 
 
