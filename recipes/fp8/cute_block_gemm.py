@@ -231,7 +231,7 @@ class BlockScaledGemm:
             release.reset_count()
             total.fill(0.0)
             if cutlass.const_expr(self.b_block_rows == 1):
-                self._stage_column_scales(b_scale, column_scales, math_tidx, col0, 0, k_steps)
+                self._stage_column_scales(b_scale, column_scales, math_tidx, col0)
             # K steps in pairs (K a multiple of 256): products[0] holds the even steps, products[1] the odd ones.
             read = self._product(tiled_mma, products[0], tCrA, tCrB, ring, read, mmas_per_step)
             for pair in range(k_steps // 2):
@@ -324,9 +324,9 @@ class BlockScaledGemm:
             self.scale_barriers[1].arrive_and_wait()
 
     @cute.jit
-    def _stage_column_scales(self, b_scale, column_scales, math_tidx, col0, step, k_steps):
+    def _stage_column_scales(self, b_scale, column_scales, math_tidx, col0):
         """A tile's first K step's column scales into slot 0."""
-        self._publish_column_scale(self._column_scale(b_scale, math_tidx, col0, step), column_scales, math_tidx, 0)
+        self._publish_column_scale(self._column_scale(b_scale, math_tidx, col0, 0), column_scales, math_tidx, 0)
 
     @cute.jit
     def _store(self, total, tRS_total, piece, piece_out, r2s, tRS_sD, sD, gD, tma_d, stores, scheduler, warp,
