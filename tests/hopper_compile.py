@@ -1,8 +1,9 @@
-"""Compile a Triton kernel for Hopper (sm_90a) on a machine without a GPU, with Triton's own ptxas: what the GPU
-would run, for the CPU tests to check (register spills, the instructions it uses).
+"""Compile a kernel for Hopper (sm_90a) on a machine without a GPU, with Triton's own ptxas: what the GPU would run,
+for the CPU tests to check (register spills, the instructions it uses).
 
 A test calls `run_compiled(SCRIPT, tmp_path)`: SCRIPT runs in a subprocess without TRITON_INTERPRET (the kernels
-compiled, not interpreted: recipes.fp8.kernels reads it at import) and calls `compile_for_hopper`."""
+compiled, not interpreted: recipes.fp8.kernels reads it at import) and calls `compile_for_hopper` (a Triton kernel)
+or `ptxas` (the PTX another compiler wrote, CUTLASS's DSL's)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ import pytest
 TESTS = Path(__file__).parent
 
 
-def run_compiled(script: str, tmp_path: Path) -> str:
-    """SCRIPT's output, run with the PTX file's path as its argument; the test skips where this Triton has no
-    ptxas for Hopper, fails where the script does."""
+def run_compiled(script: str, tmp_path: Path, env: dict | None = None) -> str:
+    """SCRIPT's output, run with the PTX file's path as its argument (and `env` added to the environment); the
+    test skips where this Triton has no ptxas for Hopper, fails where the script does."""
     from triton import knobs
 
     if not Path(knobs.nvidia.ptxas_blackwell.path or "").is_file():
         pytest.skip("this Triton ships no ptxas for Hopper")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **(env or {})}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), str(TESTS.parent), env.get("PYTHONPATH")]))
     result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "kernel.ptx")], env=env,
                             capture_output=True, text=True, timeout=600)
@@ -38,7 +39,6 @@ def compile_for_hopper(kernel, signature: dict, constants: dict, ptx_file: Path,
     `signature`; `divisible`: the positions of arguments a launch has 16-aligned or divisible by 16, as Triton
     specializes them (aligned pointers, sizes that are multiples of 16)."""
     import triton
-    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -48,8 +48,16 @@ def compile_for_hopper(kernel, signature: dict, constants: dict, ptx_file: Path,
                               options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = compiled.asm["ptx"]
     ptx_file.write_text(ptx)
+    return (ptx, *ptxas(ptx_file))
+
+
+def ptxas(ptx_file: Path) -> tuple[int, int]:
+    """(bytes spilled per thread, registers per thread) of the PTX in `ptx_file`, assembled for sm_90a by Triton's
+    ptxas (the registers: those a thread starts with, before any setmaxnreg)."""
+    from triton import knobs
+
     log = subprocess.run([knobs.nvidia.ptxas_blackwell.path, "-v", "--gpu-name", "sm_90a", str(ptx_file), "-o",
                           f"{ptx_file}.cubin"], capture_output=True, text=True, check=True).stderr
     spilled = int(re.search(r"(\d+) bytes spill stores", log).group(1))
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
-    return ptx, spilled, registers
+    return spilled, registers

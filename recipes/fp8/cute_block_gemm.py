@@ -41,17 +41,15 @@ LOAD_REGISTERS, MATH_REGISTERS = 40, 232  # setmaxnreg: the copying warpgroup gi
 class BlockScaledGemm:
     """The kernel for one block pair and output: `a_block_rows`, `b_block_rows` each 1 (1x128 blocks) or 128
     (128x128 blocks); `accumulate`: d += a @ b^T into FP32 d; `tile_n` 64 or 128 (a 128x128-block operand's scale is
-    then one per tile and K step); `stages` of A and B tiles in shared memory (None: as many as fit)."""
+    then one per tile and K step). As many stages of A and B tiles as fit in shared memory."""
 
-    def __init__(self, a_block_rows: int, b_block_rows: int, accumulate: bool = False, tile_n: int = TILE_N,
-                 stages: int | None = None):
+    def __init__(self, a_block_rows: int, b_block_rows: int, accumulate: bool = False, tile_n: int = TILE_N):
         if a_block_rows not in (1, SCALE_BLOCK) or b_block_rows not in (1, SCALE_BLOCK):
             raise ValueError(f"block rows are 1 or {SCALE_BLOCK}, got {a_block_rows} and {b_block_rows}")
         if tile_n not in (64, 128):
             raise ValueError(f"tile_n is 64 or 128, got {tile_n}")
         self.a_block_rows, self.b_block_rows, self.accumulate = a_block_rows, b_block_rows, accumulate
         self.tile_shape_mnk = (TILE_M, tile_n, SCALE_BLOCK)
-        self.stages = stages
         self.threads = (1 + MATH_WARPGROUPS) * THREADS_PER_WARPGROUP
         self.math_threads = MATH_WARPGROUPS * THREADS_PER_WARPGROUP
         self.epilogue_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.math_threads)
@@ -72,8 +70,7 @@ class BlockScaledGemm:
         self.epi_stages = 2
         ab_bytes = (TILE_M + self.tile_shape_mnk[1]) * SCALE_BLOCK * self.ab_dtype.width // 8
         epi_bytes = cute.size(self.epi_tile) * self.d_dtype.width // 8 * self.epi_stages
-        fitting = (utils.get_smem_capacity_in_bytes("sm_90") - epi_bytes - 1024) // ab_bytes
-        self.ab_stages = min(self.stages, fitting) if self.stages else fitting
+        self.ab_stages = (utils.get_smem_capacity_in_bytes("sm_90") - epi_bytes - 1024) // ab_bytes
         self.a_smem_layout = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_shape_mnk, self.ab_dtype,
                                                            self.ab_stages)
         self.b_smem_layout = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_shape_mnk, self.ab_dtype,
