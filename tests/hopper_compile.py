@@ -3,7 +3,7 @@ for the CPU tests to check (register spills, the instructions it uses).
 
 A test calls `run_compiled(SCRIPT, tmp_path)`: SCRIPT runs in a subprocess without TRITON_INTERPRET (the kernels
 compiled, not interpreted: recipes.fp8.kernels reads it at import) and calls `compile_for_hopper` (a Triton kernel)
-or `ptxas` (the PTX another compiler wrote, CUTLASS's DSL's)."""
+or `ptxas` (the PTX another compiler wrote, CUTLASS's DSL's), and may read the machine code with `sass`."""
 
 from __future__ import annotations
 
@@ -61,3 +61,12 @@ def ptxas(ptx_file: Path) -> tuple[int, int]:
     spilled = int(re.search(r"(\d+) bytes spill stores", log).group(1))
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
     return spilled, registers
+
+
+def sass(ptx_file: Path) -> str:
+    """The machine code `ptxas(ptx_file)` assembled, as Triton's nvdisasm prints it."""
+    from triton import knobs
+
+    nvdisasm = Path(knobs.nvidia.ptxas_blackwell.path).with_name("nvdisasm")
+    return subprocess.run([str(nvdisasm), "-c", f"{ptx_file}.cubin"], capture_output=True, text=True,
+                          check=True).stdout

@@ -1,6 +1,7 @@
 """recipes.fp8.cute_block_gemm without a GPU: every block pair and output compiled for Hopper (sm_90a) by CUTLASS's
 DSL against fake tensors, then by Triton's ptxas: warp-specialised (TMA copies, setmaxnreg), the next K step's WGMMA
-in flight while a product is promoted, no register spilled; and the shapes it refuses. Its numerics: tests/test_gpu.py
+in flight while a product is promoted, the scales read from shared memory (no global load among the WGMMAs), no
+register spilled; and the shapes it refuses. Its numerics: tests/test_gpu.py
 on a GPU."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import re, sys
 from pathlib import Path
 import cutlass, cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-from hopper_compile import ptxas
+from hopper_compile import ptxas, sass
 from recipes.fp8.cute_block_gemm import BlockScaledGemm
 
 M, N, K = 512, 384, 1024
@@ -48,6 +49,12 @@ for a_rows, b_rows, accumulate, out in launches:
     # the promotion waits for all but the newest WGMMA group: the next K step's product forms meanwhile
     assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx), f"{launch}: each product waited for"
     assert spilled == 0, f"{launch} spills {spilled} bytes"
+    # the scales come through shared memory: no global load among the math warpgroups' WGMMAs (one there made
+    # them wait out its latency every K step)
+    code = [line for line in sass(ptx_file).splitlines() if "QGMMA" in line or "LDG" in line]
+    wgmmas = [i for i, line in enumerate(code) if "QGMMA" in line]
+    loads = [line for line in code[wgmmas[0]:wgmmas[-1]] if "LDG" in line]
+    assert not loads, f"{launch}: global loads in the main loop: {loads}"
 """
 
 

@@ -9,9 +9,11 @@ only copies A and B tiles into a ring of shared-memory stages with TMA, and two 
 FP32 fragment, and that fragment, times the step's two scales, is added to the tile's FP32 sum in registers (the
 "promotion" DeepGEMM and cuBLAS's block scaling do: the tensor cores' own FP8 accumulation never sums more than 128
 products). Two fragments alternate, so that the tensor cores form step k+1's product while the warpgroup promotes
-step k's (cuBLAS's and CUTLASS's examples wait for each product before promoting it). Row scales of a 1x128-block
-operand come from global memory (two rows a thread), column scales through shared memory: each warpgroup stages the
-next K step's while it promotes (read from global memory, the 32 a thread takes spilled its registers).
+step k's (cuBLAS's and CUTLASS's examples wait for each product before promoting it). A K step's scales (a 1x128-block
+operand's 128, a 128x128-block operand's one) come with its tiles: the copying warp loads them from global memory a
+step ahead and writes them into the stage before it arms the stage's barrier, so a promotion reads shared memory.
+(Read from global memory by the math warpgroups, each step's scales made a warpgroup wait out a global load before it
+could issue the next step's last WGMMA, or promote: the SASS of that version shows the dependency.)
 
 Needs M and N multiples of 128 and K of 256; `block_scaled_gemm` in recipes.fp8.block_gemm keeps the others.
 Compiled for sm_90a on a machine without a GPU by tests/test_cute_block_gemm.py (CUTLASS's DSL compiles against
@@ -35,7 +37,10 @@ TILE_M = 128  # two math warpgroups of 64 rows
 TILE_N = 128  # cute_block_scaled_gemm's tiles (BlockScaledGemm also takes 64)
 MATH_WARPGROUPS = 2
 THREADS_PER_WARPGROUP = 128
-LOAD_REGISTERS, MATH_REGISTERS = 40, 232  # setmaxnreg: the copying warpgroup gives its registers to the math ones
+LANES = 32
+# setmaxnreg: the copying warpgroup gives its registers to the math ones (24 + 2 x 240 of 512 a thread); a per-row b's
+# 32 column scales a K step spilled the math warpgroups' registers at 232
+LOAD_REGISTERS, MATH_REGISTERS = 24, 240
 
 
 class BlockScaledGemm:
@@ -53,9 +58,6 @@ class BlockScaledGemm:
         self.threads = (1 + MATH_WARPGROUPS) * THREADS_PER_WARPGROUP
         self.math_threads = MATH_WARPGROUPS * THREADS_PER_WARPGROUP
         self.epilogue_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.math_threads)
-        # each math warpgroup's own: its column scales of the next K step are all in shared memory
-        self.scale_barriers = [pipeline.NamedBarrier(barrier_id=2 + i, num_threads=THREADS_PER_WARPGROUP)
-                               for i in range(MATH_WARPGROUPS)]
 
     def _setup(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor):
         """Types, the tiled WGMMA, shared-memory layouts and stage counts, from the operands."""
@@ -68,7 +70,8 @@ class BlockScaledGemm:
         self.epi_tile = sm90_utils.compute_tile_shape_or_override(self.tile_shape_mnk, self.d_dtype,
                                                                   is_cooperative=True)
         self.epi_stages = 2
-        ab_bytes = (TILE_M + self.tile_shape_mnk[1]) * SCALE_BLOCK * self.ab_dtype.width // 8
+        # a stage: the A and B tiles of one K step and their scales (FP32)
+        ab_bytes = (TILE_M + self.tile_shape_mnk[1]) * (SCALE_BLOCK * self.ab_dtype.width // 8 + 4)
         epi_bytes = cute.size(self.epi_tile) * self.d_dtype.width // 8 * self.epi_stages
         self.ab_stages = (utils.get_smem_capacity_in_bytes("sm_90") - epi_bytes - 1024) // ab_bytes
         self.a_smem_layout = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_shape_mnk, self.ab_dtype,
@@ -99,7 +102,8 @@ class BlockScaledGemm:
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_layout)], 1024]
             sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(self.epi_smem_layout)], 1024]
-            column_scales: cute.struct.MemRange[cutlass.Float32, self.tile_shape_mnk[1] * 2 * MATH_WARPGROUPS]
+            a_scales: cute.struct.MemRange[cutlass.Float32, TILE_M * self.ab_stages]
+            b_scales: cute.struct.MemRange[cutlass.Float32, self.tile_shape_mnk[1] * self.ab_stages]
 
         self.shared_storage = SharedStorage
         self.kernel(tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_d, tma_tensor_d, d, a_scale, b_scale,
@@ -140,6 +144,9 @@ class BlockScaledGemm:
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
         sD = storage.sD.get_tensor(epi_smem_layout.outer, swizzle=epi_smem_layout.inner)
+        # (tile rows or columns, stage): a 128x128-block operand's one scale a step in row 0
+        sA_scales = storage.a_scales.get_tensor(cute.make_layout((TILE_M, self.ab_stages)))
+        sB_scales = storage.b_scales.get_tensor(cute.make_layout((self.tile_shape_mnk[1], self.ab_stages)))
         # (tile rows, 128, tiles along M or N, K steps, 1)
         gA = cute.local_tile(mA, cute.slice_(self.tile_shape_mnk, (None, 0, None)), (None, None, None))
         gB = cute.local_tile(mB, cute.slice_(self.tile_shape_mnk, (0, None, None)), (None, None, None))
@@ -155,27 +162,42 @@ class BlockScaledGemm:
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(LOAD_REGISTERS)
             if warp == 0:
-                self._copy_tiles(tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, ring, scheduler_params, k_steps)
+                self._copy_tiles(tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, a_scale, b_scale, sA_scales, sB_scales,
+                                 ring, scheduler_params, k_steps)
         else:
             cute.arch.setmaxregister_increase(MATH_REGISTERS)
-            column_scales = storage.column_scales.get_tensor(
-                cute.make_layout((self.tile_shape_mnk[1], 2, MATH_WARPGROUPS)))
             self._multiply(tidx - THREADS_PER_WARPGROUP, warp, tiled_mma, sA, sB, sD, gD, gD_values, tma_d,
-                           a_scale, b_scale, column_scales, ring, scheduler_params, k_steps)
+                           sA_scales, sB_scales, ring, scheduler_params, k_steps)
 
     @cute.jit
-    def _copy_tiles(self, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, ring, scheduler_params, k_steps):
-        """The copying warp: every K step of every tile this CTA owns, into the next free stage."""
+    def _copy_tiles(self, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, a_scale, b_scale, sA_scales, sB_scales, ring,
+                    scheduler_params, k_steps):
+        """The copying warp: every K step of every tile this CTA owns, into the next free stage: its scales, held
+        in registers since the step before (the global load's latency behind them), written by the warp's lanes;
+        then the stage's barrier armed for the TMA copies of the tiles, which complete it."""
+        lane = cute.arch.lane_idx()
         scheduler = utils.StaticPersistentTileScheduler.create(scheduler_params, cute.arch.block_idx(),
                                                                cute.arch.grid_dim())
         work = scheduler.initial_work_tile_info()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        a_ahead = cute.make_rmem_tensor((TILE_M // LANES,), cutlass.Float32)
+        b_ahead = cute.make_rmem_tensor((self.tile_shape_mnk[1] // LANES,), cutlass.Float32)
         while work.is_valid_tile:
             m_tile, n_tile, batch = work.tile_idx
             a_tiles, b_tiles = tAgA[(None, m_tile, None, batch)], tBgB[(None, n_tile, None, batch)]
+            row0, col0 = m_tile * TILE_M, n_tile * self.tile_shape_mnk[1]
+            self._load_scales(a_ahead, a_scale, self.a_block_rows, row0, 0, lane)
+            self._load_scales(b_ahead, b_scale, self.b_block_rows, col0, 0, lane)
             state.reset_count()
             for _ in range(k_steps):
-                ring.producer_acquire(state)
+                ring.sync_object_empty.wait(state.index, state.phase)
+                self._store_scales(a_ahead, sA_scales, self.a_block_rows, state.index, lane)
+                self._store_scales(b_ahead, sB_scales, self.b_block_rows, state.index, lane)
+                upcoming = cutlass.min(state.count + 1, k_steps - 1)
+                self._load_scales(a_ahead, a_scale, self.a_block_rows, row0, upcoming, lane)
+                self._load_scales(b_ahead, b_scale, self.b_block_rows, col0, upcoming, lane)
+                cute.arch.sync_warp()  # every lane's scales written before the barrier's (releasing) arrive
+                ring.sync_object_full.arrive(state.index, ring.producer_mask)
                 barrier = ring.producer_get_barrier(state)
                 cute.copy(tma_a, a_tiles[(None, state.count)], tAsA[(None, state.index)], tma_bar_ptr=barrier)
                 cute.copy(tma_b, b_tiles[(None, state.count)], tBsB[(None, state.index)], tma_bar_ptr=barrier)
@@ -186,8 +208,28 @@ class BlockScaledGemm:
         ring.producer_tail(state)
 
     @cute.jit
-    def _multiply(self, math_tidx, warp, tiled_mma, sA, sB, sD, gD, gD_values, tma_d, a_scale, b_scale,
-                  column_scales, ring, scheduler_params, k_steps):
+    def _load_scales(self, ahead, scale, block_rows, first, step, lane):
+        """Into this lane's registers, K step `step`'s scales of the tile whose first row is `first`: every
+        LANES-th row of a 1x128-block operand's, or a 128x128-block operand's one."""
+        if cutlass.const_expr(block_rows == 1):
+            for j in cutlass.range_constexpr(cute.size(ahead)):
+                ahead[j] = scale[(first + lane + j * LANES, step)]
+        else:
+            ahead[0] = scale[(first // SCALE_BLOCK, step)]
+
+    @cute.jit
+    def _store_scales(self, ahead, smem_scales, block_rows, stage, lane):
+        """This lane's scales of `_load_scales` into their stage."""
+        if cutlass.const_expr(block_rows == 1):
+            for j in cutlass.range_constexpr(cute.size(ahead)):
+                smem_scales[(lane + j * LANES, stage)] = ahead[j]
+        else:
+            if lane == 0:
+                smem_scales[(0, stage)] = ahead[0]
+
+    @cute.jit
+    def _multiply(self, math_tidx, warp, tiled_mma, sA, sB, sD, gD, gD_values, tma_d, sA_scales, sB_scales, ring,
+                  scheduler_params, k_steps):
         """The math warpgroups: per K step a WGMMA product into one of two fresh fragments, promoted into the
         tile's sum with its scales while the next step's product forms; then the epilogue."""
         thr_mma = tiled_mma.get_slice(math_tidx)
@@ -223,20 +265,16 @@ class BlockScaledGemm:
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
         while work.is_valid_tile:
             m_tile, n_tile, batch = work.tile_idx
-            row0, col0 = m_tile * TILE_M, n_tile * self.tile_shape_mnk[1]
             read.reset_count()
             release.reset_count()
             total.fill(0.0)
-            if cutlass.const_expr(self.b_block_rows == 1):
-                self._stage_column_scales(b_scale, column_scales, math_tidx, col0)
             # K steps in pairs (K a multiple of 256): products[0] holds the even steps, products[1] the odd ones.
             read = self._product(tiled_mma, products[0], tCrA, tCrB, ring, read, mmas_per_step)
             for pair in range(k_steps // 2):
                 step = pair * 2
                 read = self._product(tiled_mma, products[1], tCrA, tCrB, ring, read, mmas_per_step)
                 cute.nvgpu.warpgroup.wait_group(1)  # the even step's product done, the odd one's in flight
-                self._promote(total, products[0], coords, a_scale, b_scale, column_scales, math_tidx, row0, col0,
-                              step, k_steps)
+                self._promote(total, products[0], coords, sA_scales, sB_scales, release.index)
                 ring.consumer_release(release)
                 release.advance()
                 if step + 2 < k_steps:
@@ -244,8 +282,7 @@ class BlockScaledGemm:
                     cute.nvgpu.warpgroup.wait_group(1)
                 else:
                     cute.nvgpu.warpgroup.wait_group(0)
-                self._promote(total, products[1], coords, a_scale, b_scale, column_scales, math_tidx, row0, col0,
-                              step + 1, k_steps)
+                self._promote(total, products[1], coords, sA_scales, sB_scales, release.index)
                 ring.consumer_release(release)
                 release.advance()
             if cutlass.const_expr(self.accumulate):
@@ -274,56 +311,14 @@ class BlockScaledGemm:
         return read
 
     @cute.jit
-    def _promote(self, total, product, coords, a_scale, b_scale, column_scales, math_tidx, row0, col0, step,
-                 k_steps):
-        """total += product x its rows' and columns' scales of this K step (a 128x128-block operand's: one). A
-        per-row b's column scales come from shared memory, where the next step's are staged meanwhile."""
-        a_tile_scale = cutlass.Float32(1.0)
-        b_tile_scale = cutlass.Float32(1.0)
-        if cutlass.const_expr(self.a_block_rows == SCALE_BLOCK):
-            a_tile_scale = a_scale[(row0 // SCALE_BLOCK, step)]
-        if cutlass.const_expr(self.b_block_rows == SCALE_BLOCK):
-            b_tile_scale = b_scale[(col0 // SCALE_BLOCK, step)]
-        warpgroup = math_tidx // THREADS_PER_WARPGROUP
-        upcoming = cutlass.Float32(0.0)
-        if cutlass.const_expr(self.b_block_rows == 1):  # loaded now, stored after the products: its latency hidden
-            upcoming = self._column_scale(b_scale, math_tidx, col0, cutlass.min(step + 1, k_steps - 1))
+    def _promote(self, total, product, coords, sA_scales, sB_scales, stage):
+        """total += product x its rows' and columns' scales, read from the product's stage (held until this is
+        done)."""
         for i in cutlass.range_constexpr(cute.size(total)):
             row, col = coords[i]
-            scale = a_tile_scale * b_tile_scale
-            if cutlass.const_expr(self.a_block_rows == 1):
-                scale = scale * a_scale[(row0 + row, step)]
-            if cutlass.const_expr(self.b_block_rows == 1):
-                scale = scale * column_scales[(col, step % 2, warpgroup)]
-            total[i] = total[i] + product[i] * scale
-        if cutlass.const_expr(self.b_block_rows == 1):
-            self._publish_column_scale(upcoming, column_scales, math_tidx, (step + 1) % 2)
-
-    @cute.jit
-    def _column_scale(self, b_scale, math_tidx, col0, step):
-        """This thread's column of the tile (its lane in its warpgroup), its scale in K step `step`."""
-        lane = math_tidx % THREADS_PER_WARPGROUP
-        value = cutlass.Float32(0.0)
-        if lane < self.tile_shape_mnk[1]:
-            value = b_scale[(col0 + lane, step)]
-        return value
-
-    @cute.jit
-    def _publish_column_scale(self, value, column_scales, math_tidx, slot):
-        """Each warpgroup's threads write its copy of a K step's column scales; its barrier makes them visible (and
-        keeps the slot's previous readers, two steps back, behind it)."""
-        lane, warpgroup = math_tidx % THREADS_PER_WARPGROUP, math_tidx // THREADS_PER_WARPGROUP
-        if lane < self.tile_shape_mnk[1]:
-            column_scales[(lane, slot, warpgroup)] = value
-        if warpgroup == 0:
-            self.scale_barriers[0].arrive_and_wait()
-        else:
-            self.scale_barriers[1].arrive_and_wait()
-
-    @cute.jit
-    def _stage_column_scales(self, b_scale, column_scales, math_tidx, col0):
-        """A tile's first K step's column scales into slot 0."""
-        self._publish_column_scale(self._column_scale(b_scale, math_tidx, col0, 0), column_scales, math_tidx, 0)
+            a_row = row if cutlass.const_expr(self.a_block_rows == 1) else 0
+            b_row = col if cutlass.const_expr(self.b_block_rows == 1) else 0
+            total[i] = total[i] + product[i] * (sA_scales[(a_row, stage)] * sB_scales[(b_row, stage)])
 
     @cute.jit
     def _store(self, total, tRS_total, piece, piece_out, r2s, tRS_sD, sD, gD, tma_d, stores, scheduler, warp,
