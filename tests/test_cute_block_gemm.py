@@ -1,7 +1,7 @@
 """recipes.fp8.cute_block_gemm without a GPU: every block pair and output compiled for Hopper (sm_90a) by CUTLASS's
 DSL against fake tensors, then by Triton's ptxas: warp-specialised (TMA copies, setmaxnreg), the next K step's WGMMA
-in flight while a product is promoted, the scales read from shared memory (no global load among the WGMMAs), no
-register spilled; and the shapes it refuses. Its numerics: tests/test_gpu.py
+in flight while a product is promoted, the scales read from shared memory (no global load among the WGMMAs), CTA
+pairs sharing B tiles by TMA multicast, no register spilled; and the shapes it refuses. Its numerics: tests/test_gpu.py
 on a GPU."""
 
 from __future__ import annotations
@@ -29,16 +29,17 @@ M, N, K = 512, 384, 1024
 operand = lambda rows: make_fake_compact_tensor(cutlass.Float8E4M3FN, (rows, K, 1), stride_order=(1, 0, 2),
                                                 assumed_align=16)
 scales = lambda rows, block: make_fake_compact_tensor(cutlass.Float32, (rows // block, K // 128), stride_order=(1, 0))
-launches = [(1, 128, False, "bf16"), (1, 128, False, "fp32"), (1, 1, False, "bf16"), (1, 1, True, "fp32"),
-            (128, 1, False, "bf16")]
-for a_rows, b_rows, accumulate, out in launches:
-    launch = f"{a_rows}x{b_rows} {out}{' added' if accumulate else ''}"
+launches = [(1, 128, False, "bf16", 1), (1, 128, False, "fp32", 1), (1, 1, False, "bf16", 1),
+            (1, 1, True, "fp32", 1), (128, 1, False, "bf16", 1), (1, 128, False, "bf16", 2), (1, 1, True, "fp32", 2)]
+for a_rows, b_rows, accumulate, out, cluster_m in launches:
+    launch = f"{a_rows}x{b_rows} {out}{' added' if accumulate else ''}{' pairs' if cluster_m > 1 else ''}"
     dump = Path(sys.argv[1]).parent / launch.replace(" ", "_")
     dump.mkdir()
     d = make_fake_compact_tensor(cutlass.Float32 if out == "fp32" else cutlass.BFloat16, (M, N, 1),
                                  stride_order=(1, 0, 2), assumed_align=16)
-    cute.compile(BlockScaledGemm(a_rows, b_rows, accumulate), operand(M), operand(N), scales(M, a_rows),
-                 scales(N, b_rows), d, 132, make_fake_stream(), options=f"--keep-ptx --dump-dir={dump}")
+    cute.compile(BlockScaledGemm(a_rows, b_rows, accumulate, cluster_m=cluster_m), operand(M), operand(N),
+                 scales(M, a_rows), scales(N, b_rows), d, 66 if cluster_m > 1 else 132, make_fake_stream(),
+                 options=f"--keep-ptx --dump-dir={dump}")
     (ptx_file,) = dump.rglob("*.ptx")
     ptx = ptx_file.read_text()
     spilled, registers = ptxas(ptx_file)
@@ -46,6 +47,8 @@ for a_rows, b_rows, accumulate, out in launches:
     copies = "cp.async.bulk.tensor" in ptx and "setmaxnreg" in ptx
     assert copies, f"{launch}: not TMA copies by a warpgroup of their own"
     assert "wgmma.mma_async" in ptx, launch
+    # CTA pairs: each copies half of their shared B tile into both with TMA multicast
+    assert ("multicast::cluster" in ptx) == (cluster_m > 1), f"{launch}: multicast copies {cluster_m > 1}"
     # the promotion waits for all but the newest WGMMA group: the next K step's product forms meanwhile
     assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx), f"{launch}: each product waited for"
     assert spilled == 0, f"{launch} spills {spilled} bytes"
@@ -67,6 +70,9 @@ def test_shapes_it_cannot_take_are_refused_before_the_gpu():
     b = quantize_blockwise(torch.randn(256, 512), E4M3, WEIGHT_BLOCK)
     with pytest.raises(ValueError, match="M a multiple of 128"):
         cute_block_scaled_gemm(a, b)
+    a = quantize_blockwise(torch.randn(384, 512), E4M3, ACTIVATION_BLOCK)
+    with pytest.raises(ValueError, match="M a multiple of 256"):
+        cute_block_scaled_gemm(a, b, cluster_m=2)
     a = quantize_blockwise(torch.randn(256, 384), E4M3, ACTIVATION_BLOCK)
     b = quantize_blockwise(torch.randn(256, 384), E4M3, WEIGHT_BLOCK)
     with pytest.raises(ValueError, match="K of 256"):

@@ -165,13 +165,15 @@ def test_native_blockwise_gemms_equal_their_emulation(fp8_wgrad, block_dims):
         assert relative_error(native, emulated.double()) < 4e-3
 
 
-@pytest.mark.parametrize("kernel", ["triton", "cutlass"])
+@pytest.mark.parametrize("kernel", ["triton", "cutlass", "cutlass_multicast"])
 @pytest.mark.parametrize("pair", ["1x128_x_128x128", "1x128_x_1x128", "128x128_x_1x128"])
 def test_block_scaled_gemms_of_our_own_against_fp64_and_cublas(pair, kernel):
     """Issue 49's kernels on the GPU (recipes.fp8.block_gemm's in Triton, with odd M; recipes.fp8.cute_block_gemm's
-    in CUTLASS's DSL, M a multiple of 128), each block pair at a proxy-like shape: within tests/test_block_gemm.py's
-    FP32 bound of the FP64 product, and beside cuBLAS's result of the same operands; into BF16, and into an FP32
-    output, written then added."""
+    in CUTLASS's DSL, M a multiple of 128, and in CTA pairs sharing B tiles by TMA multicast, of 256), each block
+    pair at a proxy-like shape: within tests/test_block_gemm.py's FP32 bound of the FP64 product, and beside
+    cuBLAS's result of the same operands; into BF16, and into an FP32 output, written then added."""
+    import functools
+
     from test_block_gemm import bound
 
     from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise
@@ -180,11 +182,13 @@ def test_block_scaled_gemms_of_our_own_against_fp64_and_cublas(pair, kernel):
     if kernel == "triton":
         from recipes.fp8.block_gemm import block_scaled_gemm
     else:
-        from recipes.fp8.cute_block_gemm import cute_block_scaled_gemm as block_scaled_gemm
+        from recipes.fp8.cute_block_gemm import cute_block_scaled_gemm
+
+        block_scaled_gemm = functools.partial(cute_block_scaled_gemm, cluster_m=2 if "multicast" in kernel else 1)
     blocks = {"1x128": ACTIVATION_BLOCK, "128x128": WEIGHT_BLOCK}
     a_block, b_block = (blocks[name] for name in pair.split("_x_"))
     g = torch.Generator("cuda").manual_seed(0)
-    rows = 1920 if a_block == WEIGHT_BLOCK or kernel == "cutlass" else 1917
+    rows = {"triton": 1920 if a_block == WEIGHT_BLOCK else 1917, "cutlass": 1920, "cutlass_multicast": 1792}[kernel]
     a = quantize_blockwise(torch.randn(rows, 4096, device="cuda", generator=g), E4M3, a_block)
     b = quantize_blockwise(torch.randn(1536, 4096, device="cuda", generator=g), E4M3, b_block)
     allowed, exact = bound(a, b, torch.float32, k=4096)

@@ -46,15 +46,21 @@ LOAD_REGISTERS, MATH_REGISTERS = 24, 240
 class BlockScaledGemm:
     """The kernel for one block pair and output: `a_block_rows`, `b_block_rows` each 1 (1x128 blocks) or 128
     (128x128 blocks); `accumulate`: d += a @ b^T into FP32 d; `tile_n` 64 or 128 (a 128x128-block operand's scale is
-    then one per tile and K step). As many stages of A and B tiles as fit in shared memory."""
+    then one per tile and K step); `cluster_m` 1, or 2: CTAs in pairs along M, each copying half of the B tile they
+    share into both with TMA multicast (M then a multiple of 2 x TILE_M), so that the pair reads it from L2 once. As
+    many stages of A and B tiles as fit in shared memory."""
 
-    def __init__(self, a_block_rows: int, b_block_rows: int, accumulate: bool = False, tile_n: int = TILE_N):
+    def __init__(self, a_block_rows: int, b_block_rows: int, accumulate: bool = False, tile_n: int = TILE_N,
+                 cluster_m: int = 1):
         if a_block_rows not in (1, SCALE_BLOCK) or b_block_rows not in (1, SCALE_BLOCK):
             raise ValueError(f"block rows are 1 or {SCALE_BLOCK}, got {a_block_rows} and {b_block_rows}")
         if tile_n not in (64, 128):
             raise ValueError(f"tile_n is 64 or 128, got {tile_n}")
+        if cluster_m not in (1, 2):
+            raise ValueError(f"cluster_m is 1 or 2, got {cluster_m}")
         self.a_block_rows, self.b_block_rows, self.accumulate = a_block_rows, b_block_rows, accumulate
         self.tile_shape_mnk = (TILE_M, tile_n, SCALE_BLOCK)
+        self.cluster_m = cluster_m
         self.threads = (1 + MATH_WARPGROUPS) * THREADS_PER_WARPGROUP
         self.math_threads = MATH_WARPGROUPS * THREADS_PER_WARPGROUP
         self.epilogue_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.math_threads)
@@ -62,6 +68,7 @@ class BlockScaledGemm:
     def _setup(self, a: cute.Tensor, b: cute.Tensor, d: cute.Tensor):
         """Types, the tiled WGMMA, shared-memory layouts and stage counts, from the operands."""
         self.ab_dtype, self.d_dtype = a.element_type, d.element_type
+        self.cta_layout_mnk = cute.make_layout((self.cluster_m, 1, 1))
         self.a_layout, self.b_layout = utils.LayoutEnum.from_tensor(a), utils.LayoutEnum.from_tensor(b)
         self.d_layout = utils.LayoutEnum.from_tensor(d)
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -87,13 +94,15 @@ class BlockScaledGemm:
         """a (M, K, 1) and b (N, K, 1) E4M3, K-major; a_scale (M / a_block_rows, K / 128) and b_scale likewise,
         FP32, row-major; d (M, N, 1), N-major, BF16 or FP32 (read too when accumulating)."""
         self._setup(a, b, d)
-        tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_layout, (TILE_M, SCALE_BLOCK))
-        tma_b, tma_tensor_b = self._tma_load(b, self.b_smem_layout, (self.tile_shape_mnk[1], SCALE_BLOCK))
+        tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_layout, (TILE_M, SCALE_BLOCK), 1)
+        tma_b, tma_tensor_b = self._tma_load(b, self.b_smem_layout, (self.tile_shape_mnk[1], SCALE_BLOCK),
+                                             self.cluster_m)
         epi_smem = cute.slice_(self.epi_smem_layout, (None, None, 0))
         tma_d, tma_tensor_d = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), d, epi_smem, self.epi_tile)
         tiles = cute.zipped_divide(d, tiler=cute.slice_(self.tile_shape_mnk, (None, None, 0)))
-        scheduler = utils.PersistentTileSchedulerParams(tiles[(0, (None, None, None))].shape, (1, 1, 1), 1, True)
+        scheduler = utils.PersistentTileSchedulerParams(tiles[(0, (None, None, None))].shape, (self.cluster_m, 1, 1),
+                                                        1, True)
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(scheduler, max_active_clusters)
 
         @cute.struct
@@ -107,21 +116,22 @@ class BlockScaledGemm:
 
         self.shared_storage = SharedStorage
         self.kernel(tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_d, tma_tensor_d, d, a_scale, b_scale,
-                    self.tiled_mma, self.a_smem_layout, self.b_smem_layout, self.epi_smem_layout, scheduler
-                    ).launch(grid=grid, block=[self.threads, 1, 1], cluster=(1, 1, 1), min_blocks_per_mp=1,
-                             stream=stream)
+                    self.tiled_mma, self.cta_layout_mnk, self.a_smem_layout, self.b_smem_layout,
+                    self.epi_smem_layout, scheduler).launch(grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster_m, 1, 1),
+                             min_blocks_per_mp=1, stream=stream)
 
-    def _tma_load(self, tensor: cute.Tensor, smem_layout_staged, tile):
+    def _tma_load(self, tensor: cute.Tensor, smem_layout_staged, tile, multicast: int):
+        op = (cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp() if multicast == 1
+              else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp())
         return cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), tensor, cute.slice_(smem_layout_staged, (None, None, 0)),
-            tile)
+            op, tensor, cute.slice_(smem_layout_staged, (None, None, 0)), tile, num_multicast=multicast)
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                tma_d: cute.CopyAtom, mD_tma: cute.Tensor, mD: cute.Tensor, a_scale: cute.Tensor,
-               b_scale: cute.Tensor, tiled_mma: cute.TiledMma, a_smem_layout: cute.ComposedLayout,
-               b_smem_layout: cute.ComposedLayout, epi_smem_layout: cute.ComposedLayout,
-               scheduler_params: utils.PersistentTileSchedulerParams):
+               b_scale: cute.Tensor, tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout,
+               a_smem_layout: cute.ComposedLayout, b_smem_layout: cute.ComposedLayout,
+               epi_smem_layout: cute.ComposedLayout, scheduler_params: utils.PersistentTileSchedulerParams):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warpgroup = cute.arch.make_warp_uniform(tidx // THREADS_PER_WARPGROUP)
@@ -130,16 +140,23 @@ class BlockScaledGemm:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
 
+        cluster_coord = cta_layout_mnk.get_flat_coord(cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()))
+        # the CTAs of the cluster that receive this CTA's half of the shared B tile (none: plain copies)
+        b_multicast = 0
+        if cutlass.const_expr(self.cluster_m > 1):
+            b_multicast = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
+
         storage = utils.SmemAllocator().allocate(self.shared_storage)
         tile_bytes = (cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_layout, (None, None, 0)))
                       + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_layout, (None, None, 0))))
-        # A stage is full when its TMA bytes landed, empty when each math warp released it.
+        # A stage is full when its TMA bytes landed (half of B from the other CTA of a pair), empty when each math
+        # warp of every CTA writing into it released it.
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.barriers.data_ptr(), num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MATH_WARPGROUPS * 4),
-            tx_count=tile_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
-        pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, MATH_WARPGROUPS * 4 * self.cluster_m),
+            tx_count=tile_bytes, cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)), defer_sync=True)
+        pipeline_init_arrive(cluster_shape_mn=(self.cluster_m, 1), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
@@ -154,24 +171,24 @@ class BlockScaledGemm:
         gD_values = cute.local_tile(mD, cute.slice_(self.tile_shape_mnk, (None, None, 0)), (None, None, None))
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2),
                                                       cute.group_modes(gA, 0, 2))
-        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
-                                                      cute.group_modes(gB, 0, 2))
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(tma_b, cluster_coord[0], cute.make_layout(self.cluster_m),
+                                                      cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
         k_steps = cute.size(gA, mode=[3])
-        pipeline_init_wait(cluster_shape_mn=(1, 1))
+        pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
 
         if warpgroup == 0:
             cute.arch.setmaxregister_decrease(LOAD_REGISTERS)
             if warp == 0:
-                self._copy_tiles(tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, a_scale, b_scale, sA_scales, sB_scales,
-                                 ring, scheduler_params, k_steps)
+                self._copy_tiles(tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, b_multicast, a_scale, b_scale, sA_scales,
+                                 sB_scales, ring, scheduler_params, k_steps)
         else:
             cute.arch.setmaxregister_increase(MATH_REGISTERS)
             self._multiply(tidx - THREADS_PER_WARPGROUP, warp, tiled_mma, sA, sB, sD, gD, gD_values, tma_d,
                            sA_scales, sB_scales, ring, scheduler_params, k_steps)
 
     @cute.jit
-    def _copy_tiles(self, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, a_scale, b_scale, sA_scales, sB_scales, ring,
-                    scheduler_params, k_steps):
+    def _copy_tiles(self, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, b_multicast, a_scale, b_scale, sA_scales,
+                    sB_scales, ring, scheduler_params, k_steps):
         """The copying warp: every K step of every tile this CTA owns, into the next free stage: its scales, held
         in registers since the step before (the global load's latency behind them), written by the warp's lanes;
         then the stage's barrier armed for the TMA copies of the tiles, which complete it."""
@@ -200,7 +217,8 @@ class BlockScaledGemm:
                 ring.sync_object_full.arrive(state.index, ring.producer_mask)
                 barrier = ring.producer_get_barrier(state)
                 cute.copy(tma_a, a_tiles[(None, state.count)], tAsA[(None, state.index)], tma_bar_ptr=barrier)
-                cute.copy(tma_b, b_tiles[(None, state.count)], tBsB[(None, state.index)], tma_bar_ptr=barrier)
+                cute.copy(tma_b, b_tiles[(None, state.count)], tBsB[(None, state.index)], tma_bar_ptr=barrier,
+                          mcast_mask=b_multicast)
                 ring.producer_commit(state)
                 state.advance()
             scheduler.advance_to_next_work()
@@ -358,15 +376,16 @@ def _cute_tensor(t, dtype, batch: bool = True):
     return tensor
 
 
-def cute_block_scaled_gemm(a, b, out_dtype=None, out=None, accumulate: bool = False):
+def cute_block_scaled_gemm(a, b, out_dtype=None, out=None, accumulate: bool = False, cluster_m: int = 1):
     """a @ b^T of two recipes.fp8 Float8Tensors in 1x128 or 128x128 blocks, a (M, K) and b (N, K), on a Hopper GPU:
     a new (M, N) tensor in `out_dtype` (default BF16), or written into FP32 `out` (added to it with `accumulate`).
-    M and N multiples of 128, K of 256; each configuration and shape compiled once."""
+    M a multiple of 128 x `cluster_m` (BlockScaledGemm's CTA pairs sharing B tiles with 2), N of 128, K of 256;
+    each configuration and shape compiled once."""
     out_dtype = out_dtype or torch.bfloat16
     (rows, k), n = a.data.shape, b.data.shape[0]
-    if rows % TILE_M or n % TILE_N or k % (2 * SCALE_BLOCK) or b.data.shape[1] != k:
-        raise ValueError(f"the CUTLASS block-scaled GEMM needs M a multiple of {TILE_M}, N of {TILE_N} and K of "
-                         f"{2 * SCALE_BLOCK}: {tuple(a.data.shape)} x {tuple(b.data.shape)}")
+    if rows % (TILE_M * cluster_m) or n % TILE_N or k % (2 * SCALE_BLOCK) or b.data.shape[1] != k:
+        raise ValueError(f"the CUTLASS block-scaled GEMM needs M a multiple of {TILE_M * cluster_m}, N of {TILE_N} "
+                         f"and K of {2 * SCALE_BLOCK}: {tuple(a.data.shape)} x {tuple(b.data.shape)}")
     if out is None:
         out = torch.empty((rows, n), dtype=out_dtype, device=a.data.device)
     elif accumulate and out.dtype != torch.float32:
@@ -376,9 +395,10 @@ def cute_block_scaled_gemm(a, b, out_dtype=None, out=None, accumulate: bool = Fa
                  _cute_tensor(a.scale_inv.contiguous(), cutlass.Float32, batch=False),
                  _cute_tensor(b.scale_inv.contiguous(), cutlass.Float32, batch=False), _cute_tensor(out, d_type))
     stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
-    key = (a.block[0], b.block[0], accumulate, out.dtype, rows, n, k)
+    key = (a.block[0], b.block[0], accumulate, out.dtype, rows, n, k, cluster_m)
     if key not in _COMPILED:
-        kernel = BlockScaledGemm(a.block[0], b.block[0], accumulate)
-        _COMPILED[key] = cute.compile(kernel, *arguments, utils.HardwareInfo().get_max_active_clusters(1), stream)
+        kernel = BlockScaledGemm(a.block[0], b.block[0], accumulate, cluster_m=cluster_m)
+        _COMPILED[key] = cute.compile(kernel, *arguments, utils.HardwareInfo().get_max_active_clusters(cluster_m),
+                                      stream)
     _COMPILED[key](*arguments, stream)
     return out
