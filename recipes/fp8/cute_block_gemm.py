@@ -117,8 +117,9 @@ class BlockScaledGemm:
         self.shared_storage = SharedStorage
         self.kernel(tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_d, tma_tensor_d, d, a_scale, b_scale,
                     self.tiled_mma, self.cta_layout_mnk, self.a_smem_layout, self.b_smem_layout,
-                    self.epi_smem_layout, scheduler).launch(grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster_m, 1, 1),
-                             min_blocks_per_mp=1, stream=stream)
+                    self.epi_smem_layout, scheduler).launch(grid=grid, block=[self.threads, 1, 1],
+                                                            cluster=(self.cluster_m, 1, 1), min_blocks_per_mp=1,
+                                                            stream=stream)
 
     def _tma_load(self, tensor: cute.Tensor, smem_layout_staged, tile, multicast: int):
         op = (cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp() if multicast == 1
