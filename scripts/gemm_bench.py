@@ -9,9 +9,9 @@ through issue 49's kernels of our own, not yet in the training path: recipes.fp8
 its tiles autotuned per shape in the warm-up) and recipes.fp8.cute_block_gemm's in CUTLASS's Python DSL
 (`cutlass_*`, compiled per shape in the warm-up; `cutlass_multicast_*`: CTAs in pairs sharing their B tiles).
 Operands are quantized by the recipes' own functions before timing: this measures the GEMMs, not quantization.
-Per-tensor and per-channel GEMMs use fast accumulation (as fprop
-does in TE); block-scaled GEMMs have none. Shapes: M = N = 8192 with a K sweep, and each model's four linear-layer
-GEMMs (QKV, attention output, fc1, fc2) at one micro-batch of its sequence length. Times are medians of `--repeats`
+Per-tensor and per-channel GEMMs use fast accumulation (as fprop does in TE); block-scaled GEMMs have none. Shapes:
+M = N = 8192 with a K sweep, and each model's four linear-layer GEMMs (QKV, attention output, fc1, fc2) at one
+micro-batch of its sequence length. Times are medians of `--repeats`
 CUDA-event-timed runs after warm-up, rotating between two input sets so no run reads the previous run's operands
 from L2; nvidia-smi samples the SM clock and power meanwhile (every 20 ms: each row has the medians of the samples
 taken while its variant was timed, empty where there were none). Writes gemm.csv (every shape, the format

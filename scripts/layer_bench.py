@@ -418,8 +418,9 @@ def strongest_bf16(results: list[dict]) -> dict | None:
 
 def gemm_limit(model_name: str, bf16_profile: dict) -> dict:
     """The FP8 step-speedup limit from the BF16 profile's GEMM share and the per-tensor GEMM ratio (module doc)."""
-    shapes = [row for shape in model_gemm_shapes(model_name) for row in bench_shape(*shape, names=("bf16", "tensorwise"))]
-    ms = {variant: sum(r["ms"] for r in shapes if r["variant"] == variant) for variant in ("bf16", "tensorwise")}
+    timed = ("bf16", "tensorwise")
+    shapes = [row for shape in model_gemm_shapes(model_name) for row in bench_shape(*shape, names=timed)]
+    ms = {variant: sum(r["ms"] for r in shapes if r["variant"] == variant) for variant in timed}
     ratio = ms["bf16"] / ms["tensorwise"]
     total, gemm = bf16_profile["total_ms"], bf16_profile["ms"]["gemm"]
     return {"gemm_share": gemm / total, "gemm_fp8_ratio": ratio, "limit": total / (total - gemm + gemm / ratio)}

@@ -34,7 +34,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 SCALE_BLOCK = 128  # K steps of 128; a 128x128-block operand's rows come in 128s
 TILE_M = 128  # two math warpgroups of 64 rows
-TILE_N = 128  # cute_block_scaled_gemm's tiles (BlockScaledGemm also takes 64)
+TILE_N = 128
 MATH_WARPGROUPS = 2
 THREADS_PER_WARPGROUP = 128
 LANES = 32
@@ -45,21 +45,17 @@ LOAD_REGISTERS, MATH_REGISTERS = 24, 240
 
 class BlockScaledGemm:
     """The kernel for one block pair and output: `a_block_rows`, `b_block_rows` each 1 (1x128 blocks) or 128
-    (128x128 blocks); `accumulate`: d += a @ b^T into FP32 d; `tile_n` 64 or 128 (a 128x128-block operand's scale is
-    then one per tile and K step); `cluster_m` 1, or 2: CTAs in pairs along M, each copying half of the B tile they
-    share into both with TMA multicast (M then a multiple of 2 x TILE_M), so that the pair reads it from L2 once. As
-    many stages of A and B tiles as fit in shared memory."""
+    (128x128 blocks); `accumulate`: d += a @ b^T into FP32 d; `cluster_m` 1, or 2: CTAs in pairs along M, each
+    copying half of the B tile they share into both with TMA multicast (M then a multiple of 2 x TILE_M), so that
+    the pair reads it from L2 once. As many stages of A and B tiles as fit in shared memory."""
 
-    def __init__(self, a_block_rows: int, b_block_rows: int, accumulate: bool = False, tile_n: int = TILE_N,
-                 cluster_m: int = 1):
+    def __init__(self, a_block_rows: int, b_block_rows: int, accumulate: bool = False, cluster_m: int = 1):
         if a_block_rows not in (1, SCALE_BLOCK) or b_block_rows not in (1, SCALE_BLOCK):
             raise ValueError(f"block rows are 1 or {SCALE_BLOCK}, got {a_block_rows} and {b_block_rows}")
-        if tile_n not in (64, 128):
-            raise ValueError(f"tile_n is 64 or 128, got {tile_n}")
         if cluster_m not in (1, 2):
             raise ValueError(f"cluster_m is 1 or 2, got {cluster_m}")
         self.a_block_rows, self.b_block_rows, self.accumulate = a_block_rows, b_block_rows, accumulate
-        self.tile_shape_mnk = (TILE_M, tile_n, SCALE_BLOCK)
+        self.tile_shape_mnk = (TILE_M, TILE_N, SCALE_BLOCK)
         self.cluster_m = cluster_m
         self.threads = (1 + MATH_WARPGROUPS) * THREADS_PER_WARPGROUP
         self.math_threads = MATH_WARPGROUPS * THREADS_PER_WARPGROUP
