@@ -352,35 +352,40 @@ def fp8_speedup_table(records: list[Record], base: Path) -> str:
     return "\n".join([*lines, "", sources.note(records, base), "", versions_line(used(sources, records))])
 
 
-def against_te_table(records: list[Record], base: Path, peer: str, recipes: tuple[str, ...]) -> str:
-    """Our median step over the peer's (`te` or `te_megatron`) in the same process, per proxy and recipe."""
+def peer_column(peer: str, precision: str) -> str:
+    """The peer's column in the TE recipe of our `precision` (layer_bench's names)."""
+    return f"{peer}_{'bf16' if precision == 'bf16' else RECIPES[precision]}"
+
+
+# layer_bench's peers of NVIDIA's stack (issue 47 on), as the tables name them
+PEER_NAMES = {"te_megatron": "TE as Megatron", "megatron_layer": "megatron-core's layers"}
+
+
+def against_peer_table(records: list[Record], base: Path, peer: str) -> str:
+    """Our median step over a peer's (`te_megatron`, `megatron_layer`) in the same process, per proxy and recipe."""
     sources = Sources()
-    names = ("bf16", *recipes)
+    names = ("bf16", *RECIPES)
     lines = [f"| proxy | {' | '.join(names)} |", "|---|" + "---|" * len(names)]
     for model in PROXIES:
-        cells = []
-        for name in names:
-            ours = "bf16" if name == "bf16" else name
-            theirs = f"{peer}_{'bf16' if name == 'bf16' else RECIPES[name]}"
-            cells.append(fmt_ratio(sources.pick(name, model, records, ratio(model, ours, theirs))[0]))
+        cells = [fmt_ratio(sources.pick(name, model, records, ratio(model, name, peer_column(peer, name)))[0])
+                 for name in names]
         lines.append(f"| {proxy_label(records, model)} | {' | '.join(cells)} |")
     return "\n".join([*lines, "", sources.note(records, base), "", versions_line(used(sources, records))])
 
 
 def readme_fp8_table(records: list[Record], base: Path) -> str:
-    """The README's table: what FP8 bought per proxy, and our step time over Transformer Engine's."""
+    """The README's table: what FP8 bought per proxy, and our step time over each of NVIDIA's stacks'."""
     sources = Sources()
-    lines = ["| proxy (layers) | fp8_current | fp8_delayed | fp8_blockwise | ours / TE as Megatron: bf16 / current / "
-             "delayed / blockwise | ours / TE: bf16 / current / delayed |", "|---|---|---|---|---|---|"]
+    lines = ["| proxy (layers) | fp8_current | fp8_delayed | fp8_blockwise | "
+             + " | ".join(f"ours / {name}: bf16 / current / delayed / blockwise" for name in PEER_NAMES.values())
+             + " |", "|---|---|---|---|---|---|"]
     for model in PROXIES:
         cells = [fmt_x(sources.pick(f"{p} over BF16", model, records, speedup(model, p))[0]) for p in RECIPES]
-        for peer, recipes in (("te_megatron", ("bf16", *RECIPES)), ("te", ("bf16", "fp8_current", "fp8_delayed"))):
-            ratios = []
-            for name in recipes:
-                theirs = f"{peer}_{'bf16' if name == 'bf16' else RECIPES[name]}"
-                label = f"{name} over {'TE as Megatron' if peer == 'te_megatron' else 'TE'}"
-                ratios.append(fmt_ratio(sources.pick(label, model, records, ratio(model, name, theirs))[0]))
-            cells.append(" / ".join(ratios))
+        for peer, peer_name in PEER_NAMES.items():
+            cells.append(" / ".join(
+                fmt_ratio(sources.pick(f"{name} over {peer_name}", model, records,
+                                       ratio(model, name, peer_column(peer, name)))[0])
+                for name in ("bf16", *RECIPES)))
         lines.append(f"| {proxy_label(records, model)} | {' | '.join(cells)} |")
     return "\n".join([*lines, "", sources.note(records, base), "", versions_line(used(sources, records))])
 
@@ -624,8 +629,8 @@ def pinned(value: object, *runs: dict) -> Pinned:
 
 def fp8_recipes_table(index: dict[str, list[Record]], base: Path) -> str:
     """Each recipe in one row: step speedup over BF16 (the proxies' range), GEMM speedup, loss against BF16, and our
-    step time over Transformer Engine's (as Megatron), each from the newest record that holds it."""
-    sources, lb = Sources(), index["layer_bench"]
+    step time over NVIDIA's layers' (TE as Megatron, megatron-core's), each from the newest record that holds it."""
+    sources, lb, peers = Sources(), index["layer_bench"], index["layer_bench_peers"]
     gemm_variant = {"fp8_current": "tensorwise", "fp8_delayed": "tensorwise", "fp8_blockwise": "1x128_x_128x128"}
     def span(values: list[float], fmt: Callable[[float], str]) -> str:
         values = [v for v in values if v is not None]
@@ -641,11 +646,13 @@ def fp8_recipes_table(index: dict[str, list[Record]], base: Path) -> str:
     seeds = {p: seed_gaps(index["convergence"], p, sources) for p in ("fp8_current", "fp8_blockwise")}
     rerun, _ = sources.pick("loss", "fp8_delayed", index["convergence_rerun"], rerun_gap)
     lines = ["| recipe | step speedup over BF16, five proxies | GEMM speedup, llama3_8b fc1 | "
-             "loss vs BF16, llama3_100m | ours / TE as Megatron, five proxies |", "|---|---|---|---|---|"]
-    for precision, short_name in RECIPES.items():
+             "loss vs BF16, llama3_100m | ours / NVIDIA's layers (TE as Megatron, megatron-core's) |",
+             "|---|---|---|---|---|"]
+    for precision in RECIPES:
         steps = [sources.pick("step speedup", precision, lb, speedup(model, precision))[0] for model in PROXIES]
-        te = [sources.pick("ours / TE as Megatron", precision, lb,
-                           ratio(model, precision, f"te_megatron_{short_name}"))[0] for model in PROXIES]
+        against = [sources.pick(f"ours / {PEER_NAMES[peer]}", precision, peers,
+                                ratio(model, precision, peer_column(peer, precision)))[0]
+                   for peer in PEER_NAMES for model in PROXIES]
         gemm_x = sources.pick("GEMM", precision, index["gemm"], gemm(gemm_variant[precision]))[0]
         if precision in seeds:
             values = list(seeds[precision].values())
@@ -655,10 +662,10 @@ def fp8_recipes_table(index: dict[str, list[Record]], base: Path) -> str:
         lines.append(f"| {precision} | {span(steps, fmt_x)} | "
                      f"{'-' if gemm_x is None else f'{gemm_x:.2f}x'} "
                      f"({gemm_variant[precision].replace('_x_', ' x ')}) | "
-                     f"{loss} | {span(te, fmt_ratio)} |")
+                     f"{loss} | {span(against, fmt_ratio)} |")
     lines.append("| mxfp8 | no native kernel on Hopper; not measured on Blackwell | - | - | - |")
     lines.append("| nvfp4 | no native kernel on Hopper (engine=torch emulates it); not measured on Blackwell | - | - | - |")
-    return "\n".join([*lines, "", sources.note([*lb, *index["gemm"], *index["convergence"],
+    return "\n".join([*lines, "", sources.note([*lb, *peers, *index["gemm"], *index["convergence"],
                                                 *index["convergence_rerun"]], base)])
 
 
@@ -794,11 +801,11 @@ def readme_cpu_line(records: list[Record], base: Path) -> str:
 def tables() -> dict[str, tuple[str, Callable[[Path], str]]]:
     """marker name -> (page, render(base folder of the page))."""
     index = load_index()
-    lb = index["layer_bench"]
+    lb, peers = index["layer_bench"], index["layer_bench_peers"]
     return {
         "fp8-speedup": ("results", lambda base: fp8_speedup_table(lb, base)),
-        "te-megatron": ("results", lambda base: against_te_table(lb, base, "te_megatron", tuple(RECIPES))),
-        "te": ("results", lambda base: against_te_table(lb, base, "te", tuple(RECIPES))),
+        "te-megatron": ("results", lambda base: against_peer_table(peers, base, "te_megatron")),
+        "megatron-layer": ("results", lambda base: against_peer_table(peers, base, "megatron_layer")),
         "megatron-speed": ("results", lambda base: megatron_speed_table(index["megatron_speed"], base)),
         "megatron-fsdp": ("results", lambda base: megatron_fsdp_table(index["megatron_fsdp"], base)),
         "megatron-loss": ("results", lambda base: loss_study_table(index["megatron_loss"],
@@ -811,7 +818,7 @@ def tables() -> dict[str, tuple[str, Callable[[Path], str]]]:
         "gemm": ("results", lambda base: gemm_table(index["gemm"], base)),
         "training-runs": ("results", lambda base: training_runs_table(index["training_runs"], base)),
         "cpu": ("results", lambda base: cpu_table(index["cpu"], base)),
-        "readme-fp8": ("readme", lambda base: readme_fp8_table(lb, base)),
+        "readme-fp8": ("readme", lambda base: readme_fp8_table(peers, base)),
         "readme-cpu": ("readme", lambda base: readme_cpu_line(index["cpu"], base)),
         "readme-loss": ("readme", lambda base: readme_loss_line(index["convergence"], base)),
         "fp8-recipes": ("fp8", lambda base: fp8_recipes_table(index, base)),
