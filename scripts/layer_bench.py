@@ -39,7 +39,11 @@ and timing:
   them, with engine=megatron's row-wise cast (recipes.megatron.master_cast);
 - `--peer megatron_layer`: megatron-core's own TransformerLayers with Transformer Engine's spec
   (scripts/megatron_layer_peer.py), configured by recipes.megatron.translate as engine=megatron configures them,
-  trained by megatron-core's DistributedDataParallel, schedule and distributed optimizer on one GPU.
+  trained by megatron-core's DistributedDataParallel, schedule and distributed optimizer on one GPU;
+- `--peer megatron_layer_fp32_grads`: the same with an FP32 gradient buffer (megatron.grad_reduce_in_fp32=true)
+  where NVIDIA's setting, engine=megatron's default, is BF16: the precision in which ours and te_megatron sum the
+  weight gradients over micro-batches, so that the one setting where megatron_layer's work differs from ours is
+  measured both ways.
 How a TE column differs from ours beyond that: eager (ours: each block compiled), TE's fused kernels and its
 attention backend choice (cuDNN fused attention on Hopper; ours: PyTorch SDPA under the model's own order,
 cuDNN's fused attention first: recipes.models.attention), activations in (seq, batch, hidden) (ours: batch
@@ -98,8 +102,9 @@ from te_peer import (
 
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # Float8LinearConfig.from_recipe_name's; column
 # name: f"torchao_{recipe}"
-PEERS = ("torchao", "te", "te_megatron", "megatron_layer")
-RECIPE_PEERS = ("te", "te_megatron", "megatron_layer")  # a column per TE recipe
+PEERS = ("torchao", "te", "te_megatron", "megatron_layer", "megatron_layer_fp32_grads")
+RECIPE_PEERS = PEERS[1:]  # a column per TE recipe
+MEGATRON_PEERS = ("megatron_layer", "megatron_layer_fp32_grads")  # megatron-core's layers: TE needed beyond BF16
 # Every column's optimizer: AdamW's betas, epsilon, weight decay and clipping are TrainerConfig's defaults.
 TRAINER = TrainerConfig(lr=1e-5, warmup_steps=0)
 
@@ -210,10 +215,10 @@ def te_variant(peer: str, recipe_name: str) -> Variant:
     return Variant(column, build)
 
 
-def megatron_layer_variant(recipe_name: str) -> Variant:
+def megatron_layer_variant(recipe_name: str, fp32_grads: bool = False) -> Variant:
     """megatron-core's own layers (scripts/megatron_layer_peer.py) with the conf/precision preset of TE's recipe
-    `recipe_name`, trained as engine=megatron trains them."""
-    column = f"megatron_layer_{recipe_name}"
+    `recipe_name`, trained as engine=megatron trains them; `fp32_grads`: with an FP32 gradient buffer."""
+    column = f"megatron_layer_{'fp32_grads_' if fp32_grads else ''}{recipe_name}"
 
     def build(model_cfg: ModelConfig, args, device: torch.device) -> Step:
         from megatron_layer_peer import MegatronLayerTraining, megatron_config
@@ -221,6 +226,8 @@ def megatron_layer_variant(recipe_name: str) -> Variant:
         if recipe_name != "bf16":
             te_recipe(recipe_name, column)  # refuses a recipe TE cannot run here, naming the column
         cfg = megatron_config(model_cfg, recipe_name, TRAINER, args.micro_batches)
+        if fp32_grads:
+            cfg = dataclasses.replace(cfg, megatron=dataclasses.replace(cfg.megatron, grad_reduce_in_fp32=True))
         training = MegatronLayerTraining(cfg, device, args.dtype, squared_output)
         print(f"  {column:>24} {training.description}", flush=True)
         return training.step
@@ -234,10 +241,10 @@ def peer_columns(peer: str, recipes: list[str] | None = None) -> list[Variant]:
     if recipes is None:
         te = import_transformer_engine()
         recipes = [name for name in DEFAULT_TE_RECIPES if name != "mxfp8" or te.is_mxfp8_available()]
-    elif peer != "megatron_layer":
+    elif peer not in MEGATRON_PEERS:
         import_transformer_engine()
-    if peer == "megatron_layer":
-        return [megatron_layer_variant(name) for name in recipes]
+    if peer in MEGATRON_PEERS:
+        return [megatron_layer_variant(name, fp32_grads=peer == "megatron_layer_fp32_grads") for name in recipes]
     return [te_variant(peer, name) for name in recipes]
 
 
@@ -454,7 +461,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "...); Transformer Engine's layers "
                              "with BF16 gradients (te_bf16, te_current, te_delayed, te_blockwise, te_mxfp8 on "
                              "Blackwell) or trained as Megatron-LM trains them (te_megatron_bf16, ...); "
-                             "megatron-core's own layers trained by megatron-core (megatron_layer_bf16, ...); "
+                             "megatron-core's own layers trained by megatron-core (megatron_layer_bf16, ...), "
+                             "or with an FP32 gradient buffer (megatron_layer_fp32_grads_bf16, ...); "
                              "repeatable")
     parser.add_argument("--te-recipes", help=f"comma-separated TE recipes of the {', '.join(RECIPE_PEERS)} columns, "
                                              f"of {','.join(TE_RECIPES)} (default: {','.join(DEFAULT_TE_RECIPES)}, "

@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -145,24 +146,29 @@ def test_the_megatron_layer_columns_are_configured_as_engine_megatron(scripts):
 def test_a_megatron_layer_column_trains_on_megatron_cores_local_spec(tmp_path):
     """Without TE, megatron-core's local spec in BF16, through its DDP, schedule and distributed optimizer on a
     Gloo group of one process (tests/megatron_on_cpu.py points megatron-core's CUDA calls at the CPU): two rounds,
-    each building the column anew, beside our BF16 column."""
+    each building the column anew, beside our BF16 column; with NVIDIA's BF16 gradient buffer and with an FP32 one."""
     if importlib.util.find_spec("transformer_engine"):
         pytest.skip("Transformer Engine is installed: the column would build TE's spec")
     code = ("import sys; sys.path[:0] = [sys.argv.pop(1), sys.argv.pop(1)]; import megatron_on_cpu; "
             "megatron_on_cpu.install(); import layer_bench; sys.exit(layer_bench.main(sys.argv[1:]))")
     argv = ["--model", "tiny_llama", "--layers", "2", "--seq-length", "32", "--precisions", "bf16",
-            "--peer", "megatron_layer", "--te-recipes", "bf16", "--steps", "2", "--rounds", "2", "--warmup", "1",
+            "--peer", "megatron_layer", "--peer", "megatron_layer_fp32_grads", "--te-recipes", "bf16", "--steps", "2",
+            "--rounds", "2", "--warmup", "1",
             "--micro-batches", "2", "--no-compile", "--out", str(tmp_path)]
     done = subprocess.run([sys.executable, "-c", code, str(REPO_ROOT / "tests"), str(REPO_ROOT / "scripts"), *argv],
                           env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {r["precision"]: r for r in csv.DictReader((tmp_path / "results.csv").open())}
-    assert set(rows) == {"bf16", "megatron_layer_bf16"}
-    megatron = rows["megatron_layer_bf16"]
-    assert not megatron.get("error")
-    assert (megatron["rounds"], megatron["timed_steps"]) == ("2", "4") and math.isfinite(float(megatron["last_loss"]))
-    assert "megatron_layer_bf16 megatron-core's local spec; unfused:" in done.stdout  # the column's kernels, named
+    assert set(rows) == {"bf16", "megatron_layer_bf16", "megatron_layer_fp32_grads_bf16"}
+    for name, buffer in (("megatron_layer_bf16", "BF16"), ("megatron_layer_fp32_grads_bf16", "FP32")):
+        megatron = rows[name]
+        assert not megatron.get("error")
+        assert (megatron["rounds"], megatron["timed_steps"]) == ("2", "4")
+        assert math.isfinite(float(megatron["last_loss"]))
+        # the column's kernels and gradient buffer, named as it is built
+        assert re.search(rf"{name} megatron-core's local spec; unfused:[^\n]*; grads reduced in {buffer}",
+                         done.stdout), done.stdout[-3000:]
 
 
 def test_no_timed_step_is_refused_in_one_line(scripts, capsys):
@@ -182,8 +188,10 @@ def test_te_recipes_are_checked_in_one_line(scripts, capsys):
     args = layer_bench.parse_args(["--peer", "te_megatron", "--peer", "megatron_layer", "--te-recipes", "bf16,delayed"])
     assert args.te_recipes == ["bf16", "delayed"]
     assert (args.steps, args.rounds) == (5, 2)  # 10 timed steps per column by default
-    columns = [v.name for v in layer_bench.peer_columns("megatron_layer", args.te_recipes)]
-    assert columns == ["megatron_layer_bf16", "megatron_layer_delayed"]
+    columns = [v.name for peer in ("megatron_layer", "megatron_layer_fp32_grads")
+               for v in layer_bench.peer_columns(peer, args.te_recipes)]
+    assert columns == ["megatron_layer_bf16", "megatron_layer_delayed", "megatron_layer_fp32_grads_bf16",
+                       "megatron_layer_fp32_grads_delayed"]
     # Block scaling's other layouts only when asked for; each column with its preset's blocks.
     assert "blockwise_1d1d" in layer_bench.TE_RECIPES and "blockwise_1d1d" not in layer_bench.DEFAULT_TE_RECIPES
     from te_peer import block_dims
@@ -332,16 +340,17 @@ def test_the_te_megatron_optimizer_updates_the_weights_as_adamw_would(scripts, r
 
 @pytest.mark.gpu
 def test_every_new_peer_column_trains_on_a_tiny_model(scripts, tmp_path, process_group_left_behind):
-    """The te_megatron and megatron_layer columns in TE's Hopper recipes: two rounds of two steps each on a tiny
-    model, beside our BF16; none fails, each loss is finite."""
+    """The te_megatron and megatron_layer columns (BF16 and FP32 gradient buffers) in TE's Hopper recipes: two
+    rounds of two steps each on a tiny model, beside our BF16; none fails, each loss is finite."""
     pytest.importorskip("transformer_engine")
     layer_bench, _ = scripts
+    peers = ("te_megatron", "megatron_layer", "megatron_layer_fp32_grads")
     argv = ["--model", "tiny_llama", "--layers", "2", "--seq-length", "256", "--precisions", "bf16",
-            "--peer", "te_megatron", "--peer", "megatron_layer", "--te-recipes", "bf16,current,delayed,blockwise",
+            *(arg for peer in peers for arg in ("--peer", peer)), "--te-recipes", "bf16,current,delayed,blockwise",
             "--steps", "2", "--rounds", "2", "--warmup", "1", "--micro-batches", "2", "--out", str(tmp_path)]
     assert layer_bench.main(argv) == 0
     rows = {r["precision"]: r for r in csv.DictReader((tmp_path / "results.csv").open())}
-    expected = {"bf16"} | {f"{peer}_{recipe}" for peer in ("te_megatron", "megatron_layer")
+    expected = {"bf16"} | {f"{peer}_{recipe}" for peer in peers
                            for recipe in ("bf16", "current", "delayed", "blockwise")}
     assert set(rows) == expected
     for name, row in rows.items():
