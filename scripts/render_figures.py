@@ -376,9 +376,9 @@ def against_peer_table(records: list[Record], base: Path, peer: str) -> str:
 def readme_fp8_table(records: list[Record], base: Path) -> str:
     """The README's table: what FP8 bought per proxy, and our step time over each of NVIDIA's stacks'."""
     sources = Sources()
-    lines = ["| proxy (layers) | fp8_current | fp8_delayed | fp8_blockwise | "
-             + " | ".join(f"ours / {name}: bf16 / current / delayed / blockwise" for name in PEER_NAMES.values())
-             + " |", "|---|---|---|---|---|---|"]
+    header = ["proxy (layers)", *RECIPES,
+              *(f"ours / {name}: bf16 / current / delayed / blockwise" for name in PEER_NAMES.values())]
+    lines = [f"| {' | '.join(header)} |", "|---" * len(header) + "|"]
     for model in PROXIES:
         cells = [fmt_x(sources.pick(f"{p} over BF16", model, records, speedup(model, p))[0]) for p in RECIPES]
         for peer, peer_name in PEER_NAMES.items():
