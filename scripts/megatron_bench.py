@@ -790,8 +790,8 @@ def target_table(compared: list[Run], rows: dict[str, dict]) -> list[str]:
              "|---|---|---|"]
     for run in (r for r in compared if r.engine == "torch"):
         ours, theirs = rows[run.name], rows.get(engine_pair(run.name), {})
-        for what, field, spec in (("s/step", "step_s", ".3f"), ("peak GiB", "peak_gib", ".1f")):
-            a, b = ours.get(field), theirs.get(field)
+        for what, column, spec in (("s/step", "step_s", ".3f"), ("peak GiB", "peak_gib", ".1f")):
+            a, b = ours.get(column), theirs.get(column)
             lines.append(f"| {run.name}: {what} <= megatron's | {number(a, spec)} vs {number(b, spec)} | "
                          f"{verdict(a <= b if a and b else None)} |")
     bf16, current = (rows.get(f"torch-{p}", {}).get("step_s") for p in ("bf16", "fp8_current"))

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from recipes.config import CheckpointConfig, ConfigError, load_config, load_option
+from recipes.config import CheckpointConfig, load_config, load_option
 from recipes.engine import torch_engine
 from recipes.folders import UnsafeFile, open_append, save_config, write_file
 from recipes.trainer.checkpoints import OWNER, CheckpointError, own_checkpoint_dir
