@@ -102,9 +102,9 @@ from te_peer import (
 
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # Float8LinearConfig.from_recipe_name's; column
 # name: f"torchao_{recipe}"
-PEERS = ("torchao", "te", "te_megatron", "megatron_layer", "megatron_layer_fp32_grads")
-RECIPE_PEERS = PEERS[1:]  # a column per TE recipe
 MEGATRON_PEERS = ("megatron_layer", "megatron_layer_fp32_grads")  # megatron-core's layers: TE needed beyond BF16
+RECIPE_PEERS = ("te", "te_megatron", *MEGATRON_PEERS)  # a column per TE recipe (--te-recipes)
+PEERS = ("torchao", *RECIPE_PEERS)  # torchao: a column per torchao recipe (--torchao-recipes)
 # Every column's optimizer: AdamW's betas, epsilon, weight decay and clipping are TrainerConfig's defaults.
 TRAINER = TrainerConfig(lr=1e-5, warmup_steps=0)
 
