@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise
-from recipes.fp8.cute_block_gemm import cute_block_scaled_gemm
+from recipes.fp8.cute_block_gemm import cute_block_scaled_gemm, tile_group
 from recipes.fp8.formats import E4M3
 
 from hopper_compile import run_compiled
@@ -25,7 +25,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from hopper_compile import ptxas, sass
 from recipes.fp8.cute_block_gemm import BlockScaledGemm
 
-M, N, K = 512, 384, 1024
+M, N, K = 512, 1024, 1024  # N: 8 tiles, taken side by side in one group (cute_block_gemm.tile_group)
 operand = lambda rows: make_fake_compact_tensor(cutlass.Float8E4M3FN, (rows, K, 1), stride_order=(1, 0, 2),
                                                 assumed_align=16)
 scales = lambda rows, block: make_fake_compact_tensor(cutlass.Float32, (rows // block, K // 128), stride_order=(1, 0))
@@ -81,3 +81,12 @@ def test_shapes_it_cannot_take_are_refused_before_the_gpu():
     b = quantize_blockwise(torch.randn(256, 512), E4M3, WEIGHT_BLOCK)
     with pytest.raises(ValueError, match="accumulating needs an FP32 output"):
         cute_block_scaled_gemm(a, b, out=torch.zeros(256, 256, dtype=torch.bfloat16), accumulate=True)
+
+
+def test_tiles_are_taken_in_groups_of_n_tiles_that_end_where_n_ends():
+    # CUTLASS's scheduler pads N to a multiple of the group: a group that does not divide the N tiles would hand out
+    # tiles past the output's edge
+    for n_tiles in range(1, 100):
+        group = tile_group(n_tiles)
+        assert n_tiles % group == 0 and group in (1, 2, 4, 8), (n_tiles, group)
+        assert group == 8 or n_tiles % (2 * group), (n_tiles, group)
