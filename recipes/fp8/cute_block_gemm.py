@@ -47,10 +47,9 @@ def tile_group(n_tiles: int) -> int:
     """How many adjacent N tiles the persistent CTAs take side by side before moving down M (CUTLASS's scheduler
     swizzle): 8, or the largest power of two dividing `n_tiles` below it, since the scheduler pads N to a multiple of
     the group and would hand out tiles past the end (whose scales lie outside their tensors). In plain M-first order
-    one wave of 132 CTAs reads 132 strips of A and one of B: llama3_8b fc1's weight gradient (M 28672, K 8192) then
-    streams A from DRAM once per N tile, 7.5 GB a GEMM, 2.2 ms at the H100's 3.35 TB/s against 1.6 ms of tensor-core
-    work (it ran at 0.54x cuBLAS on an H100), while at M 4096, N 4096 (A, 32 MB, read once) it ran ahead of cuBLAS. In
-    groups of 8 a wave reads about 17 strips of A and 8 of B, some 25 MB, inside the 50 MB L2."""
+    a wave of 132 CTAs reads 132 strips of A and one of B, so a tall A streams from DRAM once per N tile (llama3_8b
+    fc1's weight gradient: 7.5 GB a GEMM, longer at the H100's 3.35 TB/s than its products take); in groups of 8 a
+    wave reads about 17 strips of A and 8 of B, some 25 MB, inside the 50 MB L2 (docs/results/gemm.md)."""
     group = 8
     while n_tiles % group:
         group //= 2
