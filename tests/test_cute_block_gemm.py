@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from recipes.fp8.blockwise import ACTIVATION_BLOCK, WEIGHT_BLOCK, quantize_blockwise
-from recipes.fp8.cute_block_gemm import cute_block_scaled_gemm, kernel_scales, tile_group
+from recipes.fp8.cute_block_gemm import cute_block_scaled_gemm, tile_group
 from recipes.fp8.formats import E4M3
 
 from hopper_compile import run_compiled
@@ -28,9 +28,7 @@ from recipes.fp8.cute_block_gemm import BlockScaledGemm
 M, N, K = 512, 1024, 1024  # N: 8 tiles, taken side by side in one group (cute_block_gemm.tile_group)
 operand = lambda rows: make_fake_compact_tensor(cutlass.Float8E4M3FN, (rows, K, 1), stride_order=(1, 0, 2),
                                                 assumed_align=16)
-# as cute_block_gemm.kernel_scales lays them out: a 1x128-block operand's column-major, a 128x128-block one's row-major
-scales = lambda rows, block: make_fake_compact_tensor(cutlass.Float32, (rows // block, K // 128),
-                                                      stride_order=(0, 1) if block == 1 else (1, 0))
+scales = lambda rows, block: make_fake_compact_tensor(cutlass.Float32, (rows // block, K // 128), stride_order=(1, 0))
 launches = [(1, 128, False, "bf16", 1), (1, 128, False, "fp32", 1), (1, 1, False, "bf16", 1),
             (1, 1, True, "fp32", 1), (128, 1, False, "bf16", 1), (1, 128, False, "bf16", 2), (1, 1, True, "fp32", 2)]
 for a_rows, b_rows, accumulate, out, cluster_m in launches:
@@ -92,14 +90,3 @@ def test_tiles_are_taken_in_groups_of_n_tiles_that_end_where_n_ends():
         group = tile_group(n_tiles)
         assert n_tiles % group == 0 and group in (1, 2, 4, 8), (n_tiles, group)
         assert group == 8 or n_tiles % (2 * group), (n_tiles, group)
-
-
-def test_a_k_steps_row_scales_lie_side_by_side_where_the_copying_warp_reads_them():
-    """The per-row scales of a 1x128-block operand go to the kernel column-major (a K step's 128 rows adjacent, the
-    lanes' loads coalesced), the same values; a 128x128-block operand's as they are."""
-    torch.manual_seed(0)
-    x = torch.randn(384, 512)
-    for block, stride in ((ACTIVATION_BLOCK, (1, 384)), (WEIGHT_BLOCK, (4, 1))):
-        operand = quantize_blockwise(x, E4M3, block)
-        scales = kernel_scales(operand)
-        assert torch.equal(scales, operand.scale_inv) and scales.stride() == stride, block

@@ -101,7 +101,7 @@ class BlockScaledGemm:
     def __call__(self, a: cute.Tensor, b: cute.Tensor, a_scale: cute.Tensor, b_scale: cute.Tensor,
                  d: cute.Tensor, max_active_clusters: cutlass.Constexpr, stream):
         """a (M, K, 1) and b (N, K, 1) E4M3, K-major; a_scale (M / a_block_rows, K / 128) and b_scale likewise,
-        FP32 (kernel_scales' layouts); d (M, N, 1), N-major, BF16 or FP32 (read too when accumulating)."""
+        FP32, row-major; d (M, N, 1), N-major, BF16 or FP32 (read too when accumulating)."""
         self._setup(a, b, d)
         tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_layout, (TILE_M, SCALE_BLOCK), 1)
         tma_b, tma_tensor_b = self._tma_load(b, self.b_smem_layout, (self.tile_shape_mnk[1], SCALE_BLOCK),
@@ -387,15 +387,6 @@ def _cute_tensor(t, dtype, batch: bool = True):
     return tensor
 
 
-def kernel_scales(operand) -> torch.Tensor:
-    """An operand's scales as the kernel reads them: a 1x128-block operand's (rows, K / 128) column-major, so that a K
-    step's 128 row scales, which the copying warp's lanes load side by side, are adjacent in memory (row-major, each
-    lane's scale sat in a 32-byte sector of its own: 87% of the sectors loaded were excess, docs/results/gemm.md); the
-    copy cuBLAS's blockwise GEMM takes too (recipes.fp8.gemm). A 128x128-block operand's, one a K step, as they are."""
-    scale = operand.scale_inv
-    return scale.t().contiguous().t() if operand.block[0] == 1 else scale.contiguous()
-
-
 def cute_block_scaled_gemm(a, b, out_dtype=None, out=None, accumulate: bool = False, cluster_m: int = 1):
     """a @ b^T of two recipes.fp8 Float8Tensors in 1x128 or 128x128 blocks, a (M, K) and b (N, K), on a Hopper GPU:
     a new (M, N) tensor in `out_dtype` (default BF16), or written into FP32 `out` (added to it with `accumulate`).
@@ -412,8 +403,8 @@ def cute_block_scaled_gemm(a, b, out_dtype=None, out=None, accumulate: bool = Fa
         raise ValueError(f"accumulating needs an FP32 output, got {out.dtype}")
     d_type = cutlass.Float32 if out.dtype == torch.float32 else cutlass.BFloat16
     arguments = (_cute_tensor(a.data, cutlass.Float8E4M3FN), _cute_tensor(b.data, cutlass.Float8E4M3FN),
-                 _cute_tensor(kernel_scales(a), cutlass.Float32, batch=False),
-                 _cute_tensor(kernel_scales(b), cutlass.Float32, batch=False), _cute_tensor(out, d_type))
+                 _cute_tensor(a.scale_inv.contiguous(), cutlass.Float32, batch=False),
+                 _cute_tensor(b.scale_inv.contiguous(), cutlass.Float32, batch=False), _cute_tensor(out, d_type))
     stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
     key = (a.block[0], b.block[0], accumulate, out.dtype, rows, n, k, cluster_m)
     if key not in _COMPILED:
