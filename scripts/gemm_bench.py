@@ -7,7 +7,9 @@ column of B, as precision=fp8_rowwise quantizes them), 1x128 x 128x128, 1x128 x 
 (cuBLAS block scaling, Hopper; every pair the blockwise block dimensions train with), and the same three pairs
 through issue 49's kernels of our own, not yet in the training path: recipes.fp8.block_gemm's in Triton (`triton_*`,
 its tiles autotuned per shape in the warm-up) and recipes.fp8.cute_block_gemm's in CUTLASS's Python DSL
-(`cutlass_*`, compiled per shape in the warm-up; `cutlass_multicast_*`: CTAs in pairs sharing their B tiles).
+(`cutlass_*`, compiled per shape in the warm-up; `cutlass_multicast_*`: CTAs in pairs sharing their B tiles;
+`cutlass_tma_scales_*`: 1x128-block scales copied by TMA with the tiles, from the producer kernel's column-major
+layout).
 Operands are quantized by the recipes' own functions before timing: this measures the GEMMs, not quantization.
 Per-tensor and per-channel GEMMs use fast accumulation (as fprop does in TE); block-scaled GEMMs have none. Shapes:
 M = N = 8192 with a K sweep, and each model's four linear-layer GEMMs (QKV, attention output, fc1, fc2) at one
@@ -65,14 +67,15 @@ def model_gemm_shapes(name: str) -> list[tuple[str, int, int, int]]:
 
 PAIRS = ("1x128_x_128x128", "1x128_x_1x128", "128x128_x_1x128")
 VARIANTS = ("bf16", "tensorwise", "rowwise", *PAIRS,
-            *(f"{kernel}_{p}" for kernel in ("triton", "cutlass", "cutlass_multicast") for p in PAIRS))
+            *(f"{kernel}_{p}" for kernel in ("triton", "cutlass", "cutlass_multicast", "cutlass_tma_scales")
+              for p in PAIRS))
 
 
 def variants(a: torch.Tensor, b: torch.Tensor,
              names: tuple[str, ...] = VARIANTS) -> dict[str, Callable[[], torch.Tensor]]:
     """a (M, K), b (N, K) in BF16 -> one zero-argument GEMM per variant in `names`, operands already quantized as the
     recipes quantize them (recipes.fp8) and multiplied by the product's own GEMM dispatch (recipes.fp8.gemm), or by
-    issue 49's kernels of our own (`triton_*`, `cutlass_*`, `cutlass_multicast_*`)."""
+    issue 49's kernels of our own (`triton_*`, `cutlass_*`, `cutlass_multicast_*`, `cutlass_tma_scales_*`)."""
     a8, b8 = quantize_tensorwise(a, E4M3), quantize_tensorwise(b, E4M3)
     a_rows, b_rows = quantize_rowwise(a, E4M3), quantize_rowwise(b, E4M3)
     a_1d, a_2d = quantize_blockwise(a, E4M3, ACTIVATION_BLOCK), quantize_blockwise(a, E4M3, WEIGHT_BLOCK)
@@ -91,11 +94,15 @@ def variants(a: torch.Tensor, b: torch.Tensor,
         gemms[f"triton_{pair}"] = lambda x=x, y=y: block_scaled_gemm(x, y, bf16)
     if any(name.startswith("cutlass_") for name in names):
         # imported only for its columns: layer_bench times two variants and needs no CUTLASS DSL on the machine
-        from recipes.fp8.cute_block_gemm import cute_block_scaled_gemm
+        from recipes.fp8.cute_block_gemm import cute_block_scaled_gemm, kernel_scales
 
         for pair, (x, y) in pairs.items():
             gemms[f"cutlass_{pair}"] = lambda x=x, y=y: cute_block_scaled_gemm(x, y, bf16)
             gemms[f"cutlass_multicast_{pair}"] = lambda x=x, y=y: cute_block_scaled_gemm(x, y, bf16, cluster_m=2)
+            # the scales as the producer kernel lays them out (column-major), so that the timed call copies none
+            x_c, y_c = (t._replace(scale_inv=kernel_scales(t, True)) for t in (x, y))
+            gemms[f"cutlass_tma_scales_{pair}"] = lambda x=x_c, y=y_c: cute_block_scaled_gemm(x, y, bf16,
+                                                                                               scales_by_tma=True)
     return {name: gemms[name] for name in names}
 
 

@@ -165,11 +165,12 @@ def test_native_blockwise_gemms_equal_their_emulation(fp8_wgrad, block_dims):
         assert relative_error(native, emulated.double()) < 4e-3
 
 
-@pytest.mark.parametrize("kernel", ["triton", "cutlass", "cutlass_multicast"])
+@pytest.mark.parametrize("kernel", ["triton", "cutlass", "cutlass_multicast", "cutlass_tma_scales"])
 @pytest.mark.parametrize("pair", ["1x128_x_128x128", "1x128_x_1x128", "128x128_x_1x128"])
 def test_block_scaled_gemms_of_our_own_against_fp64_and_cublas(pair, kernel):
     """Issue 49's kernels on the GPU (recipes.fp8.block_gemm's in Triton, with odd M; recipes.fp8.cute_block_gemm's
-    in CUTLASS's DSL, M a multiple of 128, and in CTA pairs sharing B tiles by TMA multicast, of 256), each block
+    in CUTLASS's DSL, M a multiple of 128, in CTA pairs sharing B tiles by TMA multicast, of 256, and with 1x128-block
+    scales copied by TMA, from the column-major layout the producer kernel writes), each block
     pair at a proxy-like shape: within tests/test_block_gemm.py's FP32 bound of the FP64 product, and beside
     cuBLAS's result of the same operands; into BF16, and into an FP32 output, written then added."""
     import functools
@@ -184,13 +185,17 @@ def test_block_scaled_gemms_of_our_own_against_fp64_and_cublas(pair, kernel):
     else:
         from recipes.fp8.cute_block_gemm import cute_block_scaled_gemm
 
-        block_scaled_gemm = functools.partial(cute_block_scaled_gemm, cluster_m=2 if "multicast" in kernel else 1)
+        block_scaled_gemm = functools.partial(cute_block_scaled_gemm, cluster_m=2 if "multicast" in kernel else 1,
+                                              scales_by_tma="tma" in kernel)
     blocks = {"1x128": ACTIVATION_BLOCK, "128x128": WEIGHT_BLOCK}
     a_block, b_block = (blocks[name] for name in pair.split("_x_"))
     g = torch.Generator("cuda").manual_seed(0)
-    rows = {"triton": 1920 if a_block == WEIGHT_BLOCK else 1917, "cutlass": 1920, "cutlass_multicast": 1792}[kernel]
+    rows = {"triton": 1920 if a_block == WEIGHT_BLOCK else 1917, "cutlass": 1920, "cutlass_multicast": 1792,
+            "cutlass_tma_scales": 1920}[kernel]
     a = quantize_blockwise(torch.randn(rows, 4096, device="cuda", generator=g), E4M3, a_block)
     b = quantize_blockwise(torch.randn(1536, 4096, device="cuda", generator=g), E4M3, b_block)
+    if "tma" in kernel:  # the producer kernel's layout of the scales (column-major), as the linears would hand it
+        a, b = (t._replace(scale_inv=t.scale_inv.t().contiguous().t()) for t in (a, b))
     allowed, exact = bound(a, b, torch.float32, k=4096)
     # Hopper's FP8 MMA keeps about 14 bits in its own accumulation (DeepSeek-V3 report, 3.3.2): each 32-wide chunk
     # of products may err by up to 32 * 2**-14 of its magnitudes before the FP32 sums the CPU bound covers.

@@ -13,7 +13,12 @@ step k's (cuBLAS's and CUTLASS's examples wait for each product before promoting
 operand's 128, a 128x128-block operand's one) come with its tiles: the copying warp loads them from global memory a
 step ahead and writes them into the stage before it arms the stage's barrier, so a promotion reads shared memory.
 (Read from global memory by the math warpgroups, each step's scales made a warpgroup wait out a global load before it
-could issue the next step's last WGMMA, or promote: the SASS of that version shows the dependency.)
+could issue the next step's last WGMMA, or promote: the SASS of that version shows the dependency.) With
+`scales_by_tma`, a 1x128-block operand's 128 scales of a step come instead as one more TMA copy into the stage,
+from their column-major layout (a step's row scales 512 contiguous bytes: the layout the blockwise producer kernel
+writes and cuBLAS reads), counted by the stage's barrier with the tiles: the copying warp then waits on no load of
+its own before it issues a step's copies (its lanes' loads do: the SASS shows each step's copies issued only after
+the previous step's loads returned); a 128x128-block operand's one scale a step still comes through its lanes.
 
 Needs M and N multiples of 128 and K of 256; `block_scaled_gemm` in recipes.fp8.block_gemm keeps the others.
 Compiled for sm_90a on a machine without a GPU by tests/test_cute_block_gemm.py (CUTLASS's DSL compiles against
@@ -60,9 +65,11 @@ class BlockScaledGemm:
     """The kernel for one block pair and output: `a_block_rows`, `b_block_rows` each 1 (1x128 blocks) or 128
     (128x128 blocks); `accumulate`: d += a @ b^T into FP32 d; `cluster_m` 1, or 2: CTAs in pairs along M, each
     copying half of the B tile they share into both with TMA multicast (M then a multiple of 2 x TILE_M), so that
-    the pair reads it from L2 once. As many stages of A and B tiles as fit in shared memory."""
+    the pair reads it from L2 once; `scales_by_tma`: a 1x128-block operand's scales copied by TMA with its tiles
+    (the module's doc). As many stages of A and B tiles as fit in shared memory."""
 
-    def __init__(self, a_block_rows: int, b_block_rows: int, accumulate: bool = False, cluster_m: int = 1):
+    def __init__(self, a_block_rows: int, b_block_rows: int, accumulate: bool = False, cluster_m: int = 1,
+                 scales_by_tma: bool = False):
         if a_block_rows not in (1, SCALE_BLOCK) or b_block_rows not in (1, SCALE_BLOCK):
             raise ValueError(f"block rows are 1 or {SCALE_BLOCK}, got {a_block_rows} and {b_block_rows}")
         if cluster_m not in (1, 2):
@@ -70,6 +77,9 @@ class BlockScaledGemm:
         self.a_block_rows, self.b_block_rows, self.accumulate = a_block_rows, b_block_rows, accumulate
         self.tile_shape_mnk = (TILE_M, TILE_N, SCALE_BLOCK)
         self.cluster_m = cluster_m
+        # which operands' scales TMA copies: the 1x128-block ones, with scales_by_tma
+        self.a_scales_by_tma, self.b_scales_by_tma = (scales_by_tma and rows == 1
+                                                      for rows in (a_block_rows, b_block_rows))
         self.threads = (1 + MATH_WARPGROUPS) * THREADS_PER_WARPGROUP
         self.math_threads = MATH_WARPGROUPS * THREADS_PER_WARPGROUP
         self.epilogue_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.math_threads)
@@ -101,11 +111,16 @@ class BlockScaledGemm:
     def __call__(self, a: cute.Tensor, b: cute.Tensor, a_scale: cute.Tensor, b_scale: cute.Tensor,
                  d: cute.Tensor, max_active_clusters: cutlass.Constexpr, stream):
         """a (M, K, 1) and b (N, K, 1) E4M3, K-major; a_scale (M / a_block_rows, K / 128) and b_scale likewise,
-        FP32, row-major; d (M, N, 1), N-major, BF16 or FP32 (read too when accumulating)."""
+        FP32, row-major, or column-major where TMA copies them (`scales_by_tma`); d (M, N, 1), N-major, BF16 or FP32
+        (read too when accumulating)."""
         self._setup(a, b, d)
         tma_a, tma_tensor_a = self._tma_load(a, self.a_smem_layout, (TILE_M, SCALE_BLOCK), 1)
         tma_b, tma_tensor_b = self._tma_load(b, self.b_smem_layout, (self.tile_shape_mnk[1], SCALE_BLOCK),
                                              self.cluster_m)
+        # (the copy and the TMA tensor of each operand's scales where TMA copies them, else None)
+        tma_a_scale, a_scale = self._tma_scales(a_scale, TILE_M) if self.a_scales_by_tma else (None, a_scale)
+        tma_b_scale, b_scale = (self._tma_scales(b_scale, self.tile_shape_mnk[1]) if self.b_scales_by_tma
+                                else (None, b_scale))
         epi_smem = cute.slice_(self.epi_smem_layout, (None, None, 0))
         tma_d, tma_tensor_d = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), d, epi_smem, self.epi_tile)
@@ -121,15 +136,17 @@ class BlockScaledGemm:
             sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.a_smem_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(self.b_smem_layout)], 1024]
             sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(self.epi_smem_layout)], 1024]
-            a_scales: cute.struct.MemRange[cutlass.Float32, TILE_M * self.ab_stages]
-            b_scales: cute.struct.MemRange[cutlass.Float32, self.tile_shape_mnk[1] * self.ab_stages]
+            # (128-byte aligned: TMA's destination)
+            a_scales: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, TILE_M * self.ab_stages], 128]
+            b_scales: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.tile_shape_mnk[1] * self.ab_stages],
+                                        128]
 
         self.shared_storage = SharedStorage
-        self.kernel(tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_d, tma_tensor_d, d, a_scale, b_scale,
-                    self.tiled_mma, self.cta_layout_mnk, self.a_smem_layout, self.b_smem_layout,
-                    self.epi_smem_layout, scheduler).launch(grid=grid, block=[self.threads, 1, 1],
-                                                            cluster=(self.cluster_m, 1, 1), min_blocks_per_mp=1,
-                                                            stream=stream)
+        kernel = self.kernel(tma_a, tma_tensor_a, tma_b, tma_tensor_b, tma_d, tma_tensor_d, d, a_scale, b_scale,
+                             tma_a_scale, tma_b_scale, self.tiled_mma, self.cta_layout_mnk, self.a_smem_layout,
+                             self.b_smem_layout, self.epi_smem_layout, scheduler)
+        kernel.launch(grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster_m, 1, 1), min_blocks_per_mp=1,
+                      stream=stream)
 
     def _tma_load(self, tensor: cute.Tensor, smem_layout_staged, tile, multicast: int):
         op = (cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp() if multicast == 1
@@ -137,10 +154,15 @@ class BlockScaledGemm:
         return cute.nvgpu.cpasync.make_tiled_tma_atom(
             op, tensor, cute.slice_(smem_layout_staged, (None, None, 0)), tile, num_multicast=multicast)
 
+    def _tma_scales(self, scale: cute.Tensor, rows: int):
+        """The copy of one K step's `rows` scales of a tile (a column of the column-major scales) into a stage."""
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), scale,
+                                                      cute.make_layout((rows, 1)), (rows, 1))
+
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                tma_d: cute.CopyAtom, mD_tma: cute.Tensor, mD: cute.Tensor, a_scale: cute.Tensor,
-               b_scale: cute.Tensor, tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout,
+               b_scale: cute.Tensor, tma_a_scale, tma_b_scale, tiled_mma: cute.TiledMma, cta_layout_mnk: cute.Layout,
                a_smem_layout: cute.ComposedLayout, b_smem_layout: cute.ComposedLayout,
                epi_smem_layout: cute.ComposedLayout, scheduler_params: utils.PersistentTileSchedulerParams):
         tidx, _, _ = cute.arch.thread_idx()
@@ -159,9 +181,10 @@ class BlockScaledGemm:
 
         storage = utils.SmemAllocator().allocate(self.shared_storage)
         tile_bytes = (cute.size_in_bytes(self.ab_dtype, cute.slice_(a_smem_layout, (None, None, 0)))
-                      + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_layout, (None, None, 0))))
-        # A stage is full when its TMA bytes landed (half of B from the other CTA of a pair), empty when each math
-        # warp of every CTA writing into it released it.
+                      + cute.size_in_bytes(self.ab_dtype, cute.slice_(b_smem_layout, (None, None, 0)))
+                      + 4 * (TILE_M * self.a_scales_by_tma + self.tile_shape_mnk[1] * self.b_scales_by_tma))
+        # A stage is full when its TMA bytes landed (half of B from the other CTA of a pair; the scales TMA copies
+        # among them), empty when each math warp of every CTA writing into it released it.
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.barriers.data_ptr(), num_stages=self.ab_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -184,6 +207,12 @@ class BlockScaledGemm:
                                                       cute.group_modes(gA, 0, 2))
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(tma_b, cluster_coord[0], cute.make_layout(self.cluster_m),
                                                       cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        # the scales TMA copies: (copy, its stages in shared memory, a tile's K steps in global memory), else None
+        a_scale_copy = b_scale_copy = None
+        if cutlass.const_expr(self.a_scales_by_tma):
+            a_scale_copy = self._scale_partition(tma_a_scale, a_scale, storage.a_scales, TILE_M)
+        if cutlass.const_expr(self.b_scales_by_tma):
+            b_scale_copy = self._scale_partition(tma_b_scale, b_scale, storage.b_scales, self.tile_shape_mnk[1])
         k_steps = cute.size(gA, mode=[3])
         pipeline_init_wait(cluster_shape_mn=(self.cluster_m, 1))
 
@@ -191,18 +220,29 @@ class BlockScaledGemm:
             cute.arch.setmaxregister_decrease(LOAD_REGISTERS)
             if warp == 0:
                 self._copy_tiles(tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, b_multicast, a_scale, b_scale, sA_scales,
-                                 sB_scales, ring, scheduler_params, k_steps)
+                                 sB_scales, a_scale_copy, b_scale_copy, ring, scheduler_params, k_steps)
         else:
             cute.arch.setmaxregister_increase(MATH_REGISTERS)
             self._multiply(tidx - THREADS_PER_WARPGROUP, warp, tiled_mma, sA, sB, sD, gD, gD_values, tma_d,
                            sA_scales, sB_scales, ring, scheduler_params, k_steps)
 
+    def _scale_partition(self, tma_scale, scale, smem, rows: int):
+        """(the copy, its stages (rows, 1) in `smem`, the scales' (rows, 1) tiles by (tile, K step)) as
+        cute.nvgpu.cpasync.tma_partition gives them for one operand's scales."""
+        stages = smem.get_tensor(cute.make_layout((rows, 1, self.ab_stages)))
+        tiles = cute.local_tile(scale, (rows, 1), (None, None))
+        in_smem, in_gmem = cute.nvgpu.cpasync.tma_partition(tma_scale, 0, cute.make_layout(1),
+                                                            cute.group_modes(stages, 0, 2),
+                                                            cute.group_modes(tiles, 0, 2))
+        return tma_scale, in_smem, in_gmem
+
     @cute.jit
     def _copy_tiles(self, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB, b_multicast, a_scale, b_scale, sA_scales,
-                    sB_scales, ring, scheduler_params, k_steps):
-        """The copying warp: every K step of every tile this CTA owns, into the next free stage: its scales, held
-        in registers since the step before (the global load's latency behind them), written by the warp's lanes;
-        then the stage's barrier armed for the TMA copies of the tiles, which complete it."""
+                    sB_scales, a_scale_copy, b_scale_copy, ring, scheduler_params, k_steps):
+        """The copying warp: every K step of every tile this CTA owns, into the next free stage: the scales its
+        lanes load, held in registers since the step before (the global load's latency behind them), written by
+        the lanes; then the stage's barrier armed for the TMA copies of the tiles (and of the scales TMA copies),
+        which complete it."""
         lane = cute.arch.lane_idx()
         scheduler = utils.StaticPersistentTileScheduler.create(scheduler_params, cute.arch.block_idx(),
                                                                cute.arch.grid_dim())
@@ -214,27 +254,41 @@ class BlockScaledGemm:
             m_tile, n_tile, batch = work.tile_idx
             a_tiles, b_tiles = tAgA[(None, m_tile, None, batch)], tBgB[(None, n_tile, None, batch)]
             row0, col0 = m_tile * TILE_M, n_tile * self.tile_shape_mnk[1]
-            self._load_scales(a_ahead, a_scale, self.a_block_rows, row0, 0, lane)
-            self._load_scales(b_ahead, b_scale, self.b_block_rows, col0, 0, lane)
+            if cutlass.const_expr(not self.a_scales_by_tma):
+                self._load_scales(a_ahead, a_scale, self.a_block_rows, row0, 0, lane)
+            if cutlass.const_expr(not self.b_scales_by_tma):
+                self._load_scales(b_ahead, b_scale, self.b_block_rows, col0, 0, lane)
             state.reset_count()
             for _ in range(k_steps):
                 ring.sync_object_empty.wait(state.index, state.phase)
-                self._store_scales(a_ahead, sA_scales, self.a_block_rows, state.index, lane)
-                self._store_scales(b_ahead, sB_scales, self.b_block_rows, state.index, lane)
                 upcoming = cutlass.min(state.count + 1, k_steps - 1)
-                self._load_scales(a_ahead, a_scale, self.a_block_rows, row0, upcoming, lane)
-                self._load_scales(b_ahead, b_scale, self.b_block_rows, col0, upcoming, lane)
+                if cutlass.const_expr(not self.a_scales_by_tma):
+                    self._store_scales(a_ahead, sA_scales, self.a_block_rows, state.index, lane)
+                    self._load_scales(a_ahead, a_scale, self.a_block_rows, row0, upcoming, lane)
+                if cutlass.const_expr(not self.b_scales_by_tma):
+                    self._store_scales(b_ahead, sB_scales, self.b_block_rows, state.index, lane)
+                    self._load_scales(b_ahead, b_scale, self.b_block_rows, col0, upcoming, lane)
                 cute.arch.sync_warp()  # every lane's scales written before the barrier's (releasing) arrive
                 ring.sync_object_full.arrive(state.index, ring.producer_mask)
                 barrier = ring.producer_get_barrier(state)
                 cute.copy(tma_a, a_tiles[(None, state.count)], tAsA[(None, state.index)], tma_bar_ptr=barrier)
                 cute.copy(tma_b, b_tiles[(None, state.count)], tBsB[(None, state.index)], tma_bar_ptr=barrier,
                           mcast_mask=b_multicast)
+                if cutlass.const_expr(self.a_scales_by_tma):
+                    self._copy_scales(a_scale_copy, m_tile, state, barrier)
+                if cutlass.const_expr(self.b_scales_by_tma):
+                    self._copy_scales(b_scale_copy, n_tile, state, barrier)
                 ring.producer_commit(state)
                 state.advance()
             scheduler.advance_to_next_work()
             work = scheduler.get_current_work()
         ring.producer_tail(state)
+
+    @cute.jit
+    def _copy_scales(self, scale_copy, tile, state, barrier):
+        """A TMA copy of K step `state.count`'s scales of tile `tile` into the stage `state.index`."""
+        atom, in_smem, in_gmem = scale_copy
+        cute.copy(atom, in_gmem[(None, tile, state.count)], in_smem[(None, state.index)], tma_bar_ptr=barrier)
 
     @cute.jit
     def _load_scales(self, ahead, scale, block_rows, first, step, lane):
@@ -387,11 +441,20 @@ def _cute_tensor(t, dtype, batch: bool = True):
     return tensor
 
 
-def cute_block_scaled_gemm(a, b, out_dtype=None, out=None, accumulate: bool = False, cluster_m: int = 1):
+def kernel_scales(operand, by_tma: bool) -> torch.Tensor:
+    """An operand's scales in the layout the kernel reads: a 1x128-block operand's column-major where TMA copies
+    them (a K step's row scales contiguous; the blockwise producer kernel's own layout, so no copy then), every other
+    row-major, as the copying warp's lanes load them."""
+    scale = operand.scale_inv
+    return scale.t().contiguous().t() if by_tma and operand.block[0] == 1 else scale.contiguous()
+
+
+def cute_block_scaled_gemm(a, b, out_dtype=None, out=None, accumulate: bool = False, cluster_m: int = 1,
+                           scales_by_tma: bool = False):
     """a @ b^T of two recipes.fp8 Float8Tensors in 1x128 or 128x128 blocks, a (M, K) and b (N, K), on a Hopper GPU:
     a new (M, N) tensor in `out_dtype` (default BF16), or written into FP32 `out` (added to it with `accumulate`).
     M a multiple of 128 x `cluster_m` (BlockScaledGemm's CTA pairs sharing B tiles with 2), N of 128, K of 256;
-    each configuration and shape compiled once."""
+    `scales_by_tma`: BlockScaledGemm's. Each configuration and shape compiled once."""
     out_dtype = out_dtype or torch.bfloat16
     (rows, k), n = a.data.shape, b.data.shape[0]
     if rows % (TILE_M * cluster_m) or n % TILE_N or k % (2 * SCALE_BLOCK) or b.data.shape[1] != k:
@@ -403,12 +466,12 @@ def cute_block_scaled_gemm(a, b, out_dtype=None, out=None, accumulate: bool = Fa
         raise ValueError(f"accumulating needs an FP32 output, got {out.dtype}")
     d_type = cutlass.Float32 if out.dtype == torch.float32 else cutlass.BFloat16
     arguments = (_cute_tensor(a.data, cutlass.Float8E4M3FN), _cute_tensor(b.data, cutlass.Float8E4M3FN),
-                 _cute_tensor(a.scale_inv.contiguous(), cutlass.Float32, batch=False),
-                 _cute_tensor(b.scale_inv.contiguous(), cutlass.Float32, batch=False), _cute_tensor(out, d_type))
+                 _cute_tensor(kernel_scales(a, scales_by_tma), cutlass.Float32, batch=False),
+                 _cute_tensor(kernel_scales(b, scales_by_tma), cutlass.Float32, batch=False), _cute_tensor(out, d_type))
     stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
-    key = (a.block[0], b.block[0], accumulate, out.dtype, rows, n, k, cluster_m)
+    key = (a.block[0], b.block[0], accumulate, out.dtype, rows, n, k, cluster_m, scales_by_tma)
     if key not in _COMPILED:
-        kernel = BlockScaledGemm(a.block[0], b.block[0], accumulate, cluster_m=cluster_m)
+        kernel = BlockScaledGemm(a.block[0], b.block[0], accumulate, cluster_m=cluster_m, scales_by_tma=scales_by_tma)
         _COMPILED[key] = cute.compile(kernel, *arguments, utils.HardwareInfo().get_max_active_clusters(cluster_m),
                                       stream)
     _COMPILED[key](*arguments, stream)
