@@ -194,9 +194,8 @@ def awkward_input(rows: int, cols: int, seed: int) -> torch.Tensor:
 
 @needs_triton
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("form", [{"KEEP": 1, "SPLIT": 0, "WHOLE": 0}, {"KEEP": 0, "SPLIT": 0, "WHOLE": 0},
-                                  {"KEEP": 0, "SPLIT": 1, "WHOLE": 0}, {"KEEP": 0, "SPLIT": 0, "WHOLE": 1}],
-                         ids=["kept", "recomputed", "split", "whole"])
+@pytest.mark.parametrize("form", [{"KEEP": 1, "SPLIT": 0}, {"KEEP": 0, "SPLIT": 0}, {"KEEP": 0, "SPLIT": 1}],
+                         ids=["kept", "recomputed", "split"])
 def test_blockwise_kernel_writes_the_reference_bytes(fused_quantize, monkeypatch, op, form):
     """Each op's output and its transpose in 1x128 blocks, from one kernel, are the unfused blockwise quantization's
     bytes and scales: on values over 40 binades with zero blocks, NaN and infinities, and (a materialized tensor) on
@@ -204,7 +203,7 @@ def test_blockwise_kernel_writes_the_reference_bytes(fused_quantize, monkeypatch
     cases = [op_inputs(op, rows=256, cols=384, device="cpu", seed=4, awkward=awkward) for awkward in (False, True)]
     if op == "identity":
         cases.append((awkward_input(256, 384, seed=1), None))
-    for key, value in form.items():  # the values kept, computed again by a program per tile or per strip, or held
+    for key, value in form.items():  # the values kept, or computed again by a program per tile or per strip
         monkeypatch.setitem(fused_quantize._INTERPRETED_1X128_TILE, key, value)
     for a, b in cases:
         for dtype in (E4M3, E5M2):

@@ -46,12 +46,10 @@ triton-lang/triton#11111). Against that kernel run separately, this saves a laun
 from memory. The blockwise kernel's transpose is cast by other scales than its row-major copy. It writes each
 128 x 128 tile's rows in strips, then its columns in strips of 128 rows by a few columns, each column cast by its
 block's scale: the FP8 values bitcast to uint8 first (that wrote every byte right on the H200 for every op), packed
-four rows to an int32 word and transposed as words. The autotuner picks per shape and op among four forms
+four rows to an int32 word and transposed as words. The autotuner picks per shape and op among three forms
 (docs/results, issue 25): kept, a program per tile keeps the op's values in a BF16 scratch between its row and
 its column strips (the op computed once; L2 holds them for the column strips); recomputed, a program per tile
-whose column strips compute the op again from its inputs; split, a program per strip; whole, a program per tile
-holding all of it in registers (as TE's cast-transpose holds its tile), rows and columns cast from one read and
-one computation of the op (8 warps, 167-221 registers a thread: one program per SM at a time).
+whose column strips compute the op again from its inputs; split, a program per strip.
 """
 
 from __future__ import annotations
@@ -362,17 +360,6 @@ def produce_fp8_recording_amax_into(op: str, a: torch.Tensor, b: Optional[torch.
 
 
 @triton.jit
-def _cast_rows(values, r, c, block, out, scale_inv, rows, out_cols, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr,
-               BIAS: tl.constexpr, OUT: tl.constexpr, SOFTWARE: tl.constexpr):
-    """values (rows r, columns c: one 1 x B block of each row, the block-th along the rows) cast by their blocks'
-    scales into `out`, the scales' inverses into column `block` of `scale_inv` (column-major)."""
-    mask = tl.full(values.shape, 1, tl.int1)
-    scale = _power_of_two_scale(tl.max(_magnitude_bits(values, mask), 1).to(tl.float32, bitcast=True), FP8_MAX)
-    _store_fp8(values, scale[:, None], out, r, c, mask, out_cols, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
-    tl.store(scale_inv + block * rows + r, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
-
-
-@triton.jit
 def _row_blocks(a, b, out, scale_inv, scratch, r, tile_c, rows, cols, a_cols, b_cols, out_cols, OP: tl.constexpr,
                 FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
                 SOFTWARE: tl.constexpr, B: tl.constexpr, KEEP: tl.constexpr):
@@ -384,8 +371,11 @@ def _row_blocks(a, b, out, scale_inv, scratch, r, tile_c, rows, cols, a_cols, b_
     first, second = _produced_tiles(a, b, r, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
     for half in tl.static_range(2 if OP == SWIGLU_BACKWARD else 1):
         values = second if half else first
-        _cast_rows(values, r, half * cols + c, half * (cols // B) + tile_c, out, scale_inv, rows, out_cols, FP8_MAX,
-                   MANTISSA, BIAS, OUT, SOFTWARE)
+        scale = _power_of_two_scale(tl.max(_magnitude_bits(values, mask), 1).to(tl.float32, bitcast=True), FP8_MAX)
+        _store_fp8(values, scale[:, None], out, r, half * cols + c, mask, out_cols, FP8_MAX, MANTISSA, BIAS, OUT,
+                   SOFTWARE)
+        tl.store(scale_inv + (half * (cols // B) + tile_c) * rows + r,
+                 tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale))
         if KEEP:
             tl.store(scratch + r[:, None] * out_cols + (half * cols + c)[None, :],
                      (values.to(tl.int32, bitcast=True) >> 16).to(tl.int16))
@@ -451,43 +441,13 @@ def _column_blocks(a, b, out_t, scale_inv_t, scratch, tile_r, c, rows, cols, a_c
 
 
 @triton.jit
-def _whole_tile(a, b, out, scale_inv, out_t, scale_inv_t, tile_r, tile_c, rows, cols, a_cols, b_cols, out_cols,
-                OP: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
-                OUT: tl.constexpr, SOFTWARE: tl.constexpr, B: tl.constexpr):
-    """The op's B x B tile computed once and held in registers as four (B / 4, B) tiles, of its rows 4i + j (the
-    tiles _transposed_blocks packs into words): each row cast by its 1 x B block's scale into `out`, each column by
-    its B x 1 block's into `out_t`, as Transformer Engine's cast-transpose holds a tile; swiglu_backward's two
-    outputs one after the other (its inputs read twice, from L2 the second time), so that one is held at a time."""
-    quarter = tile_r * B + 4 * tl.arange(0, B // 4)
-    c = tile_c * B + tl.arange(0, B)
-    mask = tl.full((B // 4, B), 1, tl.int1)
-    for half in tl.static_range(2 if OP == SWIGLU_BACKWARD else 1):
-        f0, s0 = _produced_tiles(a, b, quarter, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
-        f1, s1 = _produced_tiles(a, b, quarter + 1, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
-        f2, s2 = _produced_tiles(a, b, quarter + 2, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
-        f3, s3 = _produced_tiles(a, b, quarter + 3, c, mask, cols, a_cols, b_cols, OP, SOFTWARE)
-        v0, v1, v2, v3 = (s0, s1, s2, s3) if half else (f0, f1, f2, f3)
-        at, block = half * cols + c, half * (cols // B) + tile_c
-        _cast_rows(v0, quarter, at, block, out, scale_inv, rows, out_cols, FP8_MAX, MANTISSA, BIAS, OUT, SOFTWARE)
-        _cast_rows(v1, quarter + 1, at, block, out, scale_inv, rows, out_cols, FP8_MAX, MANTISSA, BIAS, OUT,
-                   SOFTWARE)
-        _cast_rows(v2, quarter + 2, at, block, out, scale_inv, rows, out_cols, FP8_MAX, MANTISSA, BIAS, OUT,
-                   SOFTWARE)
-        _cast_rows(v3, quarter + 3, at, block, out, scale_inv, rows, out_cols, FP8_MAX, MANTISSA, BIAS, OUT,
-                   SOFTWARE)
-        _transposed_blocks(v0, v1, v2, v3, out_t, scale_inv_t, tile_r, at, rows, out_cols, FP8_MAX, MANTISSA, BIAS,
-                           OUT, SOFTWARE, B)
-
-
-@triton.jit
 def _fp8_1x128_producer_kernel(a, b, out, scale_inv, out_t, scale_inv_t, scratch, rows, cols, a_cols, b_cols,
                                OP: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
                                OUT: tl.constexpr, SOFTWARE: tl.constexpr, B: tl.constexpr, SUB: tl.constexpr,
-                               KEEP: tl.constexpr, SPLIT: tl.constexpr, WHOLE: tl.constexpr):
+                               KEEP: tl.constexpr, SPLIT: tl.constexpr):
     """A B x B tile of the op's output (two tiles for swiglu_backward: columns c and cols + c), in strips of SUB: its
     rows in their 1 x B blocks into `out`, its columns in their B x 1 blocks into `out_t` (transposed). The tiles
     are numbered down the tile columns.
-    - WHOLE: a program per tile holds it in registers (_whole_tile), the op computed once; no strips.
     - KEEP (not identity, whose input is its output): a program per tile computes the op once, keeping its values
       in `scratch` (from L2: it reads them back at once) between its row and its column strips.
     - SPLIT: a program per strip, row or column, each computing the op from the inputs.
@@ -495,11 +455,7 @@ def _fp8_1x128_producer_kernel(a, b, out, scale_inv, out_t, scale_inv_t, scratch
     out_cols = 2 * cols if OP == SWIGLU_BACKWARD else cols
     strips: tl.constexpr = B // SUB
     keep: tl.constexpr = KEEP and OP != IDENTITY  # (the autotuner does not run identity's kept forms)
-    if WHOLE:
-        _whole_tile(a, b, out, scale_inv, out_t, scale_inv_t, tl.program_id(0) % (rows // B),
-                    tl.program_id(0) // (rows // B), rows, cols, a_cols, b_cols, out_cols, OP, FP8_MAX, MANTISSA,
-                    BIAS, OUT, SOFTWARE, B)
-    elif SPLIT:
+    if SPLIT:
         tile, strip = tl.program_id(0) // (2 * strips), tl.program_id(0) % (2 * strips)
         tile_r, tile_c = tile % (rows // B), tile // (rows // B)
         if strip < strips:
@@ -531,12 +487,11 @@ def _1x128_forms(configs: list, named_args: dict, **kwargs) -> list:
     return [c for c in configs if not (c.kwargs["KEEP"] and kwargs["OP"] == IDENTITY.value)]
 
 
-# The blockwise kernel's strip widths, warps and form (kept, split, recomputed or whole: the kernel's doc),
-# autotuned per shape and op on GPUs: configurations that compile without spills for every op (sm_90a, Triton 3.9).
-_1X128_TILES = [triton.Config({"SUB": sub, "KEEP": keep, "SPLIT": split, "WHOLE": 0}, num_warps=w)
-                for sub, w in ((16, 4), (32, 4), (32, 8), (16, 8)) for keep, split in ((1, 0), (0, 0), (0, 1))] + [
-    triton.Config({"SUB": BLOCK, "KEEP": 0, "SPLIT": 0, "WHOLE": 1}, num_warps=8)]
-_INTERPRETED_1X128_TILE = {"SUB": 32, "KEEP": 1, "SPLIT": 0, "WHOLE": 0}
+# The blockwise kernel's strip widths, warps and form (kept, split or recomputed: the kernel's doc), autotuned per
+# shape and op on GPUs: configurations that compile without spills for every op (sm_90a, Triton 3.9).
+_1X128_TILES = [triton.Config({"SUB": sub, "KEEP": keep, "SPLIT": split}, num_warps=w)
+                for sub, w in ((16, 4), (32, 4), (32, 8), (16, 8)) for keep, split in ((1, 0), (0, 0), (0, 1))]
+_INTERPRETED_1X128_TILE = {"SUB": 32, "KEEP": 1, "SPLIT": 0}
 _FP8_1X128_KERNEL = (_fp8_1x128_producer_kernel if INTERPRETED else
                      triton.autotune(_1X128_TILES, key=["rows", "cols", "OP"],
                                      prune_configs_by={"early_config_prune": _1x128_forms})(_fp8_1x128_producer_kernel))
