@@ -9,7 +9,7 @@ through issue 49's kernels of our own, not yet in the training path: recipes.fp8
 its tiles autotuned per shape in the warm-up) and recipes.fp8.cute_block_gemm's in CUTLASS's Python DSL
 (`cutlass_*`, compiled per shape in the warm-up; `cutlass_multicast_*`: CTAs in pairs sharing their B tiles;
 `cutlass_tma_scales_*`: 1x128-block scales copied by TMA with the tiles, from the producer kernel's column-major
-layout).
+layout; `cutlass_multicast_tma_scales_*`: both).
 Operands are quantized by the recipes' own functions before timing: this measures the GEMMs, not quantization.
 Per-tensor and per-channel GEMMs use fast accumulation (as fprop does in TE); block-scaled GEMMs have none. Shapes:
 M = N = 8192 with a K sweep, and each model's four linear-layer GEMMs (QKV, attention output, fc1, fc2) at one
@@ -67,15 +67,15 @@ def model_gemm_shapes(name: str) -> list[tuple[str, int, int, int]]:
 
 PAIRS = ("1x128_x_128x128", "1x128_x_1x128", "128x128_x_1x128")
 VARIANTS = ("bf16", "tensorwise", "rowwise", *PAIRS,
-            *(f"{kernel}_{p}" for kernel in ("triton", "cutlass", "cutlass_multicast", "cutlass_tma_scales")
-              for p in PAIRS))
+            *(f"{kernel}_{p}" for kernel in ("triton", "cutlass", "cutlass_multicast", "cutlass_tma_scales",
+                                             "cutlass_multicast_tma_scales") for p in PAIRS))
 
 
 def variants(a: torch.Tensor, b: torch.Tensor,
              names: tuple[str, ...] = VARIANTS) -> dict[str, Callable[[], torch.Tensor]]:
     """a (M, K), b (N, K) in BF16 -> one zero-argument GEMM per variant in `names`, operands already quantized as the
     recipes quantize them (recipes.fp8) and multiplied by the product's own GEMM dispatch (recipes.fp8.gemm), or by
-    issue 49's kernels of our own (`triton_*`, `cutlass_*`, `cutlass_multicast_*`, `cutlass_tma_scales_*`)."""
+    issue 49's kernels of our own (`triton_*` and the `cutlass_*` variants)."""
     a8, b8 = quantize_tensorwise(a, E4M3), quantize_tensorwise(b, E4M3)
     a_rows, b_rows = quantize_rowwise(a, E4M3), quantize_rowwise(b, E4M3)
     a_1d, a_2d = quantize_blockwise(a, E4M3, ACTIVATION_BLOCK), quantize_blockwise(a, E4M3, WEIGHT_BLOCK)
@@ -103,6 +103,8 @@ def variants(a: torch.Tensor, b: torch.Tensor,
             x_c, y_c = (t._replace(scale_inv=kernel_scales(t, True)) for t in (x, y))
             gemms[f"cutlass_tma_scales_{pair}"] = lambda x=x_c, y=y_c: cute_block_scaled_gemm(x, y, bf16,
                                                                                                scales_by_tma=True)
+            gemms[f"cutlass_multicast_tma_scales_{pair}"] = lambda x=x_c, y=y_c: cute_block_scaled_gemm(
+                x, y, bf16, cluster_m=2, scales_by_tma=True)
     return {name: gemms[name] for name in names}
 
 

@@ -165,12 +165,13 @@ def test_native_blockwise_gemms_equal_their_emulation(fp8_wgrad, block_dims):
         assert relative_error(native, emulated.double()) < 4e-3
 
 
-@pytest.mark.parametrize("kernel", ["triton", "cutlass", "cutlass_multicast", "cutlass_tma_scales"])
+@pytest.mark.parametrize("kernel", ["triton", "cutlass", "cutlass_multicast", "cutlass_tma_scales",
+                                    "cutlass_multicast_tma_scales"])
 @pytest.mark.parametrize("pair", ["1x128_x_128x128", "1x128_x_1x128", "128x128_x_1x128"])
 def test_block_scaled_gemms_of_our_own_against_fp64_and_cublas(pair, kernel):
     """Issue 49's kernels on the GPU (recipes.fp8.block_gemm's in Triton, with odd M; recipes.fp8.cute_block_gemm's
-    in CUTLASS's DSL, M a multiple of 128, in CTA pairs sharing B tiles by TMA multicast, of 256, and with 1x128-block
-    scales copied by TMA, from the column-major layout the producer kernel writes), each block
+    in CUTLASS's DSL, M a multiple of 128, in CTA pairs sharing B tiles by TMA multicast, of 256, with 1x128-block
+    scales copied by TMA, from the column-major layout the producer kernel writes, and both), each block
     pair at a proxy-like shape: within tests/test_block_gemm.py's FP32 bound of the FP64 product, and beside
     cuBLAS's result of the same operands; into BF16, and into an FP32 output, written then added."""
     import functools
@@ -191,7 +192,7 @@ def test_block_scaled_gemms_of_our_own_against_fp64_and_cublas(pair, kernel):
     a_block, b_block = (blocks[name] for name in pair.split("_x_"))
     g = torch.Generator("cuda").manual_seed(0)
     rows = {"triton": 1920 if a_block == WEIGHT_BLOCK else 1917, "cutlass": 1920, "cutlass_multicast": 1792,
-            "cutlass_tma_scales": 1920}[kernel]
+            "cutlass_tma_scales": 1920, "cutlass_multicast_tma_scales": 1792}[kernel]
     a = quantize_blockwise(torch.randn(rows, 4096, device="cuda", generator=g), E4M3, a_block)
     b = quantize_blockwise(torch.randn(1536, 4096, device="cuda", generator=g), E4M3, b_block)
     if "tma" in kernel:  # a 1x128 operand's scales as the producer kernel writes them (column-major), as the linears
