@@ -184,20 +184,22 @@ def test_block_scaled_gemms_of_our_own_against_fp64_and_cublas(pair, kernel):
     if kernel == "triton":
         from recipes.fp8.block_gemm import block_scaled_gemm
     else:
-        from recipes.fp8.cute_block_gemm import cute_block_scaled_gemm
+        from recipes.fp8.cute_block_gemm import cute_block_scaled_gemm, kernel_scales
 
         block_scaled_gemm = functools.partial(cute_block_scaled_gemm, cluster_m=2 if "multicast" in kernel else 1,
                                               scales_by_tma="tma" in kernel)
     blocks = {"1x128": ACTIVATION_BLOCK, "128x128": WEIGHT_BLOCK}
     a_block, b_block = (blocks[name] for name in pair.split("_x_"))
     g = torch.Generator("cuda").manual_seed(0)
-    rows = {"triton": 1920 if a_block == WEIGHT_BLOCK else 1917, "cutlass": 1920, "cutlass_multicast": 1792,
-            "cutlass_tma_scales": 1920, "cutlass_multicast_tma_scales": 1792}[kernel]
+    if kernel == "triton":
+        rows = 1920 if a_block == WEIGHT_BLOCK else 1917  # odd M, where 1x128 blocks allow it
+    else:
+        rows = 1792 if "multicast" in kernel else 1920  # M a multiple of 256 for CTA pairs, of 128 for single CTAs
     a = quantize_blockwise(torch.randn(rows, 4096, device="cuda", generator=g), E4M3, a_block)
     b = quantize_blockwise(torch.randn(1536, 4096, device="cuda", generator=g), E4M3, b_block)
-    if "tma" in kernel:  # a 1x128 operand's scales as the producer kernel writes them (column-major), as the linears
-        # would hand them; a 128x128 weight's stay row-major, as cuBLAS takes them
-        a, b = (t._replace(scale_inv=t.scale_inv.t().contiguous().t()) if t.block[0] == 1 else t for t in (a, b))
+    if "tma" in kernel:  # the scales as the linears would hand them (gemm_bench's timed layout): a 1x128 operand's
+        # column-major, as the producer kernel writes them; a 128x128 weight's row-major, as cuBLAS takes them
+        a, b = (t._replace(scale_inv=kernel_scales(t, True)) for t in (a, b))
     allowed, exact = bound(a, b, torch.float32, k=4096)
     # Hopper's FP8 MMA keeps about 14 bits in its own accumulation (DeepSeek-V3 report, 3.3.2): each 32-wide chunk
     # of products may err by up to 32 * 2**-14 of its magnitudes before the FP32 sums the CPU bound covers.
