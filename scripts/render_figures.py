@@ -627,45 +627,67 @@ def pinned(value: object, *runs: dict) -> Pinned:
     return Pinned(value, " / ".join(dict.fromkeys(short(r["commit"]) for r in runs if r.get("commit"))))
 
 
+# The granularities issue 50 made trainable, each against the one peer that trains the same recipe (its column
+# in layer_bench) and with the GEMM variant of its forward pass (gemm_bench's)
+GRANULARITY_PEERS = {"fp8_rowwise": ("torchao", "torchao_rowwise"),
+                     "fp8_rowwise_gw_hp": ("torchao", "torchao_rowwise_with_gw_hp"),
+                     "fp8_blockwise_1d1d": ("TE as Megatron", "te_megatron_blockwise_1d1d")}
+GEMM_VARIANTS = {"fp8_current": "tensorwise", "fp8_delayed": "tensorwise", "fp8_blockwise": "1x128_x_128x128",
+                 "fp8_rowwise": "rowwise", "fp8_rowwise_gw_hp": "rowwise", "fp8_blockwise_1d1d": "1x128_x_1x128"}
+
+
 def fp8_recipes_table(index: dict[str, list[Record]], base: Path) -> str:
     """Each recipe in one row: step speedup over BF16 (the proxies' range), GEMM speedup, loss against BF16, and our
-    step time over NVIDIA's layers' (TE as Megatron, megatron-core's), each from the newest record that holds it."""
-    sources, lb, peers = Sources(), index["layer_bench"], index["layer_bench_peers"]
-    gemm_variant = {"fp8_current": "tensorwise", "fp8_delayed": "tensorwise", "fp8_blockwise": "1x128_x_128x128"}
+    step time over the peers' that train the same recipe (NVIDIA's layers: TE as Megatron, megatron-core's; torchao
+    for rowwise), each from the newest record that holds it."""
+    sources, lb, peers, granularity = Sources(), index["layer_bench"], index["layer_bench_peers"], index["granularity"]
     def span(values: list[float], fmt: Callable[[float], str]) -> str:
         values = [v for v in values if v is not None]
         if not values:
             return "-"
         return fmt(min(values)) if len(values) == 1 else f"{fmt(min(values))} to {fmt(max(values))}"
+    def proxies(values: list[Optional[float]]) -> str:
+        """The span of a recipe's speedups, saying how many proxies it covers where not all."""
+        measured = sum(v is not None for v in values)
+        note = f" ({measured} of {len(PROXIES)} proxies)" if 0 < measured < len(PROXIES) else ""
+        return span(values, fmt_x) + note
     def gemm(variant: str):
         def value(rec: Record) -> Optional[float]:
             row = next((r for r in csv_rows(f"{rec.path}/gemm.csv")
                         if r["shape"] == "llama3_8b/fc1" and r["variant"] == variant), None)
             return float(row["speedup"]) if row else None
         return value
+    def gemm_cell(precision: str) -> str:
+        variant = GEMM_VARIANTS[precision]
+        value = sources.pick("GEMM", precision, index["gemm"], gemm(variant))[0]
+        return f"{'-' if value is None else f'{value:.2f}x'} ({variant.replace('_x_', ' x ')})"
     seeds = {p: seed_gaps(index["convergence"], p, sources) for p in ("fp8_current", "fp8_blockwise")}
     rerun, _ = sources.pick("loss", "fp8_delayed", index["convergence_rerun"], rerun_gap)
-    lines = ["| recipe | step speedup over BF16, five proxies | GEMM speedup, llama3_8b fc1 | "
-             "loss vs BF16, llama3_100m | ours / NVIDIA's layers (TE as Megatron, megatron-core's) |",
+    lines = ["| recipe | step speedup over BF16, the proxies | GEMM speedup, llama3_8b fc1 | "
+             "loss vs BF16, llama3_100m | ours / the peer's layers training the same recipe |",
              "|---|---|---|---|---|"]
     for precision in RECIPES:
         steps = [sources.pick("step speedup", precision, lb, speedup(model, precision))[0] for model in PROXIES]
         against = [sources.pick(f"ours / {PEER_NAMES[peer]}", precision, peers,
                                 ratio(model, precision, peer_column(peer, precision)))[0]
                    for peer in PEER_NAMES for model in PROXIES]
-        gemm_x = sources.pick("GEMM", precision, index["gemm"], gemm(gemm_variant[precision]))[0]
         if precision in seeds:
             values = list(seeds[precision].values())
             loss = f"{pct(statistics.mean(values))} (mean of {len(values)} seeds)"
         else:
             loss = f"{pct(rerun[0], 1)} (one seed; fp8_current {pct(rerun[1], 1)} in the same run)" if rerun else "-"
-        lines.append(f"| {precision} | {span(steps, fmt_x)} | "
-                     f"{'-' if gemm_x is None else f'{gemm_x:.2f}x'} "
-                     f"({gemm_variant[precision].replace('_x_', ' x ')}) | "
-                     f"{loss} | {span(against, fmt_ratio)} |")
+        lines.append(f"| {precision} | {proxies(steps)} | {gemm_cell(precision)} | {loss} | "
+                     f"{span(against, fmt_ratio)} ({', '.join(PEER_NAMES.values())}) |")
+    for precision, (peer_name, peer) in GRANULARITY_PEERS.items():
+        steps = [sources.pick("step speedup", precision, granularity, speedup(model, precision))[0]
+                 for model in PROXIES]
+        against = [sources.pick(f"ours / {peer_name}", precision, granularity, ratio(model, precision, peer))[0]
+                   for model in PROXIES]
+        lines.append(f"| {precision} | {proxies(steps)} | {gemm_cell(precision)} | - | "
+                     f"{span(against, fmt_ratio)} ({peer_name}) |")
     lines.append("| mxfp8 | no native kernel on Hopper; not measured on Blackwell | - | - | - |")
     lines.append("| nvfp4 | no native kernel on Hopper (engine=torch emulates it); not measured on Blackwell | - | - | - |")
-    return "\n".join([*lines, "", sources.note([*lb, *peers, *index["gemm"], *index["convergence"],
+    return "\n".join([*lines, "", sources.note([*lb, *peers, *granularity, *index["gemm"], *index["convergence"],
                                                 *index["convergence_rerun"]], base)])
 
 

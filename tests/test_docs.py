@@ -232,6 +232,31 @@ def test_a_newer_record_takes_the_cells_it_holds_and_the_table_says_so(render, t
     assert "`abcdef0`, 2027-01-02 for llama3_8b" in table and "`d756c36`, 2026-12-03 for llama3_70b" in table
 
 
+def test_a_granularity_row_is_against_the_peer_training_the_same_recipe(render, tmp_path):
+    record = tmp_path / "lb_granularity"
+    record.mkdir()
+    steps = {"bf16": 0.7, "fp8_rowwise": 0.5, "torchao_rowwise": 0.625, "fp8_rowwise_gw_hp": 0.56,
+             "torchao_rowwise_with_gw_hp": 0.5, "fp8_blockwise_1d1d": 0.6, "te_megatron_blockwise_1d1d": 0.6,
+             "fp8_current": 0.4}  # fp8_current: not a granularity row, and not read from this study
+    rows = [{"model": "llama3_70b", "layers": 2, "precision": p, "median_step_s": s, "speedup_vs_bf16": 0.7 / s}
+            for p, s in steps.items()]
+    with (record / "results.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (record / "provenance.json").write_text(json.dumps({"command": "python scripts/layer_bench.py ...",
+                                                        "commit": "abcdef0123", "date": "2027-01-02T03:04:05+00:00"}))
+    index = render.load_index()
+    index["granularity"] = [render.record({"path": str(record), "section": "granularity.md"})]
+    table = render.fp8_recipes_table(index, render.RESULTS).splitlines()
+    row = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in table if line.startswith("| fp8_")}
+    assert row["fp8_rowwise"][0] == "1.400x (1 of 5 proxies)" and row["fp8_rowwise"][-1] == "0.800 (torchao) |"
+    assert row["fp8_rowwise_gw_hp"][-1] == "1.120 (torchao) |"
+    assert row["fp8_blockwise_1d1d"][0] == "1.167x (1 of 5 proxies)"
+    assert row["fp8_blockwise_1d1d"][-1] == "1.000 (TE as Megatron) |"
+    assert row["fp8_current"][0] != "1.750x (1 of 5 proxies)"  # the per-tensor rows keep their own records
+
+
 def test_a_figure_typed_over_is_caught(render, tmp_path, monkeypatch):
     text = render.PAGES["readme"].read_text()
     row = next(line for line in text.splitlines() if line.startswith("| llama3_8b (4) | "))
