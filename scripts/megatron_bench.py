@@ -56,12 +56,15 @@ once (losses, not timings). Its table gives each run's mean loss over the last 1
 the same engine and the torch engine's run of the same recipe; `scripts/compare.py OUT/runs` makes the report.
 
 The recipe studies (issues 50 and 51): llama3_100m on the bundled text with the convergence study's settings
-(docs/results/convergence.md), 2000 steps, three seeds (prepare --seeds), the torch engine, every run at once:
+(docs/results/convergence.md), 2000 steps, three seeds (prepare --seeds), the torch engine, the runs side by side:
 `nvfp4` (BF16, fp8_current, NVFP4 emulated, and NVFP4 without its Hadamard transform, without stochastic
 rounding, without its BF16 last layers) and `granularity` (BF16, fp8_current, fp8_rowwise, fp8_rowwise_gw_hp,
 fp8_blockwise, fp8_blockwise_1d1d, fp8_blockwise_2d2d emulated). Each run checkpoints every 500 steps (the last
 only kept), so a call cut short by --budget-s is continued by the same command: each run resumes from its newest
-checkpoint. The table gives each run's mean loss over its last 100 steps against the BF16 run of its seed, and
+checkpoint. Side-by-side runs start together as far as the GPU's free memory holds them (the plan's estimate of
+each, recorded by prepare, and PROCESS_OVERHEAD_GIB a process): on an H200 every run of a study at once, on an 80 GB
+H100 in two batches one after the other (side_by_side_batches). The table gives each run's mean loss over its last
+100 steps against the BF16 run of its seed, and
 the mean of those gaps over the seeds against RECIPE_STUDY_TARGET; its step times are taken while the runs share
 the GPU, so they rank the recipes' cost but are not their speed alone.
 
@@ -115,6 +118,11 @@ TIMED_STEPS, ROUNDS = 5, 2  # per round, and rounds per column: 10 timed steps f
 FIRST_GUESS_S = {"megatron": 55.0, "torch": 65.0}
 POLL_S = 0.05  # how often the bench looks for a new step in metrics.jsonl
 TELEMETRY_MS = 200  # nvidia-smi's sampling interval: a window of 5 steps holds ~35 samples
+# What a side-by-side process holds beyond the plan's estimate of its model, gradients, optimizer and activations:
+# the CUDA context, cuBLAS's and Triton's workspaces, the caching allocator's slack. The convergence study's runs of
+# llama3_100m peaked at 3.2-4.2 GiB of PyTorch's own memory against the plan's 4.4; the context adds ~0.5 GiB.
+PROCESS_OVERHEAD_GIB = 1.0
+GPU_MEMORY_SHARE = 0.9  # of the memory free when a group starts, what its side-by-side processes may plan to fill
 PROFILE_SPLIT = f"{PROFILE}/time_rank0.json"  # recipes.profiling's split of the profiled step
 PROFILE_TRACE = f"{PROFILE}/trace_rank0.json"  # and its Chrome trace
 KEPT_FILES = (CONFIG, "plan.txt", METRICS, "metrics_uninterrupted.jsonl", SUMMARY, TRAIN_LOG,
@@ -165,6 +173,7 @@ class Run:
     profile_step: Optional[int] = None  # round 1's last step, profiled (trainer.profile_step): not timed
     timeout_s: float = 300.0  # a hung process is killed (and never later than the budget allows)
     seed: Optional[int] = None  # a recipe study's run: trainer.seed, and the BF16 run it is compared with
+    memory_gib: Optional[float] = None  # the plan's GPU memory estimate of round 1 (prepare): side-by-side batches
 
     @property
     def model(self) -> str:
@@ -286,10 +295,25 @@ def recipe_study_runs(study: str, gpu: str, steps: int, seeds: tuple[int, ...] =
 
 def study_groups(runs: list[Run]) -> list[list[Run]]:
     """The runs measured together, in the study's order: consecutive timed columns round-robin, each recipe's
-    ablations among themselves (the recipe may be the fastest of a group before), consecutive side-by-side runs all
-    at once."""
+    ablations among themselves (the recipe may be the fastest of a group before), consecutive side-by-side runs
+    together (in batches that fit the GPU: side_by_side_batches)."""
     return [list(group) for _, group in itertools.groupby(
         runs, lambda run: (run.side_by_side, run.precision if run.part == "ablations" else None))]
+
+
+def side_by_side_batches(group: list[Run], free_gib: Optional[float]) -> list[list[Run]]:
+    """The side-by-side runs of a group in batches that start together, each batch's planned memory (the plan's
+    estimate and PROCESS_OVERHEAD_GIB a process) within GPU_MEMORY_SHARE of `free_gib`, as few batches as that
+    allows, of even sizes, in the study's order: on a GPU too small for the whole group (a recipe study's 18-21
+    runs of ~6 GiB on an 80 GB H100) the batches run one after the other. One batch where the memory free or a run's
+    estimate is unknown (no GPU; a study prepared before estimates were recorded)."""
+    if free_gib is None or any(run.memory_gib is None for run in group):
+        return [group] if group else []
+    largest = max(run.memory_gib for run in group) + PROCESS_OVERHEAD_GIB
+    per_batch = max(1, int(free_gib * GPU_MEMORY_SHARE // largest))
+    batches = -(-len(group) // per_batch)
+    size = -(-len(group) // batches)
+    return [group[i:i + size] for i in range(0, len(group), size)]
 
 
 def round_robin(columns: list[Run]) -> list[tuple[Run, int]]:
@@ -319,6 +343,7 @@ def prepare(study: str, runs: list[Run], directory: Path) -> None:
 
     register_schema()
     directory.mkdir(parents=True, exist_ok=True)
+    planned = []
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for run in runs:
             for round_ in range(1, run.rounds + 1):
@@ -330,6 +355,9 @@ def prepare(study: str, runs: list[Run], directory: Path) -> None:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / "plan.txt").write_text(describe(plan) + "\n")
                 save_config(dataclasses.replace(cfg, dryrun=False), run_dir / CONFIG)
+                if round_ == 1:
+                    planned.append(dataclasses.replace(run, memory_gib=round(plan.memory.total / 2**30, 2)))
+    runs = planned
     order = [[round_dir(directory, run, k).name for run, k in round_robin(group)]
              for group in study_groups(runs) if not group[0].side_by_side]
     record = {"study": study, "commit": git_commit(), "runs": [dataclasses.asdict(run) for run in runs],
@@ -601,16 +629,21 @@ def run_study(directory: Path, out: Path, parts: tuple[str, ...], budget_s: floa
         return Outcome(f"not run (budget: ~{needed:.0f} s needed, {max(left_s(), 0):.0f} s left)")
 
     def side_by_side(group: list[Run]) -> None:
-        needed = max(estimate_s(run, finished) for run in group)
-        if left_s() < needed:
-            for run in group:
-                record(run, not_run(needed))
-            return
-        with ThreadPoolExecutor(len(group)) as pool:
-            futures = [(run, pool.submit(execute, run, round_dir(directory, run, 1), min(run.timeout_s, left_s())))
-                       for run in group]
-        for run, future in futures:
-            record(run, future.result())
+        """The group in batches that fit the GPU's free memory together (side_by_side_batches), one after the
+        other, each while the budget lasts: a recipe study's runs are checkpointed, so the next call continues the
+        batch cut short and starts the ones not run."""
+        free_gib = torch.cuda.mem_get_info()[0] / 2**30 if device.type == "cuda" else None
+        for batch in side_by_side_batches(group, free_gib):
+            needed = max(estimate_s(run, finished) for run in batch)
+            if left_s() < needed:
+                for run in batch:
+                    record(run, not_run(needed))
+                continue
+            with ThreadPoolExecutor(len(batch)) as pool:
+                futures = [(run, pool.submit(execute, run, round_dir(directory, run, 1),
+                                             min(run.timeout_s, left_s()))) for run in batch]
+            for run, future in futures:
+                record(run, future.result())
 
     def interleaved(group: list[Run]) -> None:
         """The configurations whose rounds all fit, from the first on (a configuration's engines together), then

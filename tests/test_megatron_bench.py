@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -491,7 +492,61 @@ def test_recipe_studies_run_each_configuration_with_each_seed_and_continue_from_
         cfg = load_config(tmp_path / run.name / "config.yaml")
         assert cfg.trainer.seed == 7 and cfg.trainer.max_steps == 2000
     assert load_config(tmp_path / "torch-llama3_100m-nvfp4-no_rht-seed7" / "config.yaml").precision.disable_rht
-    assert bench.load_study(tmp_path)[2] == runs
+    loaded = bench.load_study(tmp_path)[2]
+    assert [dataclasses.replace(run, memory_gib=None) for run in loaded] == runs
+    for run in loaded:  # the plan's estimate, as its plan.txt prints it
+        planned = re.search(r"memory/GPU\s+~([\d.]+) GiB", (tmp_path / run.name / "plan.txt").read_text())
+        assert run.memory_gib == pytest.approx(float(planned[1]), abs=0.05)
+
+
+def test_side_by_side_runs_start_in_batches_that_fit_the_gpus_free_memory():
+    """A recipe study's 21 runs on an 80 GB H100: two batches, one after the other, each within the share of the
+    free memory; on an H200's all at once; one batch where the GPU or an estimate is unknown."""
+    runs = [dataclasses.replace(run, memory_gib=4.4)
+            for run in bench.recipe_study_runs("granularity", "h100", 2000)]
+    assert len(runs) == 21
+    per_run = 4.4 + bench.PROCESS_OVERHEAD_GIB
+    batches = bench.side_by_side_batches(runs, free_gib=79.0)
+    assert [run for batch in batches for run in batch] == runs and [len(b) for b in batches] == [11, 10]
+    assert all(len(batch) * per_run <= 79.0 * bench.GPU_MEMORY_SHARE for batch in batches)
+    assert bench.side_by_side_batches(runs, free_gib=139.0) == [runs]
+    assert [len(b) for b in bench.side_by_side_batches(runs, free_gib=per_run / bench.GPU_MEMORY_SHARE)] == [1] * 21
+    assert [len(b) for b in bench.side_by_side_batches(runs, free_gib=1.0)] == [1] * 21  # never none
+    assert bench.side_by_side_batches(runs, free_gib=None) == [runs]
+    unknown = [*runs[:20], dataclasses.replace(runs[20], memory_gib=None)]
+    assert bench.side_by_side_batches(unknown, free_gib=79.0) == [unknown]
+
+
+def test_run_study_starts_a_batch_only_when_the_one_before_has_ended(monkeypatch, tmp_path):
+    """On a GPU with room for two of four side-by-side runs, run_study starts them two and two."""
+    runs = [dataclasses.replace(run, memory_gib=4.0)
+            for run in bench.recipe_study_runs("granularity", "h100", 20, seeds=(1, 2))[:4]]
+    monkeypatch.setattr(bench, "load_study", lambda directory: ("granularity", "prepared1", runs))
+    monkeypatch.setattr(bench, "provenance", lambda: {"commit": "unknown", "versions": {"torch": "2"}, "device": "X"})
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    per_run = 4.0 + bench.PROCESS_OVERHEAD_GIB
+    monkeypatch.setattr(bench.torch.cuda, "mem_get_info", lambda: (int(2.5 * per_run / bench.GPU_MEMORY_SHARE
+                                                                        * 2**30), 80 * 2**30))
+    events, running = [], set()
+
+    def execute(run, run_dir, timeout_s):
+        running.add(run.name)
+        events.append(("start", run.name, frozenset(running)))
+        time.sleep(0.2)  # long enough for a run started beside it to be seen running
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(
+            {"step": s, "loss": 3.0, "grad_norm": 1.0, "step_time_s": 0.1, "tokens_per_s_per_gpu": 1.0,
+             "model_tflops_per_gpu": 1.0, "mfu": 0.1, "peak_memory_gib": 4.0}) + "\n" for s in range(1, 21)))
+        running.discard(run.name)
+        return bench.Outcome("ok", 1.0, "", {})
+
+    monkeypatch.setattr(bench, "execute", execute)
+    bench.run_study(tmp_path, tmp_path / "out", ("loss",), 10_000.0, None)
+    seen = {name: together for _, name, together in events}
+    first, second = {r.name for r in runs[:2]}, {r.name for r in runs[2:]}
+    assert set(seen) == first | second
+    assert all(seen[name] <= first for name in first) and all(seen[name] <= second for name in second)
+    assert any(len(together) == 2 for together in seen.values())  # each batch's runs side by side
 
 
 def test_recipe_study_table_compares_each_run_with_bf16_of_its_seed_and_averages_the_seeds():
