@@ -214,17 +214,23 @@ def test_the_rendered_figures_are_what_the_records_give(render, capsys):
     assert render.main(["--check"]) == 0, capsys.readouterr().err
 
 
-def test_a_newer_record_takes_the_cells_it_holds_and_the_table_says_so(render, tmp_path):
-    record = tmp_path / "layer_bench_new"
-    record.mkdir()
-    rows = [{"model": "llama3_8b", "layers": 4, "precision": p, "median_step_s": s, "speedup_vs_bf16": 0.7 / s}
-            for p, s in (("bf16", 0.7), ("fp8_current", 0.5))]
-    with (record / "results.csv").open("w", newline="") as f:
+def layer_bench_record(folder: Path, model: str, layers: int, steps: dict[str, float]) -> Path:
+    """A layer_bench record as the script writes it: results.csv (each precision's step in s, its speedup over
+    the BF16 column) and provenance.json of commit abcdef0123 on 2027-01-02."""
+    folder.mkdir()
+    rows = [{"model": model, "layers": layers, "precision": p, "median_step_s": s,
+             "speedup_vs_bf16": steps["bf16"] / s} for p, s in steps.items()]
+    with (folder / "results.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    (record / "provenance.json").write_text(json.dumps({"command": "python scripts/layer_bench.py ...",
+    (folder / "provenance.json").write_text(json.dumps({"command": "python scripts/layer_bench.py ...",
                                                         "commit": "abcdef0123", "date": "2027-01-02T03:04:05+00:00"}))
+    return folder
+
+
+def test_a_newer_record_takes_the_cells_it_holds_and_the_table_says_so(render, tmp_path):
+    record = layer_bench_record(tmp_path / "layer_bench_new", "llama3_8b", 4, {"bf16": 0.7, "fp8_current": 0.5})
     new = render.record({"path": str(record), "section": "per_tensor_kernels.md"})
     assert (new.commit, new.date) == ("abcdef0", "2027-01-02")
     table = render.fp8_speedup_table([new, *render.load_index()["layer_bench"]], render.RESULTS)
@@ -233,19 +239,10 @@ def test_a_newer_record_takes_the_cells_it_holds_and_the_table_says_so(render, t
 
 
 def test_a_granularity_row_is_against_the_peer_training_the_same_recipe(render, tmp_path):
-    record = tmp_path / "lb_granularity"
-    record.mkdir()
     steps = {"bf16": 0.7, "fp8_rowwise": 0.5, "torchao_rowwise": 0.625, "fp8_rowwise_gw_hp": 0.56,
              "torchao_rowwise_with_gw_hp": 0.5, "fp8_blockwise_1d1d": 0.6, "te_megatron_blockwise_1d1d": 0.6,
              "fp8_current": 0.4}  # fp8_current: not a granularity row, and not read from this study
-    rows = [{"model": "llama3_70b", "layers": 2, "precision": p, "median_step_s": s, "speedup_vs_bf16": 0.7 / s}
-            for p, s in steps.items()]
-    with (record / "results.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    (record / "provenance.json").write_text(json.dumps({"command": "python scripts/layer_bench.py ...",
-                                                        "commit": "abcdef0123", "date": "2027-01-02T03:04:05+00:00"}))
+    record = layer_bench_record(tmp_path / "lb_granularity", "llama3_70b", 2, steps)
     index = render.load_index()
     index["granularity"] = [render.record({"path": str(record), "section": "granularity.md"})]
     table = render.fp8_recipes_table(index, render.RESULTS).splitlines()
