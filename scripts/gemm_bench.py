@@ -1,6 +1,8 @@
 """The study's GEMM figure on the local GPU: BF16 against each FP8 scaling granularity, over K and the models' shapes.
 
     python scripts/gemm_bench.py --out docs/results/h200_gemm
+    python scripts/gemm_bench.py --out OUT --shapes sweep:8192,llama3_8b,llama3_8b/wgrad \
+        --variants bf16,1x128_x_128x128,cutlass_tma_scales_1x128_x_128x128        # a part of it
 
 Variants: bf16 (torch.mm), tensorwise (one scale per operand), rowwise (per-channel: one scale per row of A and per
 column of B, as precision=fp8_rowwise quantizes them), 1x128 x 128x128, 1x128 x 1x128 and 128x128 x 1x128 blocks
@@ -13,7 +15,9 @@ layout; `cutlass_multicast_tma_scales_*`: both).
 Operands are quantized by the recipes' own functions before timing: this measures the GEMMs, not quantization.
 Per-tensor and per-channel GEMMs use fast accumulation (as fprop does in TE); block-scaled GEMMs have none. Shapes:
 M = N = 8192 with a K sweep, and each model's four linear-layer GEMMs (QKV, attention output, fc1, fc2) at one
-micro-batch of its sequence length. Times are medians of `--repeats`
+micro-batch of its sequence length; `--shapes` takes a part of them (shape_set), and the weight-gradient GEMMs too
+(`MODEL/wgrad`: M and N the linear's output and input features, K its tokens), `--variants` a part of the variants
+(BF16, every row's baseline, always among them). Times are medians of `--repeats`
 CUDA-event-timed runs after warm-up, rotating between two input sets so no run reads the previous run's operands
 from L2; nvidia-smi samples the SM clock and power meanwhile (every 20 ms: each row has the medians of the samples
 taken while its variant was timed, empty where there were none). Writes gemm.csv (every shape, the format
@@ -126,6 +130,30 @@ def median_ms(gemms: list[Callable[[], torch.Tensor]], warmup: int, repeats: int
     return statistics.median(times), (started, time.time())
 
 
+LINEARS = ("qkv", "out", "fc1", "fc2")
+
+
+def shape_set(spec: str) -> list[tuple[str, int, int, int]]:
+    """The shapes one `--shapes` item names: `sweep` (M = N = 8192 over K_SWEEP) or `sweep:K`; a model's four fprop
+    GEMMs (`llama3_8b`) or one (`llama3_8b/fc1`); with `/wgrad` after either, their weight-gradient GEMMs
+    (label/wgrad, N, K, M: the linear's output gradient^T times its input, K the tokens). ValueError otherwise."""
+    if spec == "sweep":
+        return [("sweep M=N=8192", 8192, 8192, k) for k in K_SWEEP]
+    if spec.startswith("sweep:"):
+        k = spec.split(":", 1)[1]
+        if not k.isdigit() or int(k) == 0:
+            raise ValueError(f"--shapes {spec!r}: sweep takes one K as sweep:K, a positive integer")
+        return [("sweep M=N=8192", 8192, 8192, int(k))]
+    name, *rest = spec.split("/")
+    wgrad = rest[-1:] == ["wgrad"]
+    linear = rest[:-1] if wgrad else rest
+    if name not in MODELS or len(linear) > 1 or (linear and linear[0] not in LINEARS):
+        raise ValueError(f"--shapes {spec!r}: a shape set is sweep, sweep:K, MODEL, MODEL/LINEAR, or either with "
+                         f"/wgrad (MODEL one of {', '.join(MODELS)}; LINEAR one of {', '.join(LINEARS)})")
+    shapes = [s for s in model_gemm_shapes(name) if not linear or s[0] == f"{name}/{linear[0]}"]
+    return [(f"{label}/wgrad", n, k, m) for label, m, n, k in shapes] if wgrad else shapes
+
+
 def bench_shape(label: str, m: int, n: int, k: int, warmup: int = 5, repeats: int = 30,
                 names: tuple[str, ...] = VARIANTS) -> list[dict]:
     input_sets = [
@@ -177,13 +205,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="directory for gemm.csv, the PNG and provenance.json")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--shapes", default=",".join(["sweep", *MODELS]),
+                        help="comma-separated shape sets (shape_set): sweep, sweep:K, MODEL, MODEL/LINEAR, with "
+                             "/wgrad for the weight-gradient GEMMs; default: the figure's, sweep and every model")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated variants to time (bf16, the baseline, always); default: all")
     args = parser.parse_args(argv)
+    try:
+        shapes = [shape for spec in args.shapes.split(",") for shape in shape_set(spec)]
+    except ValueError as error:
+        parser.error(str(error))
+    names = ("bf16", *dict.fromkeys(v for v in args.variants.split(",") if v != "bf16"))
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)}; the variants: {', '.join(VARIANTS)}")
     if not torch.cuda.is_available():
         print("error: the GEMM benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
-    shapes = [("sweep M=N=8192", 8192, 8192, k) for k in K_SWEEP]
-    shapes += [shape for name in MODELS for shape in model_gemm_shapes(name)]
-    rows = [row for shape in shapes for row in bench_shape(*shape, args.warmup, args.repeats)]
+    rows = [row for shape in shapes for row in bench_shape(*shape, args.warmup, args.repeats, names)]
     write_records(rows, args.out, argv)
     return 0
 

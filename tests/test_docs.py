@@ -304,6 +304,34 @@ def test_the_benchmarks_write_rows_and_provenance(tmp_path, monkeypatch):
     assert row["run"] == run.name and float(row["tokens_per_s_per_gpu"]) == 105.0 and row["status"] == "ok"
 
 
+def test_gemm_bench_times_the_shapes_and_variants_named_and_refuses_others_before_the_gpu(tmp_path, monkeypatch,
+                                                                                         capsys):
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    gemm_bench = load_script("gemm_bench")
+    fc = gemm_bench.model_gemm_shapes("llama3_8b")
+    assert gemm_bench.shape_set("llama3_8b") == fc
+    assert gemm_bench.shape_set("llama3_70b/fc1") == gemm_bench.model_gemm_shapes("llama3_70b")[2:3]
+    # the weight gradient of a linear y (tokens, out) = x (tokens, in) @ w^T: dw (out, in) = dy^T @ x, K the tokens
+    assert gemm_bench.shape_set("llama3_8b/wgrad") == [(f"{label}/wgrad", n, k, m) for label, m, n, k in fc]
+    assert gemm_bench.shape_set("llama3_8b/out/wgrad") == [("llama3_8b/out/wgrad", 4096, 4096, 8192)]
+    assert gemm_bench.shape_set("sweep") == [("sweep M=N=8192", 8192, 8192, k) for k in gemm_bench.K_SWEEP]
+    assert gemm_bench.shape_set("sweep:4096") == [("sweep M=N=8192", 8192, 8192, 4096)]
+    timed = []
+    monkeypatch.setattr(gemm_bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gemm_bench, "bench_shape", lambda *shape: timed.append(shape) or [])
+    monkeypatch.setattr(gemm_bench, "write_records", lambda rows, out, argv: None)
+    assert gemm_bench.main(["--out", str(tmp_path), "--shapes", "sweep:8192,llama3_8b/qkv",
+                            "--variants", "1x128_x_128x128,cutlass_tma_scales_1x128_x_128x128"]) == 0
+    names = ("bf16", "1x128_x_128x128", "cutlass_tma_scales_1x128_x_128x128")  # BF16 first: every row's baseline
+    assert timed == [("sweep M=N=8192", 8192, 8192, 8192, 5, 30, names), (*fc[0], 5, 30, names)]
+    for bad, says in ((["--shapes", "llama3_8b/fc3"], "LINEAR one of qkv"), (["--shapes", "sweep:k"], "sweep:K"),
+                      (["--shapes", "llama4"], "MODEL one of"), (["--variants", "bf16,fp4"], "unknown fp4")):
+        with pytest.raises(SystemExit) as refused:
+            gemm_bench.main(["--out", str(tmp_path), *bad])
+        assert refused.value.code == 2 and says in capsys.readouterr().err
+    assert timed == [("sweep M=N=8192", 8192, 8192, 8192, 5, 30, names), (*fc[0], 5, 30, names)]
+
+
 def test_layer_bench_writes_its_provenance(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "scripts"))
     import argparse
