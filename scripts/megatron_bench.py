@@ -61,7 +61,9 @@ The recipe studies (issues 50 and 51): llama3_100m on the bundled text with the 
 rounding, without its BF16 last layers) and `granularity` (BF16, fp8_current, fp8_rowwise, fp8_rowwise_gw_hp,
 fp8_blockwise, fp8_blockwise_1d1d, fp8_blockwise_2d2d emulated). Each run checkpoints every 500 steps (the last
 only kept), so a call cut short by --budget-s is continued by the same command: each run resumes from its newest
-checkpoint. Side-by-side runs start together as far as the GPU's free memory holds them (the plan's estimate of
+checkpoint, and a run that finished is reported from its files, not started again (finished_earlier). A later
+session's machine has none of those checkpoints: `adopt --dir DIR --runs OUT/runs.tar.gz` brings the finished runs'
+files from an earlier call's archive into DIR, and `run` then starts only the others. Side-by-side runs start together as far as the GPU's free memory holds them (the plan's estimate of
 each, recorded by prepare, and PROCESS_OVERHEAD_GIB a process): on an H200 every run of a study at once, on an 80 GB
 H100 in two batches one after the other (side_by_side_batches). The table gives each run's mean loss over its last
 100 steps against the BF16 run of its seed, and
@@ -178,6 +180,10 @@ class Run:
     @property
     def model(self) -> str:
         return next(o.split("=", 1)[1] for o in self.overrides if o.startswith("model="))
+
+    @property
+    def max_steps(self) -> int:
+        return int(next(o.split("=", 1)[1] for o in self.overrides if o.startswith("trainer.max_steps=")))
 
     @property
     def configuration(self) -> str:
@@ -384,6 +390,7 @@ class Outcome:
     error: str = ""
     steps_seen: dict[int, float] = field(default_factory=dict)  # step -> time.time() its line appeared; 0: the start
     gpu: dict = field(default_factory=dict)  # gpu_telemetry's record of a timed process: its samples, or why none
+    note: str = ""  # a run reported from an earlier call's files: which (finished_earlier)
 
 
 def last_error(log: Path) -> str:
@@ -461,6 +468,59 @@ def execute(run: Run, run_dir: Path, timeout_s: float) -> Outcome:
         shutil.rmtree(checkpoints[-1])
         status, error, _ = launch(run_dir, "train_resumed.log", timeout_s - (time.monotonic() - started))
     return Outcome(status, time.monotonic() - started, error, seen)
+
+
+def finished_steps(metrics_text: str, summary_text: Optional[str], steps: int) -> bool:
+    """Whether a run's files say it finished: a summary.json, and a metrics.jsonl of every step 1..`steps`."""
+    found = []
+    for line in metrics_text.split("\n")[:-1]:  # complete lines (steps_written)
+        try:
+            found.append(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            return False
+    return summary_text is not None and found == list(range(1, steps + 1))
+
+
+def finished_earlier(run: Run, run_dir: Path) -> Optional[Outcome]:
+    """A recipe study's run that an earlier call finished, on this machine or on another (its files brought here by
+    `adopt`): reported from its files, not started again. Started, it would only resume at its last step where its
+    checkpoints stayed on this machine, and train from the start where they did not (a later session's machine)."""
+    metrics_file, summary_file = run_dir / METRICS, run_dir / SUMMARY
+    if run.seed is None or not (metrics_file.is_file() and summary_file.is_file()):
+        return None
+    summary = summary_file.read_text()
+    if not finished_steps(metrics_file.read_text(), summary, run.max_steps):
+        return None
+    record = json.loads(summary)
+    return Outcome("ok", note=f"finished in an earlier call: commit {str(record.get('commit'))[:12]}, "
+                              f"{record.get('device', 'device not recorded')}")
+
+
+def adopt(directory: Path, archive: Path) -> list[str]:
+    """The files of the recipe study's runs that an earlier call finished, from its OUT/runs.tar.gz into their run
+    dirs here, so that `run` reports them and starts only the others: how a study goes on in a later session, whose
+    machine holds none of the earlier one's checkpoints. A run is taken only where its archived config.yaml is the
+    one prepared here and its files say it finished (finished_steps); only regular files of KEPT_FILES, each
+    written as a run writes its own (recipes.folders.write_file: never through a link). Returns the runs taken."""
+    from recipes.folders import write_file
+
+    taken = []
+    with tarfile.open(archive) as tar:
+        members = {member.name: member for member in tar.getmembers() if member.isfile()}
+        for run in load_study(directory)[2]:
+            run_dir = round_dir(directory, run, 1)
+            files = {name: tar.extractfile(members[f"runs/{run.name}/{name}"]).read() for name in KEPT_FILES
+                     if f"runs/{run.name}/{name}" in members}
+            prepared = run_dir / CONFIG
+            if run.seed is None or not prepared.is_file() or files.get(CONFIG) != prepared.read_bytes():
+                continue
+            summary = files.get(SUMMARY)
+            if not finished_steps(files.get(METRICS, b"").decode(), summary and summary.decode(), run.max_steps):
+                continue
+            for name, data in files.items():
+                write_file(run_dir / name, data)
+            taken.append(run.name)
+    return taken
 
 
 def estimate_s(run: Run, finished: list[tuple[Run, Outcome]]) -> float:
@@ -563,7 +623,7 @@ def row(run: Run, rounds: list[tuple[Path, Outcome]]) -> dict:
         "median_step_s": median("step_time_s", first[run.warmup:]),  # a side-by-side run's too (shared GPU)
         "final_loss": first[-1]["loss"] if first else None,
         "mean_loss_last_100": statistics.fmean(r["loss"] for r in first[-LOSS_WINDOW:]) if first else None,
-        "wall_s": round(sum(outcome.wall_s for _, outcome in rounds), 1), "note": "",
+        "wall_s": round(sum(outcome.wall_s for _, outcome in rounds), 1), "note": rounds[0][1].note,
         **engine_settings(run, first_dir),
         **profile_split(first_dir if run.profile_step and first else None),
     }
@@ -621,7 +681,7 @@ def run_study(directory: Path, out: Path, parts: tuple[str, ...], budget_s: floa
         outcomes.setdefault(run.name, []).append(outcome)
         finished.append((run, outcome))
         print(f"[{time.monotonic() - started:4.0f} s] {run.name} round {len(outcomes[run.name])}/{run.rounds}: "
-              f"{outcome.status} in {outcome.wall_s:.0f} s {outcome.error}", flush=True)
+              f"{outcome.status} in {outcome.wall_s:.0f} s {outcome.error}{outcome.note}", flush=True)
         write_results(study, [r for r in runs if r.name in outcomes], rows(), out, directory, best, prepared_at,
                       clock_note(finished), archives=False)  # a call cut short keeps what it measured
 
@@ -632,6 +692,12 @@ def run_study(directory: Path, out: Path, parts: tuple[str, ...], budget_s: floa
         """The group in batches that fit the GPU's free memory together (side_by_side_batches), one after the
         other, each while the budget lasts: a recipe study's runs are checkpointed, so the next call continues the
         batch cut short and starts the ones not run."""
+        earlier = {run.name: outcome for run in group
+                   if (outcome := finished_earlier(run, round_dir(directory, run, 1)))}
+        for run in group:
+            if run.name in earlier:
+                record(run, earlier[run.name])
+        group = [run for run in group if run.name not in earlier]
         free_gib = torch.cuda.mem_get_info()[0] / 2**30 if device.type == "cuda" else None
         for batch in side_by_side_batches(group, free_gib):
             needed = max(estimate_s(run, finished) for run in batch)
@@ -900,8 +966,9 @@ def recipe_study_tables(runs: list[Run], rows: dict[str, dict]) -> list[str]:
         if gap is not None and r["status"] == "ok":
             gaps.setdefault(run.precision, []).append(gap)
         cell = "-" if reference is None else f"{gap:+.2%}" if gap is not None else "no loss"
+        note = f"({r['note']})" if r.get("note") else ""
         lines.append(f"| {run.precision} | {run.seed} | {r['steps']} | {number(r['mean_loss_last_100'], '.4f')} | "
-                     f"{cell} | {number(r.get('median_step_s'), '.3f')} | {r['status']} {r['error']} |")
+                     f"{cell} | {number(r.get('median_step_s'), '.3f')} | {r['status']} {r['error']}{note} |")
     lines += ["", f"Across seeds (runs that finished), against the target of {RECIPE_STUDY_TARGET:.1%}:", "",
               "| configuration | seeds | mean gap | min | max | within target |", "|---|---|---|---|---|---|"]
     for label in dict.fromkeys(run.precision for run in runs if run.precision != "bf16"):
@@ -980,6 +1047,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                 "(default 500); a recipe study: steps (default 2000)")
     prep.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="a recipe study's seeds (trainer.seed)")
     prep.add_argument("--rounds", type=int, default=ROUNDS, help="speed: processes per timed column")
+    take = commands.add_parser("adopt", help="a recipe study's runs that an earlier call finished, from its "
+                                             "runs.tar.gz into --dir, so that `run` reports them (adopt)")
+    take.add_argument("--dir", type=Path, required=True, help="the folder `prepare` wrote")
+    take.add_argument("--runs", type=Path, required=True, help="OUT/runs.tar.gz of the earlier call")
     go = commands.add_parser("run", help="run the prepared configurations on this machine's GPU")
     go.add_argument("--dir", type=Path, required=True, help="the folder `prepare` wrote")
     go.add_argument("--out", type=Path, required=True, help="results.md, results.csv, runs.tar.gz, traces.tar.gz")
@@ -1006,6 +1077,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if not (args.dir / "study.json").is_file():
         parser.error(f"{args.dir}/study.json not found: run `prepare --dir {args.dir}` first (on a machine with Hydra)")
+    if args.command == "adopt":
+        taken = adopt(args.dir, args.runs)
+        print(f"adopted {len(taken)} finished run(s) into {args.dir}: {', '.join(taken) or 'none'}")
+        return 0
     study = load_study(args.dir)[0]
     parts = tuple(args.parts.split(",")) if study == "speed" else ("loss",)
     unknown = set(parts) - set(SPEED_PARTS) - {"loss"}

@@ -549,6 +549,57 @@ def test_run_study_starts_a_batch_only_when_the_one_before_has_ended(monkeypatch
     assert any(len(together) == 2 for together in seen.values())  # each batch's runs side by side
 
 
+def test_a_finished_study_run_is_reported_not_started_again_here_and_after_adopt(monkeypatch, tmp_path):
+    """A recipe study over several calls: a run that finished is reported from its files by the next call, not
+    started (on the machine that ran it, and on a later session's, which has its files by `adopt` from the earlier
+    call's runs.tar.gz); a run cut short is started again, and adopt takes no run whose archived config differs
+    from the one prepared here or whose steps are not all there."""
+    runs = bench.recipe_study_runs("granularity", "h100", 3, seeds=(1,))[:3]
+    study = tmp_path / "study"
+    bench.prepare("granularity", runs, study)
+    monkeypatch.setattr(bench, "provenance", lambda: {"commit": "c2", "versions": {"torch": "2"}, "device": "X"})
+    started = []
+
+    def execute(run, run_dir, timeout_s):  # the second run is cut short after step 2 in the first call
+        started.append(run.name)
+        steps = 2 if run.name == runs[1].name and len(started) <= 3 else 3
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(
+            {"step": s, "loss": 3.0, "grad_norm": 1.0, "step_time_s": 0.1, "tokens_per_s_per_gpu": 1.0,
+             "model_tflops_per_gpu": 1.0, "mfu": 0.1, "peak_memory_gib": 4.0}) + "\n" for s in range(1, steps + 1)))
+        if steps == 3:
+            (run_dir / "summary.json").write_text(json.dumps({"commit": "c1" * 20, "device": "NVIDIA H100"}))
+        return bench.Outcome("ok" if steps == 3 else "timeout", 1.0)
+
+    monkeypatch.setattr(bench, "execute", execute)
+
+    def call(out: str) -> dict:
+        bench.run_study(study, tmp_path / out, ("loss",), 10_000.0, None)
+        return {r["name"]: r for r in csv.DictReader(open(tmp_path / out / "results.csv"))}
+
+    call("first")
+    assert started == [run.name for run in runs]
+    rows = call("second")  # the same machine: only the run cut short starts again
+    assert started[3:] == [runs[1].name]
+    assert rows[runs[0].name]["status"] == "ok" and rows[runs[0].name]["steps"] == "3"
+    assert rows[runs[0].name]["note"] == "finished in an earlier call: commit c1c1c1c1c1c1, NVIDIA H100"
+    assert rows[runs[1].name]["note"] == ""
+    table = (tmp_path / "second" / "results.md").read_text()
+    assert "| ok (finished in an earlier call: commit c1c1c1c1c1c1, NVIDIA H100) |" in table
+
+    # a later session's machine: the prepared files only, then the first call's archive adopted
+    for run in runs:
+        for name in ("metrics.jsonl", "summary.json"):
+            (study / run.name / name).unlink()
+    prepared = (study / runs[2].name / "config.yaml").read_text()
+    (study / runs[2].name / "config.yaml").write_text(prepared.replace("seed: 1", "seed: 5"))  # another config
+    assert bench.adopt(study, tmp_path / "first" / "runs.tar.gz") == [runs[0].name]  # runs[1] had 2 steps of 3
+    assert (study / runs[0].name / "summary.json").is_file() and not (study / runs[1].name / "summary.json").exists()
+    rows = call("third")
+    assert started[4:] == [runs[1].name, runs[2].name]
+    assert rows[runs[0].name]["note"].startswith("finished in an earlier call")
+    assert not (study / runs[1].name / "summary.json").is_symlink()
+
+
 def test_recipe_study_table_compares_each_run_with_bf16_of_its_seed_and_averages_the_seeds():
     runs = bench.recipe_study_runs("nvfp4", "h200", 2000, seeds=(1, 2))
     losses = {"bf16": (3.00, 2.90), "fp8_current": (3.03, 2.90), "nvfp4": (3.06, 2.99)}  # +0.5% / +2.5% on average
