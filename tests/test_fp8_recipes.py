@@ -27,7 +27,7 @@ from recipes.fp8.blockwise import quantize_blockwise
 from recipes.fp8.current_scaling import quantize_tensorwise
 from recipes.fp8.delayed_scaling import DelayedScalingState, quantize_delayed, update_delayed_scaling
 from recipes.fp8.formats import E4M3, E5M2
-from recipes.fp8.gemm import fp8_gemm
+from recipes.fp8.gemm import fp8_gemm, pow2_scaled_bf16
 from recipes.fp8.linear import (
     CACHE_OFF,
     CACHE_REFRESH,
@@ -555,6 +555,24 @@ def test_blockwise_rejects_indivisible_shapes():
         quantize_blockwise(torch.randn(128, 100), E4M3, (128, 128))
     with pytest.raises(ValueError):
         quantize_blockwise(torch.randn(4, 200), E4M3, (1, 128))
+
+
+def test_block_scaled_operands_are_exact_in_bf16_as_the_gpus_emulated_gemm_takes_them():
+    """An emulated block-scaled GEMM on a GPU multiplies its operands in BF16 (recipes.fp8.gemm): each value, an
+    FP8 value times a power-of-two scale, equals the FP32 dequantization bit for bit, in every block the blockwise
+    and MX recipes quantize, zero, tiny (2**-100) and huge (2**60) blocks included. With TE's FP32 (not power-of-two)
+    scales, which no recipe here uses, it would not be."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(256, 512, generator=g)
+    x[:128, :128] = 0.0
+    x[:, 128:256] *= 2.0**-100
+    x[128:, 256:384] *= 2.0**60
+    for dtype in (E4M3, E5M2):
+        for q in (quantize_blockwise(x, dtype, (1, 128)), quantize_blockwise(x, dtype, (128, 128)),
+                  quantize_mx(x, dtype)):
+            assert torch.equal(pow2_scaled_bf16(q).float(), q.dequantize()), (dtype, q.block)
+    fp32_scales = quantize_blockwise(x, E4M3, (1, 128), power_of_2_scales=False)
+    assert not torch.equal(pow2_scaled_bf16(fp32_scales).float(), fp32_scales.dequantize())
 
 
 @pytest.mark.parametrize("pow2", [True, False], ids=["pow2", "exact"])

@@ -13,10 +13,10 @@ take), dispatched on the operands' scaling granularity:
   swizzled in the 32_4_4 layout, a 16x16-block weight's scale repeated over its 16 rows, the tensor scales applied
   to the FP32 sums); emulated, each operand's values times its block scales (exact in BF16) multiplied on BF16
   tensor cores with FP32 sums, then the two tensor scales, as TE's reference GEMM applies its global scales;
-- emulated (only when the precision asks for it): the operands dequantized to FP32 and multiplied in FP32, the
-  same numbers a native block-scaled GEMM computes up to the order of FP32 accumulation. MX operands, whose
-  scales are powers of two, are exact in TF32 too, so on a GPU their emulation runs on tensor cores in TF32 (FP32
-  accumulation, as the native kernel) instead of FP32 SIMT, several times faster.
+- emulated (only when the precision asks for it): the operands dequantized and multiplied with FP32 sums, the
+  same numbers a native block-scaled GEMM computes up to the order of FP32 accumulation; on a GPU on BF16 tensor
+  cores, in which an FP8 value times a power-of-two scale is exact (the 128x128 x 128x128 GEMMs of
+  fp8_blockwise_2d2d, which no native kernel takes, ran ~10x slower on FP32 SIMT).
 
 The block-scaled GEMMs, native and emulated, are opaque custom ops (`fp8_recipes::block_scaled_mm`, `::nvfp4_mm`) for
 torch.compile: the op's argument checks and scale-layout fix-ups then stay out of the traced graph, so Dynamo never
@@ -147,15 +147,26 @@ def _(a, a_scale_inv, a_block, b, b_scale_inv, b_block, out_dtype, emulate):
 
 
 def _emulated_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """The dequantized operands multiplied in FP32. MX operands on a GPU in TF32: an FP8 value times a power-of-two
-    scale has at most 3 mantissa bits and TF32 keeps 10, so the inputs are exact and the products accumulate in
-    FP32, as in the native kernel. The switch covers this matmul only (this op runs eagerly, even when compiled)."""
-    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = allow_tf32 or (a.block == MX_BLOCK and a.data.is_cuda)
-    try:
+    """The dequantized operands multiplied with FP32 sums: on a CPU in FP32; on a GPU on BF16 tensor cores with FP32
+    sums (mm_into), as NVFP4's emulation, several times faster than FP32 (SIMT) or TF32. Each value is an FP8 value
+    times a power-of-two scale (pow2_scaled_bf16), exact in BF16, so both compute the native kernel's numbers up to
+    the order of the FP32 sums."""
+    if not a.data.is_cuda:
         return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    product = a.data.new_empty((a.data.shape[0], b.data.shape[0]), dtype=torch.float32)
+    mm_into(pow2_scaled_bf16(a), pow2_scaled_bf16(b), product, accumulate=False)
+    return product if out_dtype == torch.float32 else product.to(out_dtype)
+
+
+def pow2_scaled_bf16(operand: Float8Tensor) -> torch.Tensor:
+    """A block-scaled FP8 operand's values times their scales, in BF16. Exact where the scales are powers of two, as
+    every block-scaled recipe here makes them (blockwise: TE's power-of-two rounding, recipes.fp8.blockwise; MX:
+    E8M0): an FP8 value has at most 4 significant bits and BF16 keeps 8 and FP32's exponent range, subnormals down to
+    2**-133 (a smaller value, from a block whose amax is below ~2**-124, would be rounded). FP8 to BF16 and the
+    product by a power of two are exact, so no FP32 copy is made."""
+    (block_rows, block_cols), (rows, cols) = operand.block, operand.data.shape
+    blocks = operand.data.to(torch.bfloat16).view(rows // block_rows, block_rows, cols // block_cols, block_cols)
+    return (blocks * operand.scale_inv.to(torch.bfloat16)[:, None, :, None]).view(rows, cols)
 
 
 @torch.library.custom_op("fp8_recipes::nvfp4_mm", mutates_args=())

@@ -208,12 +208,12 @@ class DelayedScaling(PerTensorScaling):
 class BlockwiseScaling(Fp8Recipe):
     """Sub-channel scaling (TE Float8BlockScaling): each operand in 1x128 blocks along K or in 128x128 blocks,
     `block_dims` (input, weight, gradient; TE's x/w/grad_block_scaling_dim, by default 1x128 activations and
-    gradients and 128x128 weights). A 128x128 operand's transpose reuses its bytes; a 1x128 one is quantized again
-    along its new K. With the fused kernels (power-of-two scales), an activation or gradient in 1x128 blocks and its
+    gradients and 128x128 weights), with power-of-two scales as TE's recipe makes them (then exact in BF16, which an
+    emulated GEMM uses: recipes.fp8.gemm). A 128x128 operand's transpose reuses its bytes; a 1x128 one is quantized
+    again along its new K. With the fused kernels, an activation or gradient in 1x128 blocks and its
     transpose are quantized from one read, by the kernel that computes it where it is an MLP activation
     (recipes.fp8.fused_quantize's produce_fp8_1x128); in 128x128 blocks it is computed, then quantized."""
 
-    power_of_2_scales: bool = True
     block_dims: tuple[int, int, int] = DEFAULT_BLOCK_DIMS
     fast_accum_fprop = False  # cuBLAS block scaling has no fast-accumulation mode
 
@@ -221,7 +221,7 @@ class BlockwiseScaling(Fp8Recipe):
         return BLOCKS[self.block_dims[(INPUT, WEIGHT, GRAD).index(role)]]
 
     def quantize(self, t, role, state):
-        return quantize_blockwise(t, self.dtype(role), self.block(role), self.power_of_2_scales)
+        return quantize_blockwise(t, self.dtype(role), self.block(role))
 
     def transpose_reuses_quantization(self, role):
         return self.block(role) == WEIGHT_BLOCK
@@ -241,9 +241,6 @@ class BlockwiseScaling(Fp8Recipe):
     def _produces(self, role: int) -> bool:
         """An activation or gradient in 1x128 blocks: what produce_fp8_1x128 writes, both ways."""
         return role != WEIGHT and self.block(role) == ACTIVATION_BLOCK
-
-    def _fused(self, t):
-        return super()._fused(t) if self.power_of_2_scales else None  # the kernels' scales are powers of two
 
 
 class MXFP8Scaling(Fp8Recipe):
