@@ -190,11 +190,13 @@ def same_e4m3(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b])
 
 
+@pytest.mark.parametrize("hadamard", [False, True], ids=["", "hadamard"])
 @pytest.mark.parametrize("stochastic", [False, True])
 @pytest.mark.parametrize("tile_rows", [1, 16])
-def test_triton_kernel_writes_the_reference_bytes(tile_rows, stochastic):
+def test_triton_kernel_writes_the_reference_bytes(tile_rows, stochastic, hadamard):
     """recipes.fp8.nvfp4_kernels.quantize (the quantizer on CUDA) against quantize_nvfp4, byte for byte: codes,
-    E4M3 scales, decode scale; stochastic rounding from the same seed and operand."""
+    E4M3 scales, decode scale; stochastic rounding from the same seed and operand; of the random Hadamard transform
+    (the weight gradient's operands), the kernel's against random_hadamard_transform's."""
     pytest.importorskip("triton")
     from recipes.fp8.nvfp4_kernels import quantize
 
@@ -202,14 +204,41 @@ def test_triton_kernel_writes_the_reference_bytes(tile_rows, stochastic):
     for name, x in kernel_cases():
         if x.shape[0] % tile_rows:
             continue
-        codes, scales, decode = quantize(x, tile_rows, seed, 1)
-        expected = quantize_nvfp4(x, (tile_rows, 16), uniform(seed, 1, x.shape) if stochastic else None).as_operand()
+        codes, scales, decode = quantize(x, tile_rows, seed, 1, RHT_SIGNS if hadamard else None)
+        source = random_hadamard_transform(x) if hadamard else x
+        expected = quantize_nvfp4(source, (tile_rows, 16), uniform(seed, 1, x.shape) if stochastic else None)
+        expected = expected.as_operand()
         assert torch.equal(codes, expected.data), name
         assert same_e4m3(scales, expected.scale_inv), name
         assert torch.equal(decode, expected.tensor_scale_inv) or (decode.isnan() and expected.tensor_scale_inv.isnan())
     if stochastic:  # another operand draws other numbers
         x = kernel_cases()[0][1]
         assert not torch.equal(quantize(x, tile_rows, seed, 0)[0], quantize(x, tile_rows, seed, 1)[0])
+
+
+def test_triton_hadamard_kernel_is_the_reference_transform_bit_for_bit():
+    """recipes.fp8.nvfp4_kernels.hadamard_transform against random_hadamard_transform (float64, then PyTorch's cast):
+    the same bits in BF16 and FP32, NaN where it is NaN, inf, values spanning 2**-20..2**9 in one block, odd shapes;
+    its amax is torch.amax of the result. Other signs give other values, and a BF16 result is rounded through FP32,
+    as PyTorch casts float64 (one value whose direct rounding would differ)."""
+    pytest.importorskip("triton")
+    from recipes.fp8.nvfp4_kernels import hadamard_transform
+
+    tie = torch.zeros(1, 16, dtype=torch.bfloat16)
+    tie[0, :3] = torch.tensor([4.0, 2.0**-6, 2.0**-28])  # the first output 1 + 2**-8 + 2**-30 before rounding
+    for name, x in kernel_cases() + [("tie", tie)]:
+        got, amax = hadamard_transform(x, RHT_SIGNS)
+        expected = random_hadamard_transform(x)
+        assert got.dtype == x.dtype and torch.equal(got.isnan(), expected.isnan()), name
+        assert torch.equal(got[~got.isnan()], expected[~expected.isnan()]), name
+        reference_amax = expected.float().abs().amax()
+        assert torch.equal(amax, reference_amax) or (amax.isnan() and reference_amax.isnan()), name
+    x = kernel_cases()[0][1]
+    assert not torch.equal(hadamard_transform(x, (1,) * 16)[0], random_hadamard_transform(x))
+    # just above BF16's tie between 1 and 1 + 2**-7: rounded directly it would be 1 + 2**-7; through FP32 (1 + 2**-8,
+    # the tie itself) it is 1, ties to even
+    assert (tie.double() @ hadamard_matrix())[0, 0].item() == 1 + 2.0**-8 + 2.0**-30
+    assert hadamard_transform(tie, RHT_SIGNS)[0][0, 0].item() == 1.0
 
 
 def test_triton_kernel_decodes_the_emulated_gemms_exact_bf16_inputs():
@@ -233,11 +262,18 @@ import sys
 from pathlib import Path
 from hopper_compile import compile_for_hopper
 from recipes.fp8 import nvfp4_kernels as k
+from recipes.fp8.nvfp4 import RHT_SIGNS
 
 quantize = {"x": "*bf16", "amax": "*fp32", "seed": "*i64", "codes": "*u8", "scales": "*u8", "decode_out": "*fp32",
             "rows": "i32", "cols": "i32", "operand": "i32"}
 decode = {"codes": "*u8", "scales": "*u8", "out": "*bf16", "rows": "i32", "cols": "i32"}
+hadamard = {"x": "*bf16", "out": "*bf16", "amax_bits": "*i32", "rows": "i32", "cols": "i32"}
 tile = dict(TILE_R=k.TILE_R, TILE_C=k.TILE_C)
+negative = sum(1 << i for i, sign in enumerate(RHT_SIGNS) if sign < 0)
+_, spilled, registers = compile_for_hopper(k._hadamard_kernel, hadamard, dict(NEGATIVE=negative, TO_BF16=True,
+                                           SOFTWARE=False, **tile), Path(sys.argv[1]))
+print("_hadamard_kernel registers", registers, "spilled", spilled, flush=True)
+assert spilled == 0, f"_hadamard_kernel spills {spilled} bytes"
 for rows in (1, 16):
     runs = [(k._nvfp4_kernel, quantize, dict(BLOCK_ROWS=rows, STOCHASTIC=stochastic, **tile))
             for stochastic in (False, True)] + [(k._block_scaled_kernel, decode, dict(BLOCK_ROWS=rows, SOFTWARE=False, **tile))]

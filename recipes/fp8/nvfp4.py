@@ -183,14 +183,15 @@ def quantize_nvfp4_op(x: torch.Tensor, block_rows: int, hadamard: bool, seed: Op
                       operand: int, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (rows, K) as a GEMM operand (Nvfp4Quantized.as_operand: codes, block scales, decode scale),
     Hadamard-transformed first where `hadamard`, rounded stochastically where a `seed` is given (`uniform`'s, with
-    `operand`); on CUDA with `fused`, by recipes.fp8.nvfp4_kernels's one kernel (the same bytes)."""
+    `operand`); on CUDA with `fused`, by recipes.fp8.nvfp4_kernels's kernels (the same bytes: the transform's,
+    then the quantizer's)."""
     x = x.contiguous()
-    if hadamard:
-        x = random_hadamard_transform(x)
     if fused and x.is_cuda:
         from recipes.fp8 import nvfp4_kernels
 
-        return nvfp4_kernels.quantize(x, block_rows, seed, operand)
+        return nvfp4_kernels.quantize(x, block_rows, seed, operand, RHT_SIGNS if hadamard else None)
+    if hadamard:
+        x = random_hadamard_transform(x)
     random = None if seed is None else uniform(seed, operand, x.shape)
     quantized = quantize_nvfp4(x, (block_rows, NVFP4_BLOCK[1]), random).as_operand()
     return quantized.data, quantized.scale_inv, quantized.tensor_scale_inv

@@ -9,8 +9,10 @@ program quantizes a tile of 16 rows: the blocks' amaxes, their E4M3 scales, the 
 the same seed, operand and element index), packed two to a byte, and the tensor's decode scale. Every step is the
 reference's, in FP32 with IEEE division (tl.div_rn); the E4M3 scales are clamped, rounded and decoded in integer
 arithmetic (recipes.fp8.kernels._to_fp8 in its software form), so the bytes do not depend on the hardware's conversions. The tensor's amax (the
-second level) is one PyTorch reduction before the kernel. tests/test_nvfp4.py checks both kernels against the
-reference in Triton's CPU interpreter, tests/test_gpu.py on a GPU.
+second level) is one PyTorch reduction before the kernel, or recorded by the kernel of the random Hadamard transform
+(hadamard_transform) where the operand takes one: recipes.fp8.nvfp4's transform, the same bits, in one pass instead
+of PyTorch's float64 copy, float64 GEMM and cast back (36 bytes moved an element instead of 4). tests/test_nvfp4.py
+checks the kernels against the reference in Triton's CPU interpreter, tests/test_gpu.py on a GPU.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import triton
 import triton.language as tl
 
 from recipes.fp8.formats import E4M3
-from recipes.fp8.fused_quantize import _store_bf16
+from recipes.fp8.fused_quantize import _magnitude_bits, _record_amax, _store_bf16
 from recipes.fp8.kernels import INTERPRETED, _to_fp8
 
 BLOCK = 16  # elements along K sharing a scale (recipes.fp8.nvfp4.NVFP4_BLOCK, which imports this module)
@@ -148,6 +150,66 @@ def _nvfp4_kernel(x, amax, seed, codes, scales, decode_out, rows, cols, operand,
 
 
 @triton.jit
+def _butterfly(v, H: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr):
+    """One stage of the fast Walsh-Hadamard transform: in each group of 2H columns its halves (a, b) become
+    (a + b, a - b). Stages H = 8, 4, 2, 1 multiply every 16 columns by Sylvester's H16."""
+    halves = tl.permute(tl.reshape(v, (TILE_R, TILE_C // (2 * H), 2, H)), (0, 1, 3, 2))
+    a, b = tl.split(halves)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (TILE_R, TILE_C))
+
+
+@triton.jit
+def _round_to_bf16(y):
+    """FP32 values rounded to the nearest BF16, ties to even (NaN kept), as FP32: PyTorch's conversion, in integer
+    arithmetic so that the interpreter rounds as a GPU does."""
+    bits = y.to(tl.int32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(y != y, y, rounded)
+
+
+@triton.jit
+def _hadamard_kernel(x, out, amax_bits, rows, cols, NEGATIVE: tl.constexpr, TO_BF16: tl.constexpr,
+                     SOFTWARE: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr):
+    """recipes.fp8.nvfp4.random_hadamard_transform of a tile: every 16 columns times diag(signs) H16 / 4 in float64
+    (the signs negative where bit i of NEGATIVE is set), rounded once to FP32 and then, for a BF16 x, to BF16 (as
+    PyTorch casts float64 to bfloat16, through float32); the tile's amax max-ed into amax_bits."""
+    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
+    r = pid_r * TILE_R + tl.arange(0, TILE_R)
+    c = pid_c * TILE_C + tl.arange(0, TILE_C)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    offsets = r[:, None].to(tl.int64) * cols + c[None, :]
+    v = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float64)
+    v = tl.where(((NEGATIVE >> (c % 16)) & 1)[None, :] != 0, -v, v)
+    for h in tl.static_range(4):
+        v = _butterfly(v, 8 >> h, TILE_R, TILE_C)
+    y = (v * 0.25).to(tl.float32)
+    if TO_BF16:
+        y = _round_to_bf16(y)
+        _store_bf16(out + offsets, y, mask, SOFTWARE)
+    else:
+        tl.store(out + offsets, y, mask=mask)
+    _record_amax(_magnitude_bits(y, mask), amax_bits)
+
+
+def hadamard_transform(x: torch.Tensor, signs: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """recipes.fp8.nvfp4.random_hadamard_transform(x) of a BF16 or FP32 x (rows, K), K a multiple of 16, with the
+    sign vector `signs` (16 of +-1), and its amax (FP32, 0-dim; NaN where it holds one, as torch.amax)."""
+    if x.dtype not in (torch.bfloat16, torch.float32) or x.shape[1] % BLOCK:
+        raise ValueError(f"the Hadamard transform's kernel takes BF16 or FP32 with K a multiple of {BLOCK}, got "
+                         f"{x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    rows, cols = x.shape
+    out = torch.empty_like(x)
+    amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
+    bf16 = x.dtype == torch.bfloat16
+    grid = (triton.cdiv(rows, TILE_R), triton.cdiv(cols, TILE_C))
+    _hadamard_kernel[grid](x, out.view(torch.int16) if bf16 and INTERPRETED else out, amax_bits, rows, cols,
+                           NEGATIVE=sum(1 << i for i, sign in enumerate(signs) if sign < 0), TO_BF16=bf16,
+                           SOFTWARE=INTERPRETED, TILE_R=TILE_R, TILE_C=TILE_C)
+    return out, amax_bits.view(torch.float32)
+
+
+@triton.jit
 def _e2m1_value(code):
     """The FP32 value of E2M1 codes (int32, 0-15): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
     exponent = (code >> 1) & 3
@@ -190,16 +252,20 @@ def block_scaled_bf16(codes: torch.Tensor, scales: torch.Tensor, block_rows: int
     return out
 
 
-def quantize(x: torch.Tensor, block_rows: int, seed: torch.Tensor | None,
-             operand: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, block_rows: int, seed: torch.Tensor | None, operand: int,
+             hadamard_signs: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """quantize_nvfp4(x, (block_rows, 16), uniform(seed, operand, x.shape) if seed is given) as a GEMM operand's
-    tensors: codes (rows, K / 2) uint8, block scales (E4M3) and the decode scale 1 / S_enc (FP32, 0-dim)."""
+    tensors: codes (rows, K / 2) uint8, block scales (E4M3) and the decode scale 1 / S_enc (FP32, 0-dim); of x's
+    random Hadamard transform with `hadamard_signs` where they are given."""
     x = x.contiguous()
+    if hadamard_signs is not None:
+        x, amax = hadamard_transform(x, hadamard_signs)
+    else:
+        amax = torch.linalg.vector_norm(x, float("inf")).float()  # torch.amax(|x|), NaN kept, without |x|'s copy
     rows, cols = x.shape
     codes = torch.empty((rows, cols // 2), dtype=torch.uint8, device=x.device)
     scales = torch.empty((rows // block_rows, cols // BLOCK), dtype=torch.uint8, device=x.device)
     decode = torch.empty((), dtype=torch.float32, device=x.device)
-    amax = x.abs().amax().float()
     grid = (triton.cdiv(rows, TILE_R), triton.cdiv(cols, TILE_C))
     _nvfp4_kernel[grid](x, amax, codes if seed is None else seed, codes, scales, decode, rows, cols, operand,
                         BLOCK_ROWS=block_rows, STOCHASTIC=seed is not None, TILE_R=TILE_R, TILE_C=TILE_C)
