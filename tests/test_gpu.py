@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 
 import pytest
 import torch
@@ -392,6 +393,24 @@ def test_nvfp4_kernel_on_cuda_writes_the_cpu_reference_bytes(tile_rows):
                                    (got.view(torch.uint8) if got.dtype != torch.float32 else got).cpu()), args
             decoded = block_scaled_bf16(cuda[0], cuda[1], tile_rows)  # the emulated GEMM's exact BF16 input
             assert torch.equal(decoded.float().cpu(), Float8Tensor(*cpu[:2], (tile_rows, 16), cpu[2]).block_scaled())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() >= (10, 0),
+                    reason="a GPU without Blackwell's MX and NVFP4 GEMMs")
+def test_mx_and_nvfp4_without_emulation_are_refused_in_one_line_before_hopper_cublas():
+    """On a GPU before Blackwell an NVFP4 or MXFP8 GEMM without precision.emulate is refused by the product, naming
+    the GPU and the switch, not by cuBLAS's CUBLAS_STATUS_NOT_SUPPORTED (as layer_bench's nvfp4 column met it on an
+    H100); emulated, each runs."""
+    from recipes.fp8.gemm import fp8_gemm
+    from recipes.fp8.mxfp8 import quantize_mx
+    from recipes.fp8.nvfp4 import quantize_nvfp4
+
+    x = torch.randn(128, 256, device="cuda")
+    operands = {"NVFP4": quantize_nvfp4(x, (1, 16)).as_operand(), "MX": quantize_mx(x, torch.float8_e4m3fn)}
+    for name, q in operands.items():
+        with pytest.raises(RuntimeError, match=re.escape(torch.cuda.get_device_name()) + r".*precision\.emulate=true"):
+            fp8_gemm(q, q, torch.bfloat16, False, emulate=False)
+        assert fp8_gemm(q, q, torch.bfloat16, False, emulate=True).shape == (128, 128), name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (10, 0),

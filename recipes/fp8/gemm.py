@@ -49,8 +49,9 @@ from recipes.fp8.tensor import ROW_BLOCK, Float8Tensor
 
 def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, fast_accum: bool, emulate: bool) -> torch.Tensor:
     if a.is_fp4:
-        if not emulate and not a.data.is_cuda:
-            raise RuntimeError(f"no native NVFP4 GEMM on {a.data.device}; set precision.emulate=true to emulate it")
+        if not emulate and not _blackwell(a.data.device):
+            raise RuntimeError(f"no native NVFP4 GEMM on {_device_name(a.data.device)} (FP4 tensor cores: Blackwell); "
+                               "set precision.emulate=true to emulate it")
         return nvfp4_mm(a.data, a.scale_inv, a.tensor_scale_inv, a.block[0], b.data, b.scale_inv, b.tensor_scale_inv,
                         b.block[0], out_dtype, emulate)
     if a.block is None and b.block is None:
@@ -60,12 +61,22 @@ def fp8_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, fast_accu
         # Not `.to(out_dtype)` when it is already BF16: under torch.compile (aot_eager too) that no-op left the FP8
         # linear's backward writing zeros as dgrad and wgrad on an H100 (tests/test_gpu.py, fp8_rowwise compiled).
         return result if result.dtype == out_dtype else result.to(out_dtype)
-    if not emulate and not a.data.is_cuda:
+    if not emulate and not (a.data.is_cuda and (a.block != MX_BLOCK or _blackwell(a.data.device))):
         raise RuntimeError(
-            f"no native {a.block} x {b.block} block-scaled FP8 GEMM on {a.data.device}; "
-            "set precision.emulate=true to emulate it"
+            f"no native {a.block} x {b.block} block-scaled FP8 GEMM on {_device_name(a.data.device)}"
+            f"{' (MX scales: Blackwell)' if a.block == MX_BLOCK else ''}; set precision.emulate=true to emulate it"
         )
     return block_scaled_mm(a.data, a.scale_inv, list(a.block), b.data, b.scale_inv, list(b.block), out_dtype, emulate)
+
+
+def _blackwell(device: torch.device) -> bool:
+    """Whether `device` is a GPU with Blackwell's MX and NVFP4 GEMMs (compute capability 10 and later): elsewhere
+    cuBLAS answers those with CUBLAS_STATUS_NOT_SUPPORTED, after the run has built its model."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
 
 
 def rowwise_mm(a: Float8Tensor, b: Float8Tensor, fast_accum: bool, emulate: bool) -> torch.Tensor:
