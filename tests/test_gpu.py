@@ -644,6 +644,42 @@ def test_cublaslt_fp8_gemm_into_fp32_equals_scaled_mm(accumulate, dtypes):
     assert relative_error(out, expected.double()) < 1e-6
 
 
+@pytest.mark.parametrize("shape", [(1024, 768, 2048), (64, 64, 16384)], ids=["square", "long_k"])
+def test_cublaslt_bf16_gemm_scales_the_fp32_sums_read_from_the_gpu_and_rounds_once(shape):
+    """cublaslt.bf16_mm (the emulated GEMMs' on a GPU): alpha * a @ b^T with alpha read from device memory, into
+    BF16 and FP32, within FP32 summation's bound of the FP64 product (BF16: plus half its last place), also where K
+    is long enough for split-K (whose partial sums must stay in FP32: in BF16 they would miss the bound by ~2**16);
+    and the emulated NVFP4 GEMM through it equals the FP32 product scaled and cast (its other path) to that bound."""
+    from recipes.fp8 import cublaslt
+    from recipes.fp8.gemm import _bf16_product, emulated_nvfp4_gemm
+    from recipes.fp8.nvfp4 import quantize_nvfp4
+
+    m, n, k = shape
+    g = torch.Generator(device="cuda").manual_seed(11)
+    a = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    b = torch.randn(n, k, device="cuda", generator=g).bfloat16()
+    alpha = torch.tensor(0.3721, device="cuda")
+    exact = (a.double() @ b.double().t()) * alpha.double()
+    bound = 2.0**-24 * k * (a.double().abs() @ b.double().abs().t()) * alpha.double() + 1e-30
+    for out_dtype in (torch.float32, torch.bfloat16):
+        out = torch.empty(m, n, dtype=out_dtype, device="cuda")
+        assert cublaslt.supports_bf16(a, b, out)
+        cublaslt.bf16_mm(a, b, out, alpha)
+        allowed = bound + (exact.abs() * 2.0**-8 if out_dtype == torch.bfloat16 else 0.0)
+        assert ((out.double() - exact).abs() <= allowed).all(), out_dtype
+    x, w = torch.randn(m, k, device="cuda", generator=g) * 3, torch.randn(n, k, device="cuda", generator=g)
+    qx, qw = quantize_nvfp4(x, (1, 16)).as_operand(), quantize_nvfp4(w, (16, 16)).as_operand()
+    fused = emulated_nvfp4_gemm(qx, qw, torch.float32)
+    scale = qx.tensor_scale_inv * qw.tensor_scale_inv
+    product = torch.empty(m, n, device="cuda")
+    torch.ops.aten.mm.dtype_out(qx.block_scaled().bfloat16(), qw.block_scaled().bfloat16().t(), torch.float32,
+                                out=product)
+    magnitudes = qx.block_scaled().double().abs() @ qw.block_scaled().double().abs().t() * scale.double()
+    assert ((fused.double() - (product * scale).double()).abs() <= 2 * 2.0**-24 * k * magnitudes + 1e-30).all()
+    unscaled = _bf16_product(a, b, None, torch.float32)  # no scale: alpha 1 from the GPU
+    assert ((unscaled.double() - exact / alpha.double()).abs() <= bound / alpha.double()).all()
+
+
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_cublaslt_blockwise_gemm_into_fp32_equals_scaled_mm(accumulate):
     """The blockwise weight gradient (1x128 blocks both) through cuBLASLt with beta = 1 writes what

@@ -12,7 +12,8 @@ take), dispatched on the operands' scaling granularity:
   torch.nn.functional.scaled_mm's two-level NVFP4 scaling on Blackwell (cuBLAS's FP4 GEMM: the block scales
   swizzled in the 32_4_4 layout, a 16x16-block weight's scale repeated over its 16 rows, the tensor scales applied
   to the FP32 sums); emulated, each operand's values times its block scales (exact in BF16) multiplied on BF16
-  tensor cores with FP32 sums, then the two tensor scales, as TE's reference GEMM applies its global scales;
+  tensor cores with FP32 sums, then the two tensor scales, as TE's reference GEMM applies its global scales (on a
+  GPU inside one cuBLASLt GEMM that reads them from device memory and writes the output's type: recipes.fp8.cublaslt);
 - emulated (only when the precision asks for it): the operands dequantized and multiplied with FP32 sums, the
   same numbers a native block-scaled GEMM computes up to the order of FP32 accumulation; on a GPU on BF16 tensor
   cores, in which an FP8 value times a power-of-two scale is exact (the 128x128 x 128x128 GEMMs of
@@ -164,8 +165,19 @@ def _emulated_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> 
     the order of the FP32 sums."""
     if not a.data.is_cuda:
         return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
-    product = a.data.new_empty((a.data.shape[0], b.data.shape[0]), dtype=torch.float32)
-    mm_into(pow2_scaled_bf16(a), pow2_scaled_bf16(b), product, accumulate=False)
+    return _bf16_product(pow2_scaled_bf16(a), pow2_scaled_bf16(b), None, out_dtype)
+
+
+def _bf16_product(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """scale * a @ b^T (scale None: 1) of exact BF16 operands with FP32 sums, rounded once to out_dtype: on CUDA one
+    cuBLASLt GEMM that reads `scale` from device memory and writes out_dtype (cublaslt.bf16_mm); elsewhere the FP32
+    product (mm_into), then scaled and cast: the same numbers in two more passes over the output."""
+    if cublaslt.supports_bf16(a, b, out := a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)):
+        cublaslt.bf16_mm(a, b, out, scale)
+        return out
+    product = a.new_empty((a.shape[0], b.shape[0]), dtype=torch.float32)
+    mm_into(a, b, product, accumulate=False)
+    product = product if scale is None else product * scale
     return product if out_dtype == torch.float32 else product.to(out_dtype)
 
 
@@ -203,10 +215,8 @@ def _(a, a_scale_inv, a_tensor_scale_inv, a_block_rows, b, b_scale_inv, b_tensor
 
 def emulated_nvfp4_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Each operand's values times their block scales, exact in BF16, multiplied with FP32 sums (tensor cores on a
-    GPU), then times the two tensor scales."""
-    product = a.data.new_empty((a.data.shape[0], b.data.shape[0]), dtype=torch.float32)
-    mm_into(_exact_bf16(a), _exact_bf16(b), product, accumulate=False)
-    return (product * (a.tensor_scale_inv * b.tensor_scale_inv)).to(out_dtype)
+    GPU), the sums times the two tensor scales (inside the GEMM on a GPU: _bf16_product)."""
+    return _bf16_product(_exact_bf16(a), _exact_bf16(b), a.tensor_scale_inv * b.tensor_scale_inv, out_dtype)
 
 
 def _exact_bf16(operand: Float8Tensor) -> torch.Tensor:
