@@ -587,6 +587,45 @@ def seed_gaps(records: list[Record], precision: str, sources: Sources) -> dict[i
     return gaps
 
 
+RECIPE_STUDY_SEEDS = 3  # scripts/megatron_bench.py's recipe studies run each configuration with three seeds
+
+
+def study_gaps(records: list[Record], label: str, sources: Sources) -> dict[int, float]:
+    """seed -> a recipe study's run of `label` (scripts/megatron_bench.py's results.csv) against the BF16 run of its
+    seed: the ratio of their mean losses over the last 100 steps, minus 1; only runs that finished, each seed from the
+    newest record holding it. A run an earlier call finished (its note says so) is of that call's commit."""
+    gaps: dict[int, float] = {}
+    for rec in records:
+        finished = {row["name"]: row for row in csv_rows(f"{rec.path}/results.csv")
+                    if row["status"] == "ok" and row["mean_loss_last_100"]}
+        seeds_of: dict[str, list[int]] = {}  # commit -> the seeds whose runs it made
+        for name, row in finished.items():
+            match = re.fullmatch(rf"torch-llama3_100m-{re.escape(label)}-seed(\d+)", name)
+            bf16 = finished.get(f"torch-llama3_100m-bf16-seed{match[1]}") if match else None
+            if bf16 is None or int(match[1]) in gaps:
+                continue
+            seed = int(match[1])
+            gaps[seed] = float(row["mean_loss_last_100"]) / float(bf16["mean_loss_last_100"]) - 1
+            for run in (row, bf16):
+                earlier = re.search(r"earlier call: commit (\w+)", run["note"])
+                seeds_of.setdefault(short(earlier[1]) if earlier else rec.commit, []).append(seed)
+        for commit, seeds in seeds_of.items():
+            seeds = sorted(set(seeds))
+            sources.used.setdefault(f"loss of {label}", {}).setdefault((rec.path, commit), []).append(
+                f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}")
+    return gaps
+
+
+def study_loss(records: list[Record], label: str, sources: Sources) -> str:
+    """The loss cell of a recipe studied by a recipe study: the mean gap over its seeds, saying how many finished."""
+    gaps = study_gaps(records, label, sources)
+    if not gaps:
+        return "-"
+    count = (f"mean of {len(gaps)} seeds" if len(gaps) == RECIPE_STUDY_SEEDS
+             else f"{len(gaps)} of {RECIPE_STUDY_SEEDS} seeds so far")
+    return f"{pct(statistics.mean(gaps.values()))} ({count})"
+
+
 def rerun_gap(rec: Record):
     """fp8_delayed and fp8_current over BF16 in the rerun: mean loss of steps 1100-2000, every 100th step (all that
     fp8_delayed's console log holds)."""
@@ -641,6 +680,7 @@ def fp8_recipes_table(index: dict[str, list[Record]], base: Path) -> str:
     step time over the peers' that train the same recipe (NVIDIA's layers: TE as Megatron, megatron-core's; torchao
     for rowwise), each from the newest record that holds it."""
     sources, lb, peers, granularity = Sources(), index["layer_bench"], index["layer_bench_peers"], index["granularity"]
+    studies = index["recipe_studies"]
     def span(values: list[float], fmt: Callable[[float], str]) -> str:
         values = [v for v in values if v is not None]
         if not values:
@@ -683,12 +723,18 @@ def fp8_recipes_table(index: dict[str, list[Record]], base: Path) -> str:
                  for model in PROXIES]
         against = [sources.pick(f"ours / {peer_name}", precision, granularity, ratio(model, precision, peer))[0]
                    for model in PROXIES]
-        lines.append(f"| {precision} | {proxies(steps)} | {gemm_cell(precision)} | - | "
-                     f"{span(against, fmt_ratio)} ({peer_name}) |")
+        lines.append(f"| {precision} | {proxies(steps)} | {gemm_cell(precision)} | "
+                     f"{study_loss(studies, precision, sources)} | {span(against, fmt_ratio)} ({peer_name}) |")
+    def emulated_loss(label: str) -> str:
+        cell = study_loss(studies, label, sources)
+        return cell if cell == "-" else f"{cell}, emulated"
+    lines.append("| fp8_blockwise_2d2d | no kernel takes two 128x128 operands (engine=torch emulates it) | - | "
+                 f"{emulated_loss('fp8_blockwise_2d2d')} | - |")
     lines.append("| mxfp8 | no native kernel on Hopper; not measured on Blackwell | - | - | - |")
-    lines.append("| nvfp4 | no native kernel on Hopper (engine=torch emulates it); not measured on Blackwell | - | - | - |")
+    lines.append("| nvfp4 | no native kernel on Hopper (engine=torch emulates it); not measured on Blackwell | - | "
+                 f"{emulated_loss('nvfp4')} | - |")
     return "\n".join([*lines, "", sources.note([*lb, *peers, *granularity, *index["gemm"], *index["convergence"],
-                                                *index["convergence_rerun"]], base)])
+                                                *index["convergence_rerun"], *studies], base)])
 
 
 def readme_loss_line(records: list[Record], base: Path) -> str:

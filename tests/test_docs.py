@@ -254,6 +254,36 @@ def test_a_granularity_row_is_against_the_peer_training_the_same_recipe(render, 
     assert row["fp8_current"][0] != "1.750x (1 of 5 proxies)"  # the per-tensor rows keep their own records
 
 
+def test_a_recipe_rows_loss_is_its_studys_mean_gap_over_the_seeds_that_finished(render, tmp_path):
+    """The loss column of the granularity and NVFP4 rows: each run of a recipe study (megatron_bench's results.csv)
+    against BF16 of its seed, averaged over the seeds whose runs finished, saying how many; a run an earlier call
+    finished is named with that call's commit."""
+    folder = tmp_path / "study"
+    folder.mkdir()
+    losses = {("bf16", 1): 2.0, ("bf16", 2): 2.5, ("bf16", 3): 4.0, ("fp8_rowwise", 1): 2.02, ("fp8_rowwise", 2): 2.5,
+              ("fp8_rowwise", 3): 4.04, ("nvfp4", 1): 2.1, ("nvfp4", 2): 9.0}
+    rows = [{"name": f"torch-llama3_100m-{label}-seed{seed}", "status": "ok" if (label, seed) != ("nvfp4", 2)
+             else "timeout", "mean_loss_last_100": loss,
+             "note": "finished in an earlier call: commit 1234567890ab, X" if (label, seed) == ("bf16", 3) else ""}
+            for (label, seed), loss in losses.items()]
+    with (folder / "results.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (folder / "results.md").write_text("commit abcdef0123; X; versions {'torch': '2'}\ncommand: scripts/megatron_bench.py"
+                                       " run\n")
+    index = render.load_index()
+    index["recipe_studies"] = [render.record({"path": str(folder), "section": "granularity.md", "date": "2027-01-02"})]
+    table = render.fp8_recipes_table(index, render.RESULTS)
+    row = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in table.splitlines()
+           if line.startswith("| ")}
+    assert row["fp8_rowwise"][2] == "+0.67% (mean of 3 seeds)"  # +1%, 0%, +1%
+    assert row["nvfp4"][2] == "+5.00% (1 of 3 seeds so far), emulated"  # seed 2 did not finish
+    assert row["fp8_rowwise_gw_hp"][2] == "-" and row["fp8_blockwise_2d2d"][2] == "-"
+    assert "loss of fp8_rowwise: `abcdef0`, 2027-01-02 for seeds 1, 2, 3" in table
+    assert "`1234567`, 2027-01-02 for seed 3" in table
+
+
 def test_a_figure_typed_over_is_caught(render, tmp_path, monkeypatch):
     text = render.PAGES["readme"].read_text()
     row = next(line for line in text.splitlines() if line.startswith("| llama3_8b (4) | "))
