@@ -160,9 +160,9 @@ def _(a, a_scale_inv, a_block, b, b_scale_inv, b_block, out_dtype, emulate):
 
 def _emulated_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """The dequantized operands multiplied with FP32 sums: on a CPU in FP32; on a GPU on BF16 tensor cores with FP32
-    sums (mm_into), as NVFP4's emulation, several times faster than FP32 (SIMT) or TF32. Each value is an FP8 value
-    times a power-of-two scale (pow2_scaled_bf16), exact in BF16, so both compute the native kernel's numbers up to
-    the order of the FP32 sums."""
+    sums (_bf16_product), as NVFP4's emulation, several times faster than FP32 (SIMT) or TF32. Each value is an FP8
+    value times a power-of-two scale (pow2_scaled_bf16), exact in BF16, so both compute the native kernel's numbers
+    up to the order of the FP32 sums."""
     if not a.data.is_cuda:
         return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
     return _bf16_product(pow2_scaled_bf16(a), pow2_scaled_bf16(b), None, out_dtype)
@@ -172,7 +172,8 @@ def _bf16_product(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None, 
     """scale * a @ b^T (scale None: 1) of exact BF16 operands with FP32 sums, rounded once to out_dtype: on CUDA one
     cuBLASLt GEMM that reads `scale` from device memory and writes out_dtype (cublaslt.bf16_mm); elsewhere the FP32
     product (mm_into), then scaled and cast: the same numbers in two more passes over the output."""
-    if cublaslt.supports_bf16(a, b, out := a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)):
+    out = a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+    if cublaslt.supports_bf16(a, b, out):
         cublaslt.bf16_mm(a, b, out, scale)
         return out
     product = a.new_empty((a.shape[0], b.shape[0]), dtype=torch.float32)
