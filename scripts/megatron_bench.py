@@ -63,12 +63,12 @@ fp8_blockwise, fp8_blockwise_1d1d, fp8_blockwise_2d2d emulated). Each run checkp
 only kept), so a call cut short by --budget-s is continued by the same command: each run resumes from its newest
 checkpoint, and a run that finished is reported from its files, not started again (finished_earlier). A later
 session's machine has none of those checkpoints: `adopt --dir DIR --runs OUT/runs.tar.gz` brings the finished runs'
-files from an earlier call's archive into DIR, and `run` then starts only the others. Side-by-side runs start together as far as the GPU's free memory holds them (the plan's estimate of
-each, recorded by prepare, and PROCESS_OVERHEAD_GIB a process): on an H200 every run of a study at once, on an 80 GB
-H100 in two batches one after the other (side_by_side_batches). The table gives each run's mean loss over its last
-100 steps against the BF16 run of its seed, and
-the mean of those gaps over the seeds against RECIPE_STUDY_TARGET; its step times are taken while the runs share
-the GPU, so they rank the recipes' cost but are not their speed alone.
+files from an earlier call's archive into DIR, and `run` then starts only the others. Side-by-side runs start
+together as far as the GPU's free memory holds them (the plan's estimate of each, recorded by prepare, and
+PROCESS_OVERHEAD_GIB a process): on an H200 every run of a study at once, on an 80 GB H100 in two batches one after
+the other (side_by_side_batches). The table gives each run's mean loss over its last 100 steps against the BF16 run
+of its seed, and the mean of those gaps over the seeds against RECIPE_STUDY_TARGET; its step times are taken while
+the runs share the GPU, so they rank the recipes' cost but are not their speed alone.
 
 Every run sees the same Python: with Transformer Engine installed (megatron-core's FP8 needs it), the torch engine's
 runs import it too, through megatron-core, as in a NeMo container; results.md says whether it was importable.
@@ -405,16 +405,21 @@ def last_error(log: Path) -> str:
 def steps_written(metrics_file: Path) -> list[int]:
     """The steps of metrics.jsonl's complete lines (one being written has no newline yet)."""
     try:
-        lines = metrics_file.read_text().split("\n")[:-1]
+        return steps_in(metrics_file.read_text())[0]
     except FileNotFoundError:
         return []
+
+
+def steps_in(metrics_text: str) -> tuple[list[int], int]:
+    """The steps of a metrics.jsonl text's complete lines that parse, and how many complete lines it has."""
+    lines = metrics_text.split("\n")[:-1]
     steps = []
     for line in lines:
         try:
             steps.append(json.loads(line)["step"])
         except (ValueError, KeyError, TypeError):
             continue
-    return steps
+    return steps, len(lines)
 
 
 def watch_steps(process: subprocess.Popen, metrics_file: Path, timeout_s: float) -> tuple[dict[int, float], bool]:
@@ -471,14 +476,10 @@ def execute(run: Run, run_dir: Path, timeout_s: float) -> Outcome:
 
 
 def finished_steps(metrics_text: str, summary_text: Optional[str], steps: int) -> bool:
-    """Whether a run's files say it finished: a summary.json, and a metrics.jsonl of every step 1..`steps`."""
-    found = []
-    for line in metrics_text.split("\n")[:-1]:  # complete lines (steps_written)
-        try:
-            found.append(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            return False
-    return summary_text is not None and found == list(range(1, steps + 1))
+    """Whether a run's files say it finished: a summary.json, and a metrics.jsonl of every step 1..`steps`, each
+    complete line one of them."""
+    found, lines = steps_in(metrics_text)
+    return summary_text is not None and lines == steps and found == list(range(1, steps + 1))
 
 
 def finished_earlier(run: Run, run_dir: Path) -> Optional[Outcome]:

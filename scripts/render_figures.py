@@ -587,24 +587,25 @@ def seed_gaps(records: list[Record], precision: str, sources: Sources) -> dict[i
     return gaps
 
 
-RECIPE_STUDY_SEEDS = 3  # scripts/megatron_bench.py's recipe studies run each configuration with three seeds
-
-
-def study_gaps(records: list[Record], label: str, sources: Sources) -> dict[int, float]:
-    """seed -> a recipe study's run of `label` (scripts/megatron_bench.py's results.csv) against the BF16 run of its
-    seed: the ratio of their mean losses over the last 100 steps, minus 1; only runs that finished, each seed from the
-    newest record holding it. A run an earlier call finished (its note says so) is of that call's commit."""
+def study_gaps(records: list[Record], label: str, sources: Sources) -> tuple[dict[int, float], set[int]]:
+    """seed -> a recipe study's run of `label` (scripts/megatron_bench.py's results.csv, which lists every run of the
+    study, run or not) against the BF16 run of its seed: the ratio of their mean losses over the last 100 steps,
+    minus 1; only runs that finished, each seed from the newest record holding it. A run an earlier call finished (its
+    note says so) is of that call's commit. And the seeds the studies planned for `label`."""
     gaps: dict[int, float] = {}
+    planned: set[int] = set()
     for rec in records:
-        finished = {row["name"]: row for row in csv_rows(f"{rec.path}/results.csv")
-                    if row["status"] == "ok" and row["mean_loss_last_100"]}
+        rows = csv_rows(f"{rec.path}/results.csv")
+        seed_of = {row["name"]: int(match[1]) for row in rows
+                   if (match := re.fullmatch(rf"torch-llama3_100m-{re.escape(label)}-seed(\d+)", row["name"]))}
+        planned |= set(seed_of.values())
+        finished = {row["name"]: row for row in rows if row["status"] == "ok" and row["mean_loss_last_100"]}
         seeds_of: dict[str, list[int]] = {}  # commit -> the seeds whose runs it made
         for name, row in finished.items():
-            match = re.fullmatch(rf"torch-llama3_100m-{re.escape(label)}-seed(\d+)", name)
-            bf16 = finished.get(f"torch-llama3_100m-bf16-seed{match[1]}") if match else None
-            if bf16 is None or int(match[1]) in gaps:
+            seed = seed_of.get(name)
+            bf16 = finished.get(f"torch-llama3_100m-bf16-seed{seed}") if seed is not None else None
+            if bf16 is None or seed in gaps:
                 continue
-            seed = int(match[1])
             gaps[seed] = float(row["mean_loss_last_100"]) / float(bf16["mean_loss_last_100"]) - 1
             for run in (row, bf16):
                 earlier = re.search(r"earlier call: commit (\w+)", run["note"])
@@ -613,16 +614,16 @@ def study_gaps(records: list[Record], label: str, sources: Sources) -> dict[int,
             seeds = sorted(set(seeds))
             sources.used.setdefault(f"loss of {label}", {}).setdefault((rec.path, commit), []).append(
                 f"seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}")
-    return gaps
+    return gaps, planned
 
 
 def study_loss(records: list[Record], label: str, sources: Sources) -> str:
     """The loss cell of a recipe studied by a recipe study: the mean gap over its seeds, saying how many finished."""
-    gaps = study_gaps(records, label, sources)
+    gaps, planned = study_gaps(records, label, sources)
     if not gaps:
         return "-"
-    count = (f"mean of {len(gaps)} seeds" if len(gaps) == RECIPE_STUDY_SEEDS
-             else f"{len(gaps)} of {RECIPE_STUDY_SEEDS} seeds so far")
+    count = (f"mean of {len(gaps)} seeds" if len(gaps) == len(planned)
+             else f"{len(gaps)} of {len(planned)} seeds so far")
     return f"{pct(statistics.mean(gaps.values()))} ({count})"
 
 

@@ -269,9 +269,8 @@ quantize = {"x": "*bf16", "amax": "*fp32", "seed": "*i64", "codes": "*u8", "scal
 decode = {"codes": "*u8", "scales": "*u8", "out": "*bf16", "rows": "i32", "cols": "i32"}
 hadamard = {"x": "*bf16", "out": "*bf16", "amax_bits": "*i32", "rows": "i32", "cols": "i32"}
 tile = dict(TILE_R=k.TILE_R, TILE_C=k.TILE_C)
-negative = sum(1 << i for i, sign in enumerate(RHT_SIGNS) if sign < 0)
-_, spilled, registers = compile_for_hopper(k._hadamard_kernel, hadamard, dict(NEGATIVE=negative, TO_BF16=True,
-                                           SOFTWARE=False, **tile), Path(sys.argv[1]))
+constants = dict(NEGATIVE=k.negative_bits(RHT_SIGNS), TO_BF16=True, SOFTWARE=False, **tile)
+_, spilled, registers = compile_for_hopper(k._hadamard_kernel, hadamard, constants, Path(sys.argv[1]))
 print("_hadamard_kernel registers", registers, "spilled", spilled, flush=True)
 assert spilled == 0, f"_hadamard_kernel spills {spilled} bytes"
 for rows in (1, 16):

@@ -175,9 +175,12 @@ ALIGNMENT = 256  # cuBLASLt's default assumption about every buffer (CUBLASLT_MA
 
 def supports(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether scaled_mm can take these buffers: cuBLASLt loaded, row-major, aligned as its algorithms assume."""
-    tensors = (a, b, out)
-    return (available() and all(t.is_cuda and t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0 for t in tensors)
-            and a.dtype in _FP8_TYPES and b.dtype in _FP8_TYPES and out.dtype == torch.float32)
+    return _takes(a, b, out) and a.dtype in _FP8_TYPES and b.dtype in _FP8_TYPES and out.dtype == torch.float32
+
+
+def _takes(*tensors: torch.Tensor) -> bool:
+    """cuBLASLt loaded, and the buffers on the GPU, row-major, aligned as its algorithms assume."""
+    return available() and all(t.is_cuda and t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0 for t in tensors)
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out: torch.Tensor,
@@ -202,9 +205,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
 
 def supports_bf16(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether bf16_mm can take these buffers: BF16 operands, a BF16 or FP32 output, as `supports` asks."""
-    tensors = (a, b, out)
-    return (available() and all(t.is_cuda and t.is_contiguous() and t.data_ptr() % ALIGNMENT == 0 for t in tensors)
-            and a.dtype == b.dtype == torch.bfloat16 and out.dtype in _OUT_TYPES)
+    return _takes(a, b, out) and a.dtype == b.dtype == torch.bfloat16 and out.dtype in _OUT_TYPES
 
 
 def bf16_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, alpha: Optional[torch.Tensor] = None) -> None:

@@ -191,6 +191,11 @@ def _hadamard_kernel(x, out, amax_bits, rows, cols, NEGATIVE: tl.constexpr, TO_B
     _record_amax(_magnitude_bits(y, mask), amax_bits)
 
 
+def negative_bits(signs: tuple[int, ...]) -> int:
+    """_hadamard_kernel's NEGATIVE: bit i set where sign i is negative."""
+    return sum(1 << i for i, sign in enumerate(signs) if sign < 0)
+
+
 def hadamard_transform(x: torch.Tensor, signs: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """recipes.fp8.nvfp4.random_hadamard_transform(x) of a BF16 or FP32 x (rows, K), K a multiple of 16, with the
     sign vector `signs` (16 of +-1), and its amax (FP32, 0-dim; NaN where it holds one, as torch.amax)."""
@@ -204,7 +209,7 @@ def hadamard_transform(x: torch.Tensor, signs: tuple[int, ...]) -> tuple[torch.T
     bf16 = x.dtype == torch.bfloat16
     grid = (triton.cdiv(rows, TILE_R), triton.cdiv(cols, TILE_C))
     _hadamard_kernel[grid](x, out.view(torch.int16) if bf16 and INTERPRETED else out, amax_bits, rows, cols,
-                           NEGATIVE=sum(1 << i for i, sign in enumerate(signs) if sign < 0), TO_BF16=bf16,
+                           NEGATIVE=negative_bits(signs), TO_BF16=bf16,
                            SOFTWARE=INTERPRETED, TILE_R=TILE_R, TILE_C=TILE_C)
     return out, amax_bits.view(torch.float32)
 
