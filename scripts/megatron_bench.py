@@ -60,8 +60,11 @@ The recipe studies (issues 50 and 51): llama3_100m on the bundled text with the 
 `nvfp4` (BF16, fp8_current, NVFP4 emulated, and NVFP4 without its Hadamard transform, without stochastic
 rounding, without its BF16 last layers) and `granularity` (BF16, fp8_current, fp8_rowwise, fp8_rowwise_gw_hp,
 fp8_blockwise, fp8_blockwise_1d1d, fp8_blockwise_2d2d emulated). Each run checkpoints every 500 steps (the last
-only kept), so a call cut short by --budget-s is continued by the same command: each run resumes from its newest
-checkpoint, and a run that finished is reported from its files, not started again (finished_earlier). A later
+only kept) and, at the end of --budget-s, at the step it is asked to stop after (STOP_GRACE_S), so a call cut short
+is continued by the same command: each run resumes from its newest checkpoint, and a run that finished is reported
+from its files, not started again (finished_earlier). The run folders must stay as the call left them: a copy of
+DIR put over them (a fresh checkout, a sync from elsewhere) takes the checkpoints away, and the runs start again
+from step 1. A later
 session's machine has none of those checkpoints: `adopt --dir DIR --runs OUT/runs.tar.gz` brings the finished runs'
 files from an earlier call's archive into DIR, and `run` then starts only the others. Side-by-side runs start
 together as far as the GPU's free memory holds them (the plan's estimate of each, recorded by prepare, and
@@ -91,6 +94,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -119,6 +123,10 @@ TIMED_STEPS, ROUNDS = 5, 2  # per round, and rounds per column: 10 timed steps f
 # 39-56 s (engine=megatron) and 39-70 s (the torch engine, torch.compile included), start-up most of it.
 FIRST_GUESS_S = {"megatron": 55.0, "torch": 65.0}
 POLL_S = 0.05  # how often the bench looks for a new step in metrics.jsonl
+# A process out of time is asked to stop this long before it is killed: the engine ends its step and writes the
+# checkpoint of that step (recipes.trainer.stopping), so a recipe study's next call resumes there and not at the
+# last 500-step checkpoint. Nine llama3_100m runs writing their ~1.2 GB checkpoints at once need some seconds.
+STOP_GRACE_S = 45.0
 TELEMETRY_MS = 200  # nvidia-smi's sampling interval: a window of 5 steps holds ~35 samples
 # What a side-by-side process holds beyond the plan's estimate of its model, gradients, optimizer and activations:
 # the CUDA context, cuBLAS's and Triton's workspaces, the caching allocator's slack. The convergence study's runs of
@@ -173,7 +181,7 @@ class Run:
     rounds: int = 1  # processes, each in its own run dir (round_dir), interleaved with the other columns'
     resume: bool = False  # run again from the checkpoint before the last, which is removed first
     profile_step: Optional[int] = None  # round 1's last step, profiled (trainer.profile_step): not timed
-    timeout_s: float = 300.0  # a hung process is killed (and never later than the budget allows)
+    timeout_s: float = 300.0  # a hung process is stopped, then killed (watch_steps; never later than the budget allows)
     seed: Optional[int] = None  # a recipe study's run: trainer.seed, and the BF16 run it is compared with
     memory_gib: Optional[float] = None  # the plan's GPU memory estimate of round 1 (prepare): side-by-side batches
 
@@ -422,22 +430,30 @@ def steps_in(metrics_text: str) -> tuple[list[int], int]:
     return steps, len(lines)
 
 
-def watch_steps(process: subprocess.Popen, metrics_file: Path, timeout_s: float) -> tuple[dict[int, float], bool]:
+def watch_steps(process: subprocess.Popen, metrics_file: Path, timeout_s: float,
+                grace_s: float = STOP_GRACE_S) -> tuple[dict[int, float], str]:
     """Wait for `process`, noting when each step's line appears in its metrics.jsonl: {step: time.time()}, 0 for
-    the start (within POLL_S); and whether it finished (False: killed after `timeout_s`)."""
+    the start (within POLL_S); and how it ended: "finished" by itself, "stopped" (asked with SIGTERM `grace_s`
+    before `timeout_s`, or at half of it where that is shorter: the engine ends its step and writes its checkpoint,
+    recipes.trainer.stopping) or "killed" at `timeout_s`, still running."""
     seen = {0: time.time()}
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    ask_at, kill_at = started + max(timeout_s - grace_s, timeout_s / 2), started + timeout_s
+    asked = False
     while True:
         finished = process.poll() is not None
         now = time.time()
         for step in steps_written(metrics_file):
             seen.setdefault(step, now)
         if finished:
-            return seen, True
-        if time.monotonic() > deadline:
+            return seen, "stopped" if asked and process.returncode != 0 else "finished"
+        if time.monotonic() > kill_at:
             process.kill()
             process.wait()
-            return seen, False
+            return seen, "killed"
+        if not asked and time.monotonic() > ask_at:
+            process.send_signal(signal.SIGTERM)
+            asked = True
         time.sleep(POLL_S)
 
 
@@ -452,9 +468,9 @@ def launch(run_dir: Path, log_name: str, timeout_s: float) -> tuple[str, str, di
     log = run_dir / log_name
     with open(log, "w") as out:
         process = subprocess.Popen(command, cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT)
-        seen, finished = watch_steps(process, run_dir / METRICS, max(timeout_s, 1))
-    if not finished:
-        return "timeout", f"killed after {timeout_s:.0f} s", seen
+        seen, ended = watch_steps(process, run_dir / METRICS, max(timeout_s, 1))
+    if ended != "finished":
+        return "timeout", f"{ended} after {timeout_s:.0f} s at step {max(seen)}", seen
     status = process.returncode
     return ("ok", "", seen) if status == 0 else (f"failed ({status})", last_error(log), seen)
 

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -361,12 +362,30 @@ def test_watch_steps_notes_when_each_step_ends_and_kills_a_hung_process(tmp_path
     writer = ("import json, sys, time\nf = open(sys.argv[1], 'w')\nfor s in (1, 2, 3):\n    time.sleep(0.3)\n"
               "    f.write(json.dumps({'step': s}) + '\\n'); f.flush()\n")
     process = subprocess.Popen([sys.executable, "-c", writer, str(tmp_path / "metrics.jsonl")])
-    seen, finished = bench.watch_steps(process, tmp_path / "metrics.jsonl", timeout_s=30)
-    assert finished and sorted(seen) == [0, 1, 2, 3]
+    seen, ended = bench.watch_steps(process, tmp_path / "metrics.jsonl", timeout_s=30)
+    assert ended == "finished" and sorted(seen) == [0, 1, 2, 3]
     assert seen[0] < seen[1] < seen[2] < seen[3] and seen[3] - seen[1] > 0.4
-    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    seen, finished = bench.watch_steps(hung, tmp_path / "none.jsonl", timeout_s=0.5)
-    assert not finished and hung.returncode is not None and list(seen) == [0]
+    deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    hung = subprocess.Popen([sys.executable, "-c", deaf])
+    started = time.monotonic()
+    seen, ended = bench.watch_steps(hung, tmp_path / "none.jsonl", timeout_s=1.0, grace_s=0.5)
+    assert ended == "killed" and hung.returncode == -signal.SIGKILL and list(seen) == [0]
+    assert time.monotonic() - started < 5
+
+
+def test_a_process_out_of_time_is_asked_to_stop_and_ends_its_step_first(tmp_path):
+    """At the end of its time a run gets SIGTERM `grace_s` before the kill, as the engine's stop signals expect
+    (recipes.trainer.stopping: the step in progress finishes, its checkpoint is written, exit 128 + 15): here a
+    process that, told to stop, writes the step it is in and a stand-in for that checkpoint, then exits so."""
+    engine = ("import json, signal, sys, time\nasked = []\nsignal.signal(signal.SIGTERM, lambda *_: asked.append(1))\n"
+              "f = open(sys.argv[1], 'w')\nstep = 0\nwhile not asked:\n    step += 1; time.sleep(0.1)\n"
+              "    f.write(json.dumps({'step': step}) + '\\n'); f.flush()\n"
+              "open(sys.argv[2], 'w').write(str(step))\nsys.exit(128 + signal.SIGTERM)\n")
+    metrics_file, checkpoint = tmp_path / "metrics.jsonl", tmp_path / "checkpoint"
+    process = subprocess.Popen([sys.executable, "-c", engine, str(metrics_file), str(checkpoint)])
+    seen, ended = bench.watch_steps(process, metrics_file, timeout_s=6, grace_s=4)  # asked at 3 s, killed at 6
+    assert ended == "stopped" and process.returncode == 128 + signal.SIGTERM  # before the kill
+    assert int(checkpoint.read_text()) == max(seen) == bench.steps_written(metrics_file)[-1] >= 3
 
 
 def test_a_run_that_would_overrun_the_budget_is_not_started(tmp_path):
