@@ -64,14 +64,13 @@ only kept) and, at the end of --budget-s, at the step it is asked to stop after 
 is continued by the same command: each run resumes from its newest checkpoint, and a run that finished is reported
 from its files, not started again (finished_earlier). The run folders must stay as the call left them: a copy of
 DIR put over them (a fresh checkout, a sync from elsewhere) takes the checkpoints away, and the runs start again
-from step 1. A later
-session's machine has none of those checkpoints: `adopt --dir DIR --runs OUT/runs.tar.gz` brings the finished runs'
-files from an earlier call's archive into DIR, and `run` then starts only the others. Side-by-side runs start
-together as far as the GPU's free memory holds them (the plan's estimate of each, recorded by prepare, and
-PROCESS_OVERHEAD_GIB a process): on an H200 every run of a study at once, on an 80 GB H100 in two batches one after
-the other (side_by_side_batches). The table gives each run's mean loss over its last 100 steps against the BF16 run
-of its seed, and the mean of those gaps over the seeds against RECIPE_STUDY_TARGET; its step times are taken while
-the runs share the GPU, so they rank the recipes' cost but are not their speed alone.
+from step 1. A later session's machine has none of those checkpoints: `adopt --dir DIR --runs OUT/runs.tar.gz`
+brings the finished runs' files from an earlier call's archive into DIR, and `run` then starts only the others.
+Side-by-side runs start together as far as the GPU's free memory holds them (the plan's estimate of each, recorded
+by prepare, and PROCESS_OVERHEAD_GIB a process): on an H200 every run of a study at once, on an 80 GB H100 in two
+batches one after the other (side_by_side_batches). The table gives each run's mean loss over its last 100 steps
+against the BF16 run of its seed, and the mean of those gaps over the seeds against RECIPE_STUDY_TARGET; its step
+times are taken while the runs share the GPU, so they rank the recipes' cost but are not their speed alone.
 
 Every run sees the same Python: with Transformer Engine installed (megatron-core's FP8 needs it), the torch engine's
 runs import it too, through megatron-core, as in a NeMo container; results.md says whether it was importable.
@@ -470,7 +469,7 @@ def launch(run_dir: Path, log_name: str, timeout_s: float) -> tuple[str, str, di
         process = subprocess.Popen(command, cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT)
         seen, ended = watch_steps(process, run_dir / METRICS, max(timeout_s, 1))
     if ended != "finished":
-        return "timeout", f"{ended} after {timeout_s:.0f} s at step {max(seen)}", seen
+        return "timeout", f"{ended} at step {max(seen)}, out of its {timeout_s:.0f} s", seen
     status = process.returncode
     return ("ok", "", seen) if status == 0 else (f"failed ({status})", last_error(log), seen)
 
