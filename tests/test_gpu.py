@@ -16,6 +16,7 @@ from recipes.fp8.formats import E4M3, E5M2
 from recipes.fp8.linear import TensorwiseScaling, Fp8Linear
 
 from fused_quantize_checks import check_1x128, check_op, check_scale_edge_cases, op_inputs
+from nvfp4_checks import check_decode_kernel, check_hadamard_kernel, check_kernel_bytes, check_reference_quantizer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -357,18 +358,24 @@ def test_compiled_emulated_model_matches_eager(name):
 
 @pytest.mark.parametrize("tile_rows", [1, 16])
 def test_nvfp4_quantizer_on_cuda_equals_cpu(tile_rows):
-    """recipes.fp8.nvfp4 on CUDA writes the CPU's bytes, the random numbers of stochastic rounding included."""
-    from recipes.fp8.nvfp4 import quantize_nvfp4, random_hadamard_transform, uniform
+    """recipes.fp8.nvfp4's quantizer on CUDA writes the CPU's bytes on the adversarial set (E2M1 ties, zero and
+    subnormal block scales, inf, NaN, partial tiles), the random numbers of stochastic rounding included."""
+    check_reference_quantizer("cuda", tile_rows)
 
-    x = (torch.randn(256, 512, generator=torch.Generator().manual_seed(2)) * 3).bfloat16()
-    x[3, :16] = 0.0
-    seed = torch.tensor([1, 2, 3])
-    for rht in (False, True):
-        source = random_hadamard_transform(x.t().contiguous()) if rht else x
-        cpu = quantize_nvfp4(source, (tile_rows, 16), uniform(seed, 0, source.shape))
-        cuda = quantize_nvfp4(source.cuda(), (tile_rows, 16), uniform(seed.cuda(), 0, source.shape))
-        assert torch.equal(cpu.codes, cuda.codes.cpu()) and torch.equal(cpu.amax, cuda.amax.cpu())
-        assert torch.equal(cpu.block_scale.view(torch.uint8), cuda.block_scale.cpu().view(torch.uint8))
+
+@pytest.mark.parametrize("hadamard", [False, True], ids=["", "hadamard"])
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("tile_rows", [1, 16])
+def test_nvfp4_kernel_on_cuda_writes_the_reference_bytes_on_the_adversarial_set(tile_rows, stochastic, hadamard):
+    """The NVFP4 quantizer kernel compiled for the GPU, on the adversarial set the CPU suite runs it on in Triton's
+    interpreter: the CPU reference's codes, E4M3 scales and decode scale (NaN and inf handled as the interpreter
+    handles them)."""
+    check_kernel_bytes("cuda", tile_rows, stochastic, hadamard)
+
+
+def test_nvfp4_hadamard_and_decode_kernels_on_cuda_equal_the_cpu_reference():
+    check_hadamard_kernel("cuda")
+    check_decode_kernel("cuda")
 
 
 @pytest.mark.parametrize("tile_rows", [1, 16])

@@ -27,6 +27,8 @@ from recipes.fp8.tensor import Float8Tensor
 from recipes.fp8.training import Fp8Training
 from recipes.models.transformer import Transformer
 
+from nvfp4_checks import adversarial, check_decode_kernel, check_hadamard_kernel, check_kernel_bytes
+
 F32 = np.float32
 F32_MAX = np.finfo(np.float32).max
 
@@ -110,30 +112,6 @@ def unpacked(codes: torch.Tensor) -> np.ndarray:
     return torch.stack((codes & 0xF, codes >> 4), dim=-1).flatten(-2).numpy()
 
 
-def adversarial(dtype: torch.dtype) -> torch.Tensor:
-    """32 x 64 (1x16 and 16x16 blocks): the global amax 2688 (S_enc = 1 exactly) sits in row 0, so blocks of amax
-    6 * 2**j get the E4M3 scale 2**j and the exact encode 2**-j: rows 1-3 put values on every tie of the E2M1 table
-    (and just beside it); an all-zero block and row; blocks whose scale is E4M3-subnormal or flushes to zero; blocks
-    spanning 2**-20..2**9; negative values that round to zero."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(32, 64, generator=g, dtype=torch.float64)
-    x[0, 0] = 2688.0
-    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -6.0],
-                        dtype=torch.float64)
-    for row, j in ((1, 0), (2, 3), (3, -4)):
-        x[row, :16] = ties * 2.0**j
-        x[row, 16:32] = ties * 2.0**j * (1 + 2.0**-7)  # just above each tie (in BF16 too)
-        x[row, 32:48] = ties * 2.0**j * (1 - 2.0**-7)
-    x[4] = 0.0  # an all-zero row
-    x[5, :16] = torch.randn(16, generator=g, dtype=torch.float64) * 2.0**-7  # E4M3-subnormal block scale
-    x[5, 16:32] = torch.randn(16, generator=g, dtype=torch.float64) * 2.0**-30  # block scale flushes to zero
-    x[6] = torch.randn(64, generator=g, dtype=torch.float64) * torch.exp2(torch.randint(-20, 10, (64,), generator=g))
-    x[7, :16] = -torch.rand(16, generator=g, dtype=torch.float64) * 0.02  # negative, below the smallest E2M1 step
-    x[16:32, 48:] = 0.0  # an all-zero 16x16 block
-    x[16:32, 32:48] *= 2.0**-6  # a 16x16 block with an E4M3-subnormal scale
-    return x.to(dtype)
-
-
 CASES = [pytest.param(dtype, rows, id=f"{str(dtype)[6:]}-{rows}x16")
          for dtype in (torch.bfloat16, torch.float32) for rows in (1, 16)]
 
@@ -169,92 +147,28 @@ def test_infinities_and_nan_follow_te_reference(special):
 # ---- the Triton kernel (CUDA's quantizer; here in Triton's CPU interpreter) ----
 
 
-def kernel_cases():
-    """(name, tensor): the adversarial tensors in both dtypes, with an inf and a NaN, and shapes whose rows and
-    columns leave a program's 16 x 64 tile partly empty."""
-    g = torch.Generator().manual_seed(4)
-    cases = [(f"adversarial-{str(dtype)[6:]}", adversarial(dtype)) for dtype in (torch.bfloat16, torch.float32)]
-    for special in ("inf", "nan"):
-        x = adversarial(torch.float32)
-        x[9, 5], x[20, 40] = float(special), -float(special)
-        cases.append((special, x))
-    cases += [(f"{rows}x{cols}", torch.randn(rows, cols, generator=g).bfloat16()) for rows, cols in ((48, 80), (16, 208))]
-    cases.append(("8x48", torch.randn(8, 48, generator=g) * 1e-3))  # 1x16 blocks only
-    return cases
-
-
-def same_e4m3(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The same E4M3 bytes, NaN's sign bit aside (the kernel's NaN scales are 0x7F, the CPU's from NaN inputs 0xFF)."""
-    a, b = a.view(torch.uint8), b.view(torch.uint8)
-    nan_a, nan_b = (a & 0x7F) == 0x7F, (b & 0x7F) == 0x7F
-    return torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b])
-
-
 @pytest.mark.parametrize("hadamard", [False, True], ids=["", "hadamard"])
 @pytest.mark.parametrize("stochastic", [False, True])
 @pytest.mark.parametrize("tile_rows", [1, 16])
 def test_triton_kernel_writes_the_reference_bytes(tile_rows, stochastic, hadamard):
-    """recipes.fp8.nvfp4_kernels.quantize (the quantizer on CUDA) against quantize_nvfp4, byte for byte: codes,
-    E4M3 scales, decode scale; stochastic rounding from the same seed and operand; of the random Hadamard transform
-    (the weight gradient's operands), the kernel's against random_hadamard_transform's."""
+    """recipes.fp8.nvfp4_kernels.quantize (the quantizer on CUDA) against quantize_nvfp4 byte for byte
+    (nvfp4_checks.check_kernel_bytes; on a GPU in tests/test_gpu.py)."""
     pytest.importorskip("triton")
-    from recipes.fp8.nvfp4_kernels import quantize
-
-    seed = torch.tensor([1234, 5, 17]) if stochastic else None
-    for name, x in kernel_cases():
-        if x.shape[0] % tile_rows:
-            continue
-        codes, scales, decode = quantize(x, tile_rows, seed, 1, RHT_SIGNS if hadamard else None)
-        source = random_hadamard_transform(x) if hadamard else x
-        expected = quantize_nvfp4(source, (tile_rows, 16), uniform(seed, 1, x.shape) if stochastic else None)
-        expected = expected.as_operand()
-        assert torch.equal(codes, expected.data), name
-        assert same_e4m3(scales, expected.scale_inv), name
-        assert torch.equal(decode, expected.tensor_scale_inv) or (decode.isnan() and expected.tensor_scale_inv.isnan())
-    if stochastic:  # another operand draws other numbers
-        x = kernel_cases()[0][1]
-        assert not torch.equal(quantize(x, tile_rows, seed, 0)[0], quantize(x, tile_rows, seed, 1)[0])
+    check_kernel_bytes("cpu", tile_rows, stochastic, hadamard)
 
 
 def test_triton_hadamard_kernel_is_the_reference_transform_bit_for_bit():
-    """recipes.fp8.nvfp4_kernels.hadamard_transform against random_hadamard_transform (float64, then PyTorch's cast):
-    the same bits in BF16 and FP32, NaN where it is NaN, inf, values spanning 2**-20..2**9 in one block, odd shapes;
-    its amax is torch.amax of the result. Other signs give other values, and a BF16 result is rounded through FP32,
-    as PyTorch casts float64 (one value whose direct rounding would differ)."""
+    """recipes.fp8.nvfp4_kernels.hadamard_transform against random_hadamard_transform, bit for bit, and its amax
+    (nvfp4_checks.check_hadamard_kernel; on a GPU in tests/test_gpu.py)."""
     pytest.importorskip("triton")
-    from recipes.fp8.nvfp4_kernels import hadamard_transform
-
-    tie = torch.zeros(1, 16, dtype=torch.bfloat16)
-    tie[0, :3] = torch.tensor([4.0, 2.0**-6, 2.0**-28])  # the first output 1 + 2**-8 + 2**-30 before rounding
-    for name, x in kernel_cases() + [("tie", tie)]:
-        got, amax = hadamard_transform(x, RHT_SIGNS)
-        expected = random_hadamard_transform(x)
-        assert got.dtype == x.dtype and torch.equal(got.isnan(), expected.isnan()), name
-        assert torch.equal(got[~got.isnan()], expected[~expected.isnan()]), name
-        reference_amax = expected.float().abs().amax()
-        assert torch.equal(amax, reference_amax) or (amax.isnan() and reference_amax.isnan()), name
-    x = kernel_cases()[0][1]
-    assert not torch.equal(hadamard_transform(x, (1,) * 16)[0], random_hadamard_transform(x))
-    # just above BF16's tie between 1 and 1 + 2**-7: rounded directly it would be 1 + 2**-7; through FP32 (1 + 2**-8,
-    # the tie itself) it is 1, ties to even
-    assert (tie.double() @ hadamard_matrix())[0, 0].item() == 1 + 2.0**-8 + 2.0**-30
-    assert hadamard_transform(tie, RHT_SIGNS)[0][0, 0].item() == 1.0
+    check_hadamard_kernel("cpu")
 
 
 def test_triton_kernel_decodes_the_emulated_gemms_exact_bf16_inputs():
     """recipes.fp8.nvfp4_kernels.block_scaled_bf16 (the emulated GEMM's input on CUDA) equals Float8Tensor's
-    block_scaled() in BF16, bit for bit (NaN blocks as NaN), both block shapes."""
+    block_scaled() in BF16 (nvfp4_checks.check_decode_kernel; on a GPU in tests/test_gpu.py)."""
     pytest.importorskip("triton")
-    from recipes.fp8.nvfp4_kernels import block_scaled_bf16
-
-    for name, x in kernel_cases():
-        for tile_rows in (1, 16):
-            if x.shape[0] % tile_rows:
-                continue
-            operand = quantize_nvfp4(x, (tile_rows, 16)).as_operand()
-            got, expected = block_scaled_bf16(operand.data, operand.scale_inv, tile_rows), operand.block_scaled()
-            assert got.dtype == torch.bfloat16 and torch.equal(got.isnan(), expected.isnan()), name
-            assert torch.equal(got[~got.isnan()].float(), expected[~expected.isnan()]), name
+    check_decode_kernel("cpu")
 
 
 NVFP4_HOPPER_COMPILE = r"""
