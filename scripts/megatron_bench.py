@@ -66,11 +66,11 @@ from its files, not started again (finished_earlier). The run folders must stay 
 DIR put over them (a fresh checkout, a sync from elsewhere) takes the checkpoints away, and the runs start again
 from step 1. A later session's machine has none of those checkpoints: `adopt --dir DIR --runs OUT/runs.tar.gz`
 brings the finished runs' files from an earlier call's archive into DIR, and `run` then starts only the others.
-Side-by-side runs start together as far as the GPU's free memory holds them (the plan's estimate of each, recorded
-by prepare, and PROCESS_OVERHEAD_GIB a process): on an H200 every run of a study at once, on an 80 GB H100 in two
-batches one after the other (side_by_side_batches). The table gives each run's mean loss over its last 100 steps
-against the BF16 run of its seed, and the mean of those gaps over the seeds against RECIPE_STUDY_TARGET; its step
-times are taken while the runs share the GPU, so they rank the recipes' cost but are not their speed alone.
+Side-by-side runs share the GPU as far as its free memory holds them (the plan's estimate of each, recorded by
+prepare, and PROCESS_OVERHEAD_GIB a process): on an H200 every run of a study at once, on an 80 GB H100 about half of
+them, the next starting as soon as one ends (side_by_side_slots). The table gives each run's mean loss over its last
+100 steps against the BF16 run of its seed, and the mean of those gaps over the seeds against RECIPE_STUDY_TARGET; its
+step times are taken while the runs share the GPU, so they rank the recipes' cost but are not their speed alone.
 
 Every run sees the same Python: with Transformer Engine installed (megatron-core's FP8 needs it), the torch engine's
 runs import it too, through megatron-core, as in a NeMo container; results.md says whether it was importable.
@@ -99,7 +99,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -182,7 +182,7 @@ class Run:
     profile_step: Optional[int] = None  # round 1's last step, profiled (trainer.profile_step): not timed
     timeout_s: float = 300.0  # a hung process is stopped, then killed (watch_steps; never later than the budget allows)
     seed: Optional[int] = None  # a recipe study's run: trainer.seed, and the BF16 run it is compared with
-    memory_gib: Optional[float] = None  # the plan's GPU memory estimate of round 1 (prepare): side-by-side batches
+    memory_gib: Optional[float] = None  # the plan's GPU memory estimate of round 1 (prepare): side_by_side_slots
 
     @property
     def model(self) -> str:
@@ -309,24 +309,25 @@ def recipe_study_runs(study: str, gpu: str, steps: int, seeds: tuple[int, ...] =
 def study_groups(runs: list[Run]) -> list[list[Run]]:
     """The runs measured together, in the study's order: consecutive timed columns round-robin, each recipe's
     ablations among themselves (the recipe may be the fastest of a group before), consecutive side-by-side runs
-    together (in batches that fit the GPU: side_by_side_batches)."""
+    together (as many at once as the GPU holds: side_by_side_slots)."""
     return [list(group) for _, group in itertools.groupby(
         runs, lambda run: (run.side_by_side, run.precision if run.part == "ablations" else None))]
 
 
-def side_by_side_batches(group: list[Run], free_gib: Optional[float]) -> list[list[Run]]:
-    """The side-by-side runs of a group in batches that start together, each batch's planned memory (the plan's
-    estimate and PROCESS_OVERHEAD_GIB a process) within GPU_MEMORY_SHARE of `free_gib`, as few batches as that
-    allows, of even sizes, in the study's order: on a GPU too small for the whole group (a recipe study's 18-21
-    runs of ~6 GiB on an 80 GB H100) the batches run one after the other. One batch where the memory free or a run's
-    estimate is unknown (no GPU; a study prepared before estimates were recorded)."""
-    if free_gib is None or any(run.memory_gib is None for run in group):
-        return [group] if group else []
+def side_by_side_slots(group: list[Run], free_gib: Optional[float]) -> int:
+    """How many of a group's side-by-side runs share the GPU at once, the next starting as one ends: as many as the
+    GPU's free memory holds by the plan's estimates (each with PROCESS_OVERHEAD_GIB, within GPU_MEMORY_SHARE of
+    `free_gib`), spread evenly over the fewest rounds that takes (a recipe study's 16-21 runs of ~5.4 GiB on an 80 GB
+    H100: 8-11 at once, where 13 would fit by the estimates). Not more: seven runs already keep an H100 busy (BF16's
+    llama3_100m step took 0.181 s with nine runs sharing it and 0.140 s with seven, ~20 ms of GPU time either way),
+    and the estimates run low (BF16 peaked at 4.7 GiB against 3.9 planned in the NVFP4 study). All at once where the
+    memory free or a run's estimate is unknown (no GPU; a study prepared before estimates were recorded), one for
+    none (every run finished in an earlier call)."""
+    if not group or free_gib is None or any(run.memory_gib is None for run in group):
+        return max(len(group), 1)  # a pool has at least one worker
     largest = max(run.memory_gib for run in group) + PROCESS_OVERHEAD_GIB
-    per_batch = max(1, int(free_gib * GPU_MEMORY_SHARE // largest))
-    batches = -(-len(group) // per_batch)
-    size = -(-len(group) // batches)
-    return [group[i:i + size] for i in range(0, len(group), size)]
+    fit = max(1, int(free_gib * GPU_MEMORY_SHARE // largest))
+    return -(-len(group) // -(-len(group) // fit))
 
 
 def round_robin(columns: list[Run]) -> list[tuple[Run, int]]:
@@ -705,9 +706,9 @@ def run_study(directory: Path, out: Path, parts: tuple[str, ...], budget_s: floa
         return Outcome(f"not run (budget: ~{needed:.0f} s needed, {max(left_s(), 0):.0f} s left)")
 
     def side_by_side(group: list[Run]) -> None:
-        """The group in batches that fit the GPU's free memory together (side_by_side_batches), one after the
-        other, each while the budget lasts: a recipe study's runs are checkpointed, so the next call continues the
-        batch cut short and starts the ones not run."""
+        """The group's runs in the study's order, side_by_side_slots of them at once, each started when a slot frees
+        while the budget lasts (so no slot waits for the slowest run of a batch): a recipe study's runs are
+        checkpointed, so the next call continues the runs cut short and starts the ones not run."""
         earlier = {run.name: outcome for run in group
                    if (outcome := finished_earlier(run, round_dir(directory, run, 1)))}
         for run in group:
@@ -715,17 +716,17 @@ def run_study(directory: Path, out: Path, parts: tuple[str, ...], budget_s: floa
                 record(run, earlier[run.name])
         group = [run for run in group if run.name not in earlier]
         free_gib = torch.cuda.mem_get_info()[0] / 2**30 if device.type == "cuda" else None
-        for batch in side_by_side_batches(group, free_gib):
-            needed = max(estimate_s(run, finished) for run in batch)
+
+        def start(run: Run) -> Outcome:
+            needed = estimate_s(run, finished)
             if left_s() < needed:
-                for run in batch:
-                    record(run, not_run(needed))
-                continue
-            with ThreadPoolExecutor(len(batch)) as pool:
-                futures = [(run, pool.submit(execute, run, round_dir(directory, run, 1),
-                                             min(run.timeout_s, left_s()))) for run in batch]
-            for run, future in futures:
-                record(run, future.result())
+                return not_run(needed)
+            return execute(run, round_dir(directory, run, 1), min(run.timeout_s, left_s()))
+
+        with ThreadPoolExecutor(side_by_side_slots(group, free_gib)) as pool:
+            futures = {pool.submit(start, run): run for run in group}  # started in submission order
+            for future in as_completed(futures):
+                record(futures[future], future.result())
 
     def interleaved(group: list[Run]) -> None:
         """The configurations whose rounds all fit, from the first on (a configuration's engines together), then

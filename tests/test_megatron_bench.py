@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -518,26 +519,31 @@ def test_recipe_studies_run_each_configuration_with_each_seed_and_continue_from_
         assert run.memory_gib == pytest.approx(float(planned[1]), abs=0.05)
 
 
-def test_side_by_side_runs_start_in_batches_that_fit_the_gpus_free_memory():
-    """A recipe study's 21 runs on an 80 GB H100: two batches, one after the other, each within the share of the
-    free memory; on an H200's all at once; one batch where the GPU or an estimate is unknown."""
+def test_side_by_side_runs_share_the_gpu_as_its_free_memory_holds_them():
+    """A recipe study's 21 runs on an 80 GB H100: 11 at a time (13 fit by the estimates: two even rounds), within the
+    share of the free memory; on an H200 all at once; one at a time where one fits; all at once where the GPU or an
+    estimate is unknown."""
     runs = [dataclasses.replace(run, memory_gib=4.4)
             for run in bench.recipe_study_runs("granularity", "h100", 2000)]
     assert len(runs) == 21
     per_run = 4.4 + bench.PROCESS_OVERHEAD_GIB
-    batches = bench.side_by_side_batches(runs, free_gib=79.0)
-    assert [run for batch in batches for run in batch] == runs and [len(b) for b in batches] == [11, 10]
-    assert all(len(batch) * per_run <= 79.0 * bench.GPU_MEMORY_SHARE for batch in batches)
-    assert bench.side_by_side_batches(runs, free_gib=139.0) == [runs]
-    assert [len(b) for b in bench.side_by_side_batches(runs, free_gib=per_run / bench.GPU_MEMORY_SHARE)] == [1] * 21
-    assert [len(b) for b in bench.side_by_side_batches(runs, free_gib=1.0)] == [1] * 21  # never none
-    assert bench.side_by_side_batches(runs, free_gib=None) == [runs]
+    assert bench.side_by_side_slots(runs, free_gib=79.0) == 11
+    assert 11 * per_run <= 79.0 * bench.GPU_MEMORY_SHARE
+    assert bench.side_by_side_slots(runs[:13], free_gib=79.0) == 13
+    assert bench.side_by_side_slots(runs[:16], free_gib=79.0) == 8
+    assert bench.side_by_side_slots(runs, free_gib=139.0) == 21
+    assert bench.side_by_side_slots(runs, free_gib=per_run / bench.GPU_MEMORY_SHARE) == 1
+    assert bench.side_by_side_slots(runs, free_gib=1.0) == 1  # never none
+    assert bench.side_by_side_slots(runs, free_gib=None) == 21
     unknown = [*runs[:20], dataclasses.replace(runs[20], memory_gib=None)]
-    assert bench.side_by_side_batches(unknown, free_gib=79.0) == [unknown]
+    assert bench.side_by_side_slots(unknown, free_gib=79.0) == 21
+    assert bench.side_by_side_slots([], free_gib=79.0) == 1  # every run finished earlier: a pool of one, unused
 
 
-def test_run_study_starts_a_batch_only_when_the_one_before_has_ended(monkeypatch, tmp_path):
-    """On a GPU with room for two of four side-by-side runs, run_study starts them two and two."""
+def test_run_study_starts_a_run_as_soon_as_a_slot_frees(monkeypatch, tmp_path):
+    """On a GPU with room for two of four side-by-side runs, run_study runs two at a time, in the study's order, and
+    starts the third when the first to end has ended, while the other still runs (not when both have: no slot waits
+    for the slowest run of a batch)."""
     runs = [dataclasses.replace(run, memory_gib=4.0)
             for run in bench.recipe_study_runs("granularity", "h100", 20, seeds=(1, 2))[:4]]
     monkeypatch.setattr(bench, "load_study", lambda directory: ("granularity", "prepared1", runs))
@@ -546,26 +552,29 @@ def test_run_study_starts_a_batch_only_when_the_one_before_has_ended(monkeypatch
     per_run = 4.0 + bench.PROCESS_OVERHEAD_GIB
     monkeypatch.setattr(bench.torch.cuda, "mem_get_info", lambda: (int(2.5 * per_run / bench.GPU_MEMORY_SHARE
                                                                         * 2**30), 80 * 2**30))
-    events, running = [], set()
+    events, running, lock = [], set(), threading.Lock()
+    duration = {runs[0].name: 1.0, runs[1].name: 0.2, runs[2].name: 0.2, runs[3].name: 0.2}
 
     def execute(run, run_dir, timeout_s):
-        running.add(run.name)
-        events.append(("start", run.name, frozenset(running)))
-        time.sleep(0.2)  # long enough for a run started beside it to be seen running
+        with lock:
+            running.add(run.name)
+            events.append((run.name, frozenset(running)))
+        time.sleep(duration[run.name])
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(
             {"step": s, "loss": 3.0, "grad_norm": 1.0, "step_time_s": 0.1, "tokens_per_s_per_gpu": 1.0,
              "model_tflops_per_gpu": 1.0, "mfu": 0.1, "peak_memory_gib": 4.0}) + "\n" for s in range(1, 21)))
-        running.discard(run.name)
+        with lock:
+            running.discard(run.name)
         return bench.Outcome("ok", 1.0, "", {})
 
     monkeypatch.setattr(bench, "execute", execute)
     bench.run_study(tmp_path, tmp_path / "out", ("loss",), 10_000.0, None)
-    seen = {name: together for _, name, together in events}
-    first, second = {r.name for r in runs[:2]}, {r.name for r in runs[2:]}
-    assert set(seen) == first | second
-    assert all(seen[name] <= first for name in first) and all(seen[name] <= second for name in second)
-    assert any(len(together) == 2 for together in seen.values())  # each batch's runs side by side
+    assert [name for name, _ in events] == [run.name for run in runs]  # started in the study's order
+    assert all(len(together) <= 2 for _, together in events)
+    seen = dict(events)
+    assert runs[0].name in seen[runs[2].name]  # the third started while the slow first still ran
+    assert runs[0].name in seen[runs[3].name]
 
 
 def test_a_finished_study_run_is_reported_not_started_again_here_and_after_adopt(monkeypatch, tmp_path):
