@@ -66,11 +66,12 @@ def check_kernel_bytes(device: str, tile_rows: int, stochastic: bool, hadamard: 
     from recipes.fp8.nvfp4_kernels import quantize
 
     seed = torch.tensor([1234, 5, 17]) if stochastic else None
+    device_seed = None if seed is None else seed.to(device)
     for name, x in kernel_cases():
         if x.shape[0] % tile_rows:
             continue
-        codes, scales, decode = (t.cpu() for t in quantize(x.to(device), tile_rows, None if seed is None else
-                                                            seed.to(device), 1, RHT_SIGNS if hadamard else None))
+        codes, scales, decode = (t.cpu() for t in quantize(x.to(device), tile_rows, device_seed, 1,
+                                                            RHT_SIGNS if hadamard else None))
         source = random_hadamard_transform(x) if hadamard else x
         expected = quantize_nvfp4(source, (tile_rows, 16), uniform(seed, 1, x.shape) if stochastic else None)
         expected = expected.as_operand()
@@ -78,8 +79,8 @@ def check_kernel_bytes(device: str, tile_rows: int, stochastic: bool, hadamard: 
         assert same_e4m3(scales, expected.scale_inv), name
         assert torch.equal(decode, expected.tensor_scale_inv) or (decode.isnan() and expected.tensor_scale_inv.isnan())
     if stochastic:  # another operand draws other numbers
-        x, seed = kernel_cases()[0][1].to(device), seed.to(device)
-        assert not torch.equal(quantize(x, tile_rows, seed, 0)[0], quantize(x, tile_rows, seed, 1)[0])
+        x = adversarial(torch.bfloat16).to(device)
+        assert not torch.equal(quantize(x, tile_rows, device_seed, 0)[0], quantize(x, tile_rows, device_seed, 1)[0])
 
 
 def check_hadamard_kernel(device: str) -> None:
@@ -98,7 +99,7 @@ def check_hadamard_kernel(device: str) -> None:
         assert torch.equal(got[~got.isnan()], expected[~expected.isnan()]), name
         reference_amax = expected.float().abs().amax()
         assert torch.equal(amax, reference_amax) or (amax.isnan() and reference_amax.isnan()), name
-    x = kernel_cases()[0][1]
+    x = adversarial(torch.bfloat16)
     assert not torch.equal(hadamard_transform(x.to(device), (1,) * 16)[0].cpu(), random_hadamard_transform(x))
     # just above BF16's tie between 1 and 1 + 2**-7: rounded directly it would be 1 + 2**-7; through FP32 (1 + 2**-8,
     # the tie itself) it is 1, ties to even
@@ -126,16 +127,17 @@ def check_reference_quantizer(device: str, tile_rows: int) -> None:
     """quantize_nvfp4 itself (the quantizer of precision.fused_kernels=false) on `device` writes the CPU's bytes,
     with and without the Hadamard transform and stochastic rounding (its random numbers drawn on `device`)."""
     seed = torch.tensor([1, 2, 3])
+    device_seed = seed.to(device)
     for name, x in kernel_cases():
         if x.shape[0] % tile_rows:
             continue
         for hadamard in (False, True):
+            source = random_hadamard_transform(x) if hadamard else x
+            on_device = random_hadamard_transform(x.to(device)) if hadamard else x.to(device)
             for stochastic in (False, True):
-                source = random_hadamard_transform(x) if hadamard else x
-                on_device = random_hadamard_transform(x.to(device)) if hadamard else x.to(device)
                 cpu = quantize_nvfp4(source, (tile_rows, 16), uniform(seed, 0, x.shape) if stochastic else None)
                 got = quantize_nvfp4(on_device, (tile_rows, 16),
-                                     uniform(seed.to(device), 0, x.shape) if stochastic else None)
+                                     uniform(device_seed, 0, x.shape) if stochastic else None)
                 case = (name, hadamard, stochastic)
                 assert torch.equal(cpu.codes, got.codes.cpu()), case
                 assert same_e4m3(cpu.block_scale, got.block_scale.cpu()), case
