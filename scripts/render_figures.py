@@ -676,11 +676,22 @@ GEMM_VARIANTS = {"fp8_current": "tensorwise", "fp8_delayed": "tensorwise", "fp8_
                  "fp8_rowwise": "rowwise", "fp8_rowwise_gw_hp": "rowwise", "fp8_blockwise_1d1d": "1x128_x_1x128"}
 
 
-def fp8_recipes_table(index: dict[str, list[Record]], base: Path) -> str:
-    """Each recipe in one row: step speedup over BF16 (the proxies' range), GEMM speedup, loss against BF16, and our
-    step time over the peers' that train the same recipe (NVIDIA's layers: TE as Megatron, megatron-core's; torchao
-    for rowwise), each from the newest record that holds it."""
-    sources, lb, peers, granularity = Sources(), index["layer_bench"], index["layer_bench_peers"], index["granularity"]
+@dataclass
+class RecipeRow:
+    """One recipe's cells in the recipe tables."""
+
+    recipe: str
+    steps: str  # step speedup over BF16, the proxies' range
+    gemm: str  # GEMM speedup of its forward pass's variant, llama3_8b fc1
+    loss: str  # against BF16 of the same seed, llama3_100m
+    against: str  # our step time over the peer's layers training the same recipe
+
+
+def recipe_rows(index: dict[str, list[Record]], sources: Sources) -> list[RecipeRow]:
+    """Each recipe's cells, each from the newest record that holds it: step speedups from the layer benchmarks (the
+    granularities from their own, beside the peer training the same recipe), losses from the six-seed convergence
+    study (fp8_current, fp8_blockwise), its rerun (fp8_delayed) or the recipe studies (the rest)."""
+    lb, peers, granularity = index["layer_bench"], index["layer_bench_peers"], index["granularity"]
     studies = index["recipe_studies"]
     def span(values: list[float], fmt: Callable[[float], str]) -> str:
         values = [v for v in values if v is not None]
@@ -704,9 +715,7 @@ def fp8_recipes_table(index: dict[str, list[Record]], base: Path) -> str:
         return f"{'-' if value is None else f'{value:.2f}x'} ({variant.replace('_x_', ' x ')})"
     seeds = {p: seed_gaps(index["convergence"], p, sources) for p in ("fp8_current", "fp8_blockwise")}
     rerun, _ = sources.pick("loss", "fp8_delayed", index["convergence_rerun"], rerun_gap)
-    lines = ["| recipe | step speedup over BF16, the proxies | GEMM speedup, llama3_8b fc1 | "
-             "loss vs BF16, llama3_100m | ours / the peer's layers training the same recipe |",
-             "|---|---|---|---|---|"]
+    rows = []
     for precision in RECIPES:
         steps = [sources.pick("step speedup", precision, lb, speedup(model, precision))[0] for model in PROXIES]
         against = [sources.pick(f"ours / {PEER_NAMES[peer]}", precision, peers,
@@ -717,39 +726,92 @@ def fp8_recipes_table(index: dict[str, list[Record]], base: Path) -> str:
             loss = f"{pct(statistics.mean(values))} (mean of {len(values)} seeds)"
         else:
             loss = f"{pct(rerun[0], 1)} (one seed; fp8_current {pct(rerun[1], 1)} in the same run)" if rerun else "-"
-        lines.append(f"| {precision} | {proxies(steps)} | {gemm_cell(precision)} | {loss} | "
-                     f"{span(against, fmt_ratio)} ({', '.join(PEER_NAMES.values())}) |")
+        rows.append(RecipeRow(precision, proxies(steps), gemm_cell(precision), loss,
+                              f"{span(against, fmt_ratio)} ({', '.join(PEER_NAMES.values())})"))
     for precision, (peer_name, peer) in GRANULARITY_PEERS.items():
         steps = [sources.pick("step speedup", precision, granularity, speedup(model, precision))[0]
                  for model in PROXIES]
         against = [sources.pick(f"ours / {peer_name}", precision, granularity, ratio(model, precision, peer))[0]
                    for model in PROXIES]
-        lines.append(f"| {precision} | {proxies(steps)} | {gemm_cell(precision)} | "
-                     f"{study_loss(studies, precision, sources)} | {span(against, fmt_ratio)} ({peer_name}) |")
+        rows.append(RecipeRow(precision, proxies(steps), gemm_cell(precision),
+                              study_loss(studies, precision, sources), f"{span(against, fmt_ratio)} ({peer_name})"))
     def emulated_loss(label: str) -> str:
         cell = study_loss(studies, label, sources)
         return cell if cell == "-" else f"{cell}, emulated"
-    lines.append("| fp8_blockwise_2d2d | no kernel takes two 128x128 operands (engine=torch emulates it) | - | "
-                 f"{emulated_loss('fp8_blockwise_2d2d')} | - |")
-    lines.append("| mxfp8 | no native kernel on Hopper; not measured on Blackwell | - | - | - |")
-    lines.append("| nvfp4 | no native kernel on Hopper (engine=torch emulates it); not measured on Blackwell | - | "
-                 f"{emulated_loss('nvfp4')} | - |")
-    return "\n".join([*lines, "", sources.note([*lb, *peers, *granularity, *index["gemm"], *index["convergence"],
-                                                *index["convergence_rerun"], *studies], base)])
+    rows.append(RecipeRow("fp8_blockwise_2d2d", "no kernel takes two 128x128 operands (engine=torch emulates it)",
+                          "-", emulated_loss("fp8_blockwise_2d2d"), "-"))
+    rows.append(RecipeRow("mxfp8", "no native kernel on Hopper; not measured on Blackwell", "-", "-", "-"))
+    rows.append(RecipeRow("nvfp4", "no native kernel on Hopper (engine=torch emulates it); not measured on Blackwell",
+                          "-", emulated_loss("nvfp4"), "-"))
+    return rows
 
 
-def readme_loss_line(records: list[Record], base: Path) -> str:
-    """The convergence study in a sentence, for the README."""
+def recipe_sources(index: dict[str, list[Record]]) -> list[Record]:
+    return [*index["layer_bench"], *index["layer_bench_peers"], *index["granularity"], *index["gemm"],
+            *index["convergence"], *index["convergence_rerun"], *index["recipe_studies"]]
+
+
+def fp8_recipes_table(index: dict[str, list[Record]], base: Path) -> str:
+    """Each recipe in one row: step speedup over BF16 (the proxies' range), GEMM speedup, loss against BF16, and our
+    step time over the peers' that train the same recipe (NVIDIA's layers: TE as Megatron, megatron-core's; torchao
+    for rowwise), each from the newest record that holds it."""
     sources = Sources()
-    gaps = {p: list(seed_gaps(records, p, sources).values()) for p in ("fp8_current", "fp8_blockwise")}
-    said = " and ".join(f"{p} {pct(statistics.mean(v))}" for p, v in gaps.items())
-    spread = max(statistics.stdev(v) for v in gaps.values())
+    lines = ["| recipe | step speedup over BF16, the proxies | GEMM speedup, llama3_8b fc1 | "
+             "loss vs BF16, llama3_100m | ours / the peer's layers training the same recipe |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r.recipe} | {r.steps} | {r.gemm} | {r.loss} | {r.against} |" for r in recipe_rows(index, sources)]
+    return "\n".join([*lines, "", sources.note(recipe_sources(index), base)])
+
+
+def readme_recipes_table(index: dict[str, list[Record]], base: Path) -> str:
+    """The README's recipe table: fp8_recipes_table's rows without the GEMM column, what a loss is to be compared
+    with (its own study's BF16 runs and fp8_current), and the commits; each cell's record is on docs/fp8_recipes.md."""
+    sources = Sources()
+    rows = recipe_rows(index, sources)
+    lines = ["| recipe | step speedup over BF16, the proxies | loss vs BF16, ~100M Llama, 2000 steps | "
+             "ours / the peer's layers training the same recipe |", "|---|---|---|---|"]
+    lines += [f"| {r.recipe} | {r.steps} | {r.loss} | {r.against} |" for r in rows]
+    scatter = max(statistics.stdev(seed_gaps(index["convergence"], p, Sources()).values())
+                  for p in ("fp8_current", "fp8_blockwise"))
+    newest = {}  # each recipe study's newest record: its section's page names the study
+    for rec in index["recipe_studies"]:
+        newest.setdefault(rec.section.split(".md")[0], rec)
+    said = ", ".join(f"{study_loss([rec], 'fp8_current', Sources()).split(' (')[0]} in the {study} study"
+                     for study, rec in newest.items())
     commits = ", ".join(dict.fromkeys(f"`{c}`" for uses in sources.used.values() for _, c in uses))
-    dates = sorted({r.date for r in records})
-    return (f"Loss: on a ~100M Llama over 2000 steps, the mean loss of the last 100 steps is, on average over "
-            f"{len(next(iter(gaps.values())))} seeds, {said} from BF16's of the same seed; one seed alone scatters by "
-            f"up to {spread:.2%} (standard deviation). Commits {commits}, {dates[0]} to {dates[-1]}; "
-            f"[convergence study]({link(base, records[0].section)}).")
+    return "\n".join([*lines, "", f"Each loss is against BF16 runs of the same seeds in its own study: one seed alone "
+                      f"scatters by up to {scatter:.2%} (standard deviation over six seeds), and fp8_current ended "
+                      f"{said}, so compare a recipe with its own study's fp8_current. Commits {commits}; each cell's "
+                      f"commit, date, GPU and record: [docs/fp8_recipes.md]({link_page('fp8', base)}).", "",
+                      versions_line(used(sources, recipe_sources(index)))])
+
+
+def link_page(page: str, base: Path) -> str:
+    return Path(_relpath(PAGES[page], base)).as_posix() + "#what-each-buys-and-costs"
+
+
+GRANULARITIES = {"fp8_current": "per tensor", "fp8_blockwise": "1D2D", "fp8_rowwise": "rowwise",
+                 "fp8_rowwise_gw_hp": "rowwise, BF16 wgrad", "fp8_blockwise_1d1d": "1D1D", "fp8_blockwise_2d2d": "2D2D"}
+
+
+def granularity_table(index: dict[str, list[Record]], base: Path) -> str:
+    """Every scaling granularity side by side: its step speedup over the fastest BF16 column of its own layer
+    benchmark on each proxy (issue 50's records first, then the peers' and the speedup study's), and its loss
+    against BF16 of the same seed in the newest granularity study, where every granularity ran beside the same BF16
+    runs."""
+    sources = Sources()
+    records = [*index["granularity"], *index["layer_bench_peers"], *index["layer_bench"]]
+    header = ["proxy (layers)", *(f"{p} ({label})" for p, label in GRANULARITIES.items())]
+    lines = [f"| {' | '.join(header)} |", "|---" * len(header) + "|"]
+    for model in PROXIES:
+        cells = [fmt_x(sources.pick(f"{p} over BF16", model, records, speedup(model, p))[0])
+                 for p in GRANULARITIES if p != "fp8_blockwise_2d2d"]
+        lines.append(f"| {proxy_label(records, model)} | {' | '.join(cells)} | no kernel |")
+    study = [r for r in index["recipe_studies"] if r.section.startswith("granularity.md")][:1]
+    losses = [study_loss(study, p, sources) for p in GRANULARITIES]
+    lines.append(f"| loss vs BF16, llama3_100m | {' | '.join(losses)} |")
+    return "\n".join([*lines, "", sources.note([*records, *study], base), "",
+                      versions_line(used(sources, [*records, *study]))])
 
 
 def fsdp_table(records: list[Record], base: Path) -> str:
@@ -887,9 +949,10 @@ def tables() -> dict[str, tuple[str, Callable[[Path], str]]]:
         "gemm": ("results", lambda base: gemm_table(index["gemm"], base)),
         "training-runs": ("results", lambda base: training_runs_table(index["training_runs"], base)),
         "cpu": ("results", lambda base: cpu_table(index["cpu"], base)),
+        "granularity": ("results", lambda base: granularity_table(index, base)),
         "readme-fp8": ("readme", lambda base: readme_fp8_table(peers, base)),
         "readme-cpu": ("readme", lambda base: readme_cpu_line(index["cpu"], base)),
-        "readme-loss": ("readme", lambda base: readme_loss_line(index["convergence"], base)),
+        "readme-recipes": ("readme", lambda base: readme_recipes_table(index, base)),
         "fp8-recipes": ("fp8", lambda base: fp8_recipes_table(index, base)),
     }
 

@@ -254,14 +254,11 @@ def test_a_granularity_row_is_against_the_peer_training_the_same_recipe(render, 
     assert row["fp8_current"][0] != "1.750x (1 of 5 proxies)"  # the per-tensor rows keep their own records
 
 
-def test_a_recipe_rows_loss_is_its_studys_mean_gap_over_the_seeds_that_finished(render, tmp_path):
-    """The loss column of the granularity and NVFP4 rows: each run of a recipe study (megatron_bench's results.csv)
-    against BF16 of its seed, averaged over the seeds whose runs finished, saying how many of the seeds the record
-    lists; a run an earlier call finished is named with that call's commit."""
-    folder = tmp_path / "study"
+def study_record(folder: Path, losses: dict[tuple[str, int], object]) -> Path:
+    """A recipe study's record as megatron_bench writes it: results.csv with every planned run (label, seed) and its
+    mean loss of the last 100 steps ("" where it did not finish; seed 2 of nvfp4 timed out, seed 3 of it was not
+    run), and results.md's footer naming commit abcdef0123; BF16 of seed 3 finished in an earlier call."""
     folder.mkdir()
-    losses = {("bf16", 1): 2.0, ("bf16", 2): 2.5, ("bf16", 3): 4.0, ("fp8_rowwise", 1): 2.02, ("fp8_rowwise", 2): 2.5,
-              ("fp8_rowwise", 3): 4.04, ("nvfp4", 1): 2.1, ("nvfp4", 2): 9.0, ("nvfp4", 3): ""}
     rows = [{"name": f"torch-llama3_100m-{label}-seed{seed}", "status": {("nvfp4", 2): "timeout", ("nvfp4", 3):
              "not run (budget)"}.get((label, seed), "ok"), "mean_loss_last_100": loss,
              "note": "finished in an earlier call: commit 1234567890ab, X" if (label, seed) == ("bf16", 3) else ""}
@@ -272,8 +269,18 @@ def test_a_recipe_rows_loss_is_its_studys_mean_gap_over_the_seeds_that_finished(
         writer.writerows(rows)
     (folder / "results.md").write_text("commit abcdef0123; X; versions {'torch': '2'}\ncommand: scripts/megatron_bench.py"
                                        " run\n")
+    return folder
+
+
+def test_a_recipe_rows_loss_is_its_studys_mean_gap_over_the_seeds_that_finished(render, tmp_path):
+    """The loss column of the granularity and NVFP4 rows: each run of a recipe study (megatron_bench's results.csv)
+    against BF16 of its seed, averaged over the seeds whose runs finished, saying how many of the seeds the record
+    lists; a run an earlier call finished is named with that call's commit."""
+    losses = {("bf16", 1): 2.0, ("bf16", 2): 2.5, ("bf16", 3): 4.0, ("fp8_rowwise", 1): 2.02, ("fp8_rowwise", 2): 2.5,
+              ("fp8_rowwise", 3): 4.04, ("nvfp4", 1): 2.1, ("nvfp4", 2): 9.0, ("nvfp4", 3): ""}
     index = render.load_index()
-    index["recipe_studies"] = [render.record({"path": str(folder), "section": "granularity.md", "date": "2027-01-02"})]
+    index["recipe_studies"] = [render.record({"path": str(study_record(tmp_path / "study", losses)),
+                                              "section": "granularity.md", "date": "2027-01-02"})]
     table = render.fp8_recipes_table(index, render.RESULTS)
     row = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in table.splitlines()
            if line.startswith("| ")}
@@ -282,6 +289,48 @@ def test_a_recipe_rows_loss_is_its_studys_mean_gap_over_the_seeds_that_finished(
     assert row["fp8_rowwise_gw_hp"][2] == "-" and row["fp8_blockwise_2d2d"][2] == "-"
     assert "loss of fp8_rowwise: `abcdef0`, 2027-01-02 for seeds 1, 2, 3" in table
     assert "`1234567`, 2027-01-02 for seed 3" in table
+
+
+def test_the_granularity_table_sets_every_granularity_beside_the_others_on_each_proxy(render, tmp_path):
+    """Each granularity's speedup per proxy from the newest record holding it (issue 50's records for the new ones,
+    the per-tensor and TE-block columns from theirs), and one loss row from the newest granularity study, where all
+    of them ran beside the same BF16 runs; 2D2D has no kernel to time."""
+    record = layer_bench_record(tmp_path / "lb_405b", "llama31_405b", 1,
+                                {"bf16": 0.8, "fp8_rowwise": 0.5, "fp8_rowwise_gw_hp": 0.64, "fp8_blockwise_1d1d": 0.625})
+    losses = {("bf16", 1): 2.0, ("bf16", 2): 2.5, ("fp8_current", 1): 2.04, ("fp8_current", 2): 2.55,
+              ("fp8_blockwise_2d2d", 1): 2.0, ("fp8_blockwise_2d2d", 2): ""}
+    index = render.load_index()
+    index["granularity"] = [render.record({"path": str(record), "section": "granularity.md"}), *index["granularity"]]
+    index["recipe_studies"] = [render.record({"path": str(study_record(tmp_path / "study", losses)),
+                                              "section": "granularity.md", "date": "2027-01-02"})]
+    table = render.granularity_table(index, render.RESULTS)
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in table.splitlines()
+            if line.startswith("| ")}
+    assert rows["llama31_405b (1)"][2:] == ["1.600x", "1.250x", "1.280x", "no kernel |"]
+    current = render.Sources().pick("", "", index["layer_bench"], render.speedup("llama31_405b", "fp8_current"))[0]
+    assert rows["llama31_405b (1)"][0] == render.fmt_x(current) != "-"  # the speedup study's, on its record
+    assert rows["loss vs BF16, llama3_100m"] == ["+2.00% (mean of 2 seeds)", "-", "-", "-", "-",
+                                                 "+0.00% (1 of 2 seeds so far) |"]
+    assert "`abcdef0`, 2027-01-02 for llama31_405b" in table
+
+
+def test_the_readmes_recipe_table_says_what_each_loss_is_compared_with(render, tmp_path):
+    """The README's rows are fp8_recipes_table's without the GEMM; under them, fp8_current's gap in each recipe
+    study's newest record, so that a loss is read against its own study's."""
+    granularity = study_record(tmp_path / "granularity", {("bf16", 1): 2.0, ("fp8_current", 1): 2.06,
+                                                          ("fp8_rowwise", 1): 2.02})
+    nvfp4 = study_record(tmp_path / "nvfp4", {("bf16", 1): 2.0, ("fp8_current", 1): 1.98, ("nvfp4", 1): 2.1})
+    older = study_record(tmp_path / "older", {("bf16", 1): 2.0, ("fp8_current", 1): 3.0})
+    index = render.load_index()
+    index["recipe_studies"] = [render.record({"path": str(path), "section": section, "date": "2027-01-02"})
+                               for path, section in ((granularity, "granularity.md"), (nvfp4, "nvfp4.md#x"),
+                                                     (older, "granularity.md"))]
+    table = render.readme_recipes_table(index, REPO)
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in table.splitlines()
+            if line.startswith("| ")}
+    assert rows["fp8_rowwise"][1] == "+1.00% (mean of 1 seeds)" and len(rows["fp8_rowwise"]) == 3
+    assert "fp8_current ended +3.00% in the granularity study, -1.00% in the nvfp4 study" in table
+    assert "[docs/fp8_recipes.md](docs/fp8_recipes.md#what-each-buys-and-costs)" in table
 
 
 def test_a_figure_typed_over_is_caught(render, tmp_path, monkeypatch):
