@@ -782,12 +782,13 @@ def readme_recipes_table(index: dict[str, list[Record]], base: Path) -> str:
     return "\n".join([*lines, "", f"Each loss is against BF16 runs of the same seeds in its own study: one seed alone "
                       f"scatters by up to {scatter:.2%} (standard deviation over six seeds), and fp8_current ended "
                       f"{said}, so compare a recipe with its own study's fp8_current. Commits {commits}; each cell's "
-                      f"commit, date, GPU and record: [docs/fp8_recipes.md]({link_page('fp8', base)}).", "",
+                      f"commit, date, GPU and record: [docs/fp8_recipes.md]({recipes_section_link(base)}).", "",
                       versions_line(used(sources, recipe_sources(index)))])
 
 
-def link_page(page: str, base: Path) -> str:
-    return Path(_relpath(PAGES[page], base)).as_posix() + "#what-each-buys-and-costs"
+def recipes_section_link(base: Path) -> str:
+    """A link to docs/fp8_recipes.md's recipe table, with the sources of its cells, from the page in folder `base`."""
+    return Path(_relpath(PAGES["fp8"], base)).as_posix() + "#what-each-buys-and-costs"
 
 
 GRANULARITIES = {"fp8_current": "per tensor", "fp8_blockwise": "1D2D", "fp8_rowwise": "rowwise",
