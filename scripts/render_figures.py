@@ -773,17 +773,22 @@ def readme_recipes_table(index: dict[str, list[Record]], base: Path) -> str:
     lines += [f"| {r.recipe} | {r.steps} | {r.loss} | {r.against} |" for r in rows]
     scatter = max(statistics.stdev(seed_gaps(index["convergence"], p, Sources()).values())
                   for p in ("fp8_current", "fp8_blockwise"))
-    newest = {}  # each recipe study's newest record: its section's page names the study
+    newest: dict[str, Record] = {}
     for rec in index["recipe_studies"]:
-        newest.setdefault(rec.section.split(".md")[0], rec)
-    said = ", ".join(f"{study_loss([rec], 'fp8_current', Sources()).split(' (')[0]} in the {study} study"
-                     for study, rec in newest.items())
+        newest.setdefault(study_name(rec), rec)
+    said = ", ".join(f"{pct(statistics.mean(gaps.values()))} in the {study} study" for study, rec in newest.items()
+                     if (gaps := study_gaps([rec], "fp8_current", Sources())[0]))
     commits = ", ".join(dict.fromkeys(f"`{c}`" for uses in sources.used.values() for _, c in uses))
     return "\n".join([*lines, "", f"Each loss is against BF16 runs of the same seeds in its own study: one seed alone "
                       f"scatters by up to {scatter:.2%} (standard deviation over six seeds), and fp8_current ended "
                       f"{said}, so compare a recipe with its own study's fp8_current. Commits {commits}; each cell's "
                       f"commit, date, GPU and record: [docs/fp8_recipes.md]({recipes_section_link(base)}).", "",
                       versions_line(used(sources, recipe_sources(index)))])
+
+
+def study_name(rec: Record) -> str:
+    """A recipe study's record's study: the results page its section is on (granularity.md, nvfp4.md)."""
+    return rec.section.split(".md")[0]
 
 
 def recipes_section_link(base: Path) -> str:
@@ -808,7 +813,7 @@ def granularity_table(index: dict[str, list[Record]], base: Path) -> str:
         cells = [fmt_x(sources.pick(f"{p} over BF16", model, records, speedup(model, p))[0])
                  for p in GRANULARITIES if p != "fp8_blockwise_2d2d"]
         lines.append(f"| {proxy_label(records, model)} | {' | '.join(cells)} | no kernel |")
-    study = [r for r in index["recipe_studies"] if r.section.startswith("granularity.md")][:1]
+    study = [r for r in index["recipe_studies"] if study_name(r) == "granularity"][:1]
     losses = [study_loss(study, p, sources) for p in GRANULARITIES]
     lines.append(f"| loss vs BF16, llama3_100m | {' | '.join(losses)} |")
     return "\n".join([*lines, "", sources.note([*records, *study], base), "",
