@@ -327,7 +327,8 @@ def side_by_side_slots(group: list[Run], free_gib: Optional[float]) -> int:
         return max(len(group), 1)  # a pool has at least one worker
     largest = max(run.memory_gib for run in group) + PROCESS_OVERHEAD_GIB
     fit = max(1, int(free_gib * GPU_MEMORY_SHARE // largest))
-    return -(-len(group) // -(-len(group) // fit))
+    rounds = math.ceil(len(group) / fit)
+    return math.ceil(len(group) / rounds)
 
 
 def round_robin(columns: list[Run]) -> list[tuple[Run, int]]:
